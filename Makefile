@@ -1,0 +1,30 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both set up .venv/ first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# every marker this machine can run: the quick default set plus slow and integration
+ALL_MARKERS := slow or integration or not (slow or integration)
+
+.PHONY: setup demo test test-fast clean
+
+$(BIN)/.sapd-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and pinned: the CPU wheel on this machine; nothing below may pull another build
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+setup: $(BIN)/.sapd-installed
+
+demo: setup
+	$(BIN)/sapd demo --out demo-out
+
+test: setup
+	$(BIN)/python -m pytest -m '$(ALL_MARKERS)' sapd tests
+
+test-fast: setup
+	$(BIN)/python -m pytest sapd tests
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache

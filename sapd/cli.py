@@ -1,0 +1,234 @@
+"""The ``sapd`` command line. Each subcommand parses its flags and calls the library; nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from sapd import __version__
+
+SAMPLE_DATA = Path(__file__).parent / "sample_data"
+
+# (file, format, benchmark) of the shipped samples, used by the demo
+SAMPLES = [("alfworld_eto.json", "eto", "alfworld"), ("webshop_eto.json", "eto", "webshop"),
+           ("alfworld_skillrl.jsonl", "skillrl", "alfworld"), ("searchqa_searchr1.jsonl", "searchr1", "searchqa")]
+
+
+def _history(value: str) -> int | str:
+    if value == "all":
+        return value
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError("history length must be ≥ 0 or 'all'")
+    return n
+
+
+def load_tokenizer(path: str):
+    from sapd.models.loading import load_tokenizer as load
+    return load(path)
+
+
+def _add_prefix_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--history-length", type=_history, default=None, metavar="N|all",
+                   help="recent (observation, action) pairs shown in a prompt (default: the benchmark's, "
+                        "2 for ALFWorld/WebShop, 4 for search QA; 'all' for the full history)")
+    p.add_argument("--prompt-style", choices=["step", "chat"], default="step",
+                   help="'step': one verl-agent style prompt; 'chat': history as alternating messages")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="drop prefixes longer than this")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="trajectories held out (default 0.05)")
+    p.add_argument("--seed", type=int, default=0, help="split seed (default 0)")
+    p.add_argument("--skip-invalid", action="store_true",
+                   help="skip invalid records (each is counted and reported) instead of stopping at the first")
+    p.add_argument("--action-wording", choices=["recorded", "put", "move"], default="recorded",
+                   help="ALFWorld: keep actions as recorded, or rewrite to 'put X in/on Y' / 'move X to Y'")
+    p.add_argument("--rows-per-part", type=int, default=50_000, help="rows per Parquet part")
+    p.add_argument("--overwrite", action="store_true", help="replace a different committed build at --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _prefix_options(args: argparse.Namespace):
+    from sapd.data.prefixes import PrefixOptions
+    full = args.history_length == "all"
+    return PrefixOptions(history_length=None if full else args.history_length, full_history=full,
+                         prompt_style=args.prompt_style, max_prompt_tokens=args.max_prompt_tokens,
+                         val_fraction=args.val_fraction, seed=args.seed)
+
+
+def print_build_summary(result, out=sys.stdout) -> None:
+    m = result.manifest
+    s = m["stats"]
+    w = out.write
+    if result.skipped:
+        w(f"{result.out}: already committed (build {m['build_id'][:12]}), nothing redone\n")
+    w(f"files: {len(m['files'])}; records read: {m['records_read']}\n")
+    w(f"trajectories: {s['trajectories']} valid, {m['invalid']['total']} invalid\n")
+    for reason, n in m["invalid"]["by_reason"].items():
+        w(f"  invalid {reason}: {n}\n")
+        for ex in m["invalid"]["examples"].get(reason, []):
+            w(f"    e.g. {ex}\n")
+    limit = m["options"]["max_prompt_tokens"]
+    w(f"prefixes: {s['prefixes_built']} built, {s['filtered_too_long']} filtered "
+      f"({'no length limit' if limit is None else f'prompt > {limit} tokens'}), {s['kept']} kept; "
+      f"longest prompt {s['max_prompt_tokens_seen']} tokens\n")
+    w(f"split: train {s['train']} prefixes / {s['train_trajectories']} trajectories, "
+      f"val {s['val']} / {s['val_trajectories']}\n")
+    if s["by_category"]:
+        w("by category: " + ", ".join(f"{k} {v}" for k, v in sorted(s["by_category"].items())) + "\n")
+    w(f"committed: {result.out}\n")
+
+
+def cmd_build_prefixes(args: argparse.Namespace) -> int:
+    from sapd.data.prefixes import build_prefixes
+    tokenizer = load_tokenizer(args.tokenizer)
+    result = build_prefixes(args.input, args.format, args.benchmark, args.out, tokenizer,
+                            opts=_prefix_options(args), skip_invalid=args.skip_invalid,
+                            action_wording=args.action_wording, overwrite=args.overwrite,
+                            rows_per_part=args.rows_per_part, log=lambda s: print(s, flush=True),
+                            show_progress=not args.no_progress)
+    print_build_summary(result)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from sapd.data.loaders import LoadOptions, load_trajectories, write_native_jsonl, write_native_parquet
+    res = load_trajectories(args.input, args.format, LoadOptions(args.benchmark, skip_invalid=args.skip_invalid,
+                                                                 action_wording=args.action_wording))
+    if args.out.endswith(".parquet"):
+        write_native_parquet(res.trajectories, args.out)
+    else:
+        write_native_jsonl(res.trajectories, args.out)
+    print(f"wrote {len(res.trajectories)} trajectories to {args.out}; {res.report.total} invalid skipped")
+    for line in res.report.lines():
+        print(line)
+    return 0
+
+
+def cmd_show_prefixes(args: argparse.Namespace) -> int:
+    from sapd.data.prefixes import read_prefixes
+    table = read_prefixes(args.out, args.split)
+    for row in table.slice(0, args.n).to_pylist():
+        print(f"=== {row['prefix_id']}  ({row['category'] or '-'}, {row['prompt_tokens']} tokens; "
+              f"recorded action: {row['recorded_action']!r})")
+        print(row["prompt"])
+    print(f"({table.num_rows} {args.split} prefixes in {args.out})")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The embedded default for now: a tokenizer trained on the shipped samples, then prefixes for every
+    shipped sample file. Later stages (sampling, scoring, training, evaluation) extend this."""
+    from sapd.data.prefixes import PrefixOptions, build_prefixes
+    from sapd.demo_tokenizer import build_tokenizer
+    out = Path(args.out)
+    tok_dir = out / "tokenizer"
+    if (tok_dir / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(str(tok_dir))
+    else:
+        texts = [(SAMPLE_DATA / f).read_text(encoding="utf-8") for f, _, _ in SAMPLES]
+        print(f"training a demo tokenizer on the shipped samples → {tok_dir}", flush=True)
+        tokenizer = build_tokenizer(texts, tok_dir)
+    for fname, fmt, bench in SAMPLES:
+        dest = out / "prefixes" / Path(fname).stem
+        print(f"\n--- {fname} ({fmt}, {bench}) → {dest}", flush=True)
+        result = build_prefixes(str(SAMPLE_DATA / fname), fmt, bench, str(dest), tokenizer,
+                                opts=PrefixOptions(), skip_invalid=True, log=lambda s: print(s, flush=True),
+                                show_progress=not args.no_progress)
+        print_build_summary(result)
+    print(f"\nlook at a prompt: sapd show-prefixes {out / 'prefixes' / 'alfworld_eto'} -n 1")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from sapd.config import load_config
+    from sapd.pipeline import run_pipeline
+    overrides = {"run_root": args.run_root} if args.run_root else None
+    cfg = load_config(*args.config, overrides=overrides)
+    result = run_pipeline(cfg, log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
+    print(f"done: {result['run_root']} holds checkpoints {result['checkpoints']}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from sapd.report import write_report
+    paths = write_report(args.run, args.out)
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sapd", description="Step-Advantage Policy Distillation from recorded "
+                                                               "agent trajectories")
+    parser.add_argument("--version", action="version", version=f"sapd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from sapd.benchmarks import BENCHMARKS
+    from sapd.data.loaders import FORMATS
+
+    p = sub.add_parser("build-prefixes", help="cut recorded trajectories into decision prefixes (Parquet shards)")
+    p.add_argument("--input", required=True, help="a file or folder (local or s3://) of trajectories")
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--benchmark", required=True, choices=sorted(BENCHMARKS))
+    p.add_argument("--out", required=True, help="output folder or s3:// URI")
+    p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer folder (with a chat template)")
+    _add_prefix_flags(p)
+    p.set_defaults(func=cmd_build_prefixes)
+
+    p = sub.add_parser("convert", help="convert trajectories to the native JSONL/Parquet format")
+    p.add_argument("--input", required=True)
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--benchmark", required=True, choices=sorted(BENCHMARKS))
+    p.add_argument("--out", required=True, help="….jsonl or ….parquet (local or s3://)")
+    p.add_argument("--skip-invalid", action="store_true")
+    p.add_argument("--action-wording", choices=["recorded", "put", "move"], default="recorded")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("show-prefixes", help="print a few prompts of a committed prefix build")
+    p.add_argument("out")
+    p.add_argument("--split", choices=["train", "val"], default="train")
+    p.add_argument("-n", type=int, default=3)
+    p.set_defaults(func=cmd_show_prefixes)
+
+    p = sub.add_parser("run", help="the local pipeline: prefixes, then rounds of precompute → train (resumable)")
+    p.add_argument("config", nargs="+", help="YAML overlays, applied in order over the paper's defaults")
+    p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("report", help="render loss and timing curves of a run to PNG")
+    p.add_argument("run", help="the run root")
+    p.add_argument("--out", default=None, help="output folder (default: RUN/report)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("demo", help="the embedded default on the shipped sample data")
+    p.add_argument("--out", default="demo-out", help="output folder (default ./demo-out)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from sapd.config import ConfigError
+    from sapd.data.errors import InvalidRecordError
+    from sapd.data.shards import ShardError
+    from sapd.models.loading import TokenizerMismatch
+    from sapd.models.scoring import TeacherScoringError
+    from sapd.storage import StorageError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (InvalidRecordError, ShardError, StorageError, ConfigError, TokenizerMismatch, TeacherScoringError,
+            FileNotFoundError, ValueError) as e:
+        print(f"sapd {args.command}: error: {e}", file=sys.stderr)
+        if isinstance(e, InvalidRecordError):
+            print("(pass --skip-invalid to skip such records; each is counted and reported)", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Typed run configuration. Defaults are the paper's (SAPD.md §5, Appendix B); experiment files are
+YAML overlays listing only differences; an unknown key is an error naming its dotted path; the
+resolved config is written into the run root (``config.yaml``).
+
+Launch: ``sapd run configs/demo.yaml`` (overlays stack: ``sapd run base.yaml variants/opd.yaml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from sapd.objective import LossConfig, loss_config_for
+
+
+@dataclass
+class DataConfig:
+    input: str = ""  # trajectories: a file or folder, local or s3://
+    format: Literal["native", "eto", "skillrl", "searchr1"] = "native"
+    benchmark: str = "alfworld"  # alfworld | webshop | searchqa | textworld | scienceworld
+    history_length: int | None = None  # recent (obs, action) pairs per prompt; None = the benchmark's default
+    full_history: bool = False  # every earlier pair instead
+    prompt_style: Literal["step", "chat"] = "step"
+    max_prompt_tokens: int | None = 4096  # tokenizer-based length filter (SAPD.md §5)
+    val_fraction: float = 0.05  # offline validation split by trajectory (SAPD.md §5)
+    split_seed: int = 0
+    skip_invalid: bool = False
+    action_wording: Literal["recorded", "put", "move"] = "recorded"
+
+
+@dataclass
+class ModelConfig:
+    student: str = ""  # HF folder or s3:// prefix: the initial student (checkpoint 0)
+    teacher: str = ""  # HF folder or s3:// prefix: the frozen teacher (must share the student's tokenizer)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"  # cpu | cuda | cuda:N
+
+
+@dataclass
+class SamplingConfig:
+    backend: Literal["hf", "vllm"] = "hf"
+    group_size: int = 8  # G responses per prefix (paper: 8)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    prompts_per_batch: int = 4  # HF: prompts prefilled together (each becomes G decode rows)
+
+
+@dataclass
+class RuleConfig:
+    format_weight: float = 1.0  # α_format (Eq. 12)
+    repetition_weight: float = 1.0  # α_repetition (Eq. 12)
+
+
+@dataclass
+class TrainConfig:
+    rounds: int = 100  # rollout batches; each is followed by its optimizer steps
+    trajectories_per_round: int = 16  # every prefix of this many trajectories per round (paper: 16; search QA 128)
+    epochs_per_round: int = 1  # passes over a round's scored data
+    minibatch_prefixes: int = 16  # prefixes (× G responses) per optimizer step
+    micro_batch_prefixes: int = 4  # prefixes per forward/backward (gradient accumulation inside a minibatch)
+    lr: float = 1e-6  # paper: 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    engine: Literal["torch", "deepspeed"] = "torch"
+    zero_stage: int = 2  # DeepSpeed ZeRO stage (engine: deepspeed)
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    run_root: str = "runs/default"  # a local folder or s3://bucket/prefix; everything of the run lives here
+    variant: str = "sapd"  # sapd | opd | opd_rule | wo_opd | wo_rule | full_token | std_norm | sft (SAPD.md §4)
+    loss: dict[str, Any] = field(default_factory=dict)  # overrides of the variant's LossConfig fields
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rules: RuleConfig = field(default_factory=RuleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    workers: int = 1  # precompute workers that split one round (Indexed Job completions on Kubernetes)
+
+    def loss_config(self) -> LossConfig:
+        return loss_config_for(self.variant, **self.loss)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _check_type(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{path}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_type(value, a, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(typing.get_args(tp)):
+            raise ConfigError(f"{path}: expected a list of {len(typing.get_args(tp))} values, got {value!r}")
+        return tuple(_check_type(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, typing.get_args(tp))))
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _apply(obj: Any, overlay: dict[str, Any], path: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in fields(obj)]
+    for key, value in overlay.items():
+        where = f"{path}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            raise ConfigError(f"{where}: unknown key" + (f" (did you mean '{path}{close[0]}'?)" if close else
+                                                         f"; known keys: {', '.join(names)}"))
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: expected a mapping of {type(current).__name__} keys, got {value!r}")
+            _apply(current, value, where + ".")
+        elif key == "loss" and isinstance(obj, RunConfig):
+            merged = {**current, **_check_type(value, dict, where)}
+            setattr(obj, key, merged)
+        else:
+            setattr(obj, key, _check_type(value, hints[key], where))
+
+
+def load_config(*paths: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults, then each YAML overlay in order, then ``overrides``; validated."""
+    cfg = RunConfig()
+    for p in paths:
+        text = Path(p).read_text(encoding="utf-8")
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping")
+        try:
+            _apply(cfg, data, "")
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None
+    if overrides:
+        _apply(cfg, overrides, "")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    cfg = RunConfig()
+    _apply(cfg, data, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    from sapd.benchmarks import BENCHMARKS
+    try:
+        cfg.loss_config()
+    except ValueError as e:
+        raise ConfigError(f"variant/loss: {e}") from None
+    if cfg.data.benchmark not in BENCHMARKS:
+        raise ConfigError(f"data.benchmark: {cfg.data.benchmark!r} is not one of {sorted(BENCHMARKS)}")
+    if cfg.sampling.group_size < 2 and cfg.variant != "sft":
+        raise ConfigError("sampling.group_size: a group needs at least 2 responses (advantages are group-relative)")
+    t = cfg.train
+    for name in ("rounds", "trajectories_per_round", "epochs_per_round", "minibatch_prefixes", "micro_batch_prefixes"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"train.{name}: must be at least 1")
+    if t.minibatch_prefixes % t.micro_batch_prefixes:
+        raise ConfigError("train.minibatch_prefixes must be a multiple of train.micro_batch_prefixes")
+    if cfg.workers < 1:
+        raise ConfigError("workers: must be at least 1")
+
+
+def dump_config(cfg: RunConfig) -> str:
+    def plain(x: Any) -> Any:
+        if isinstance(x, tuple):
+            return list(x)
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+    return yaml.safe_dump(plain(cfg.to_dict()), sort_keys=False)

@@ -1,0 +1,268 @@
+"""Decision prefixes (SAPD.md §1, Eq. 3): one per recorded decision, rendered through the tokenizer's
+chat template, length-filtered, split by trajectory, written as committed Parquet shards.
+
+Output layout under ``out``: ``train/`` and ``val/`` shard folders and a top-level ``_MANIFEST.json``
+written after both, which commits the whole build (counts, options, input fingerprint). Re-running the
+same build over a committed output is a no-op; a different build over it is refused unless asked to
+overwrite.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import pyarrow as pa
+
+from sapd import storage
+from sapd.benchmarks import BenchmarkSpec, get_benchmark
+from sapd.data import shards
+from sapd.data.prompts import PromptStyle, render_messages
+from sapd.data.schema import Trajectory
+
+PREFIX_SCHEMA_VERSION = 1
+PREFIX_KIND = "prefixes"
+
+PREFIX_SCHEMA = pa.schema([
+    pa.field("prefix_id", pa.string(), nullable=False),  # "<trajectory_id>#<turn_index>"
+    pa.field("trajectory_id", pa.string(), nullable=False),
+    pa.field("turn_index", pa.int32(), nullable=False),  # 0-based decision index t
+    pa.field("num_turns", pa.int32(), nullable=False),  # decisions in the trajectory
+    pa.field("benchmark", pa.string(), nullable=False),
+    pa.field("category", pa.string()),
+    pa.field("task", pa.string(), nullable=False),
+    pa.field("messages", pa.string(), nullable=False),  # JSON chat messages before the template
+    pa.field("prompt", pa.string(), nullable=False),  # chat-template text, generation prompt appended
+    pa.field("prompt_tokens", pa.int32(), nullable=False),
+    pa.field("recorded_response", pa.string(), nullable=False),  # metadata only, never a target in SAPD
+    pa.field("recorded_action", pa.string(), nullable=False),
+    pa.field("previous_action", pa.string()),  # a_{t-1}, for the repetition rule; null at t = 0
+    pa.field("success", pa.bool_()),  # the trajectory's outcome, when recorded
+    pa.field("split", pa.string(), nullable=False),  # train | val
+])
+
+
+@dataclass
+class PrefixOptions:
+    history_length: int | None = None  # recent (obs, action) pairs in a prompt; None = benchmark default
+    full_history: bool = False  # show every earlier pair (overrides history_length)
+    prompt_style: PromptStyle = "step"
+    max_prompt_tokens: int | None = None  # drop prefixes whose rendered prompt is longer
+    val_fraction: float = 0.05  # share of trajectories held out (SAPD.md §5)
+    seed: int = 0  # split seed (SAPD.md §5)
+
+    def effective_history(self, spec: BenchmarkSpec) -> int | None:
+        if self.full_history:
+            return None
+        return spec.history_length if self.history_length is None else self.history_length
+
+
+@dataclass
+class PrefixStats:
+    trajectories: int = 0
+    prefixes_built: int = 0
+    filtered_too_long: int = 0
+    kept: int = 0
+    train: int = 0
+    val: int = 0
+    train_trajectories: int = 0
+    val_trajectories: int = 0
+    max_prompt_tokens_seen: int = 0
+    by_category: dict[str, int] = field(default_factory=dict)
+
+
+def validation_ids(trajectory_ids: Iterable[str], val_fraction: float = 0.05, seed: int = 0) -> set[str]:
+    """Deterministic split by trajectory: shuffle the sorted ids with ``seed`` and hold out the first
+    round(n·fraction) (at least one when n ≥ 2 and the fraction is positive). Input order never matters."""
+    ids = sorted(set(trajectory_ids))
+    if val_fraction <= 0 or len(ids) < 2:
+        return set()
+    n_val = min(len(ids) - 1, max(1, round(len(ids) * val_fraction)))
+    random.Random(seed).shuffle(ids)
+    return set(ids[:n_val])
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def build_prefix_rows(trajectories: Sequence[Trajectory], spec: BenchmarkSpec, tokenizer,
+                      opts: PrefixOptions, progress: Callable[[int], None] | None = None,
+                      ) -> tuple[list[dict[str, Any]], PrefixStats]:
+    """One row per recorded decision (PREFIX_SCHEMA), length-filtered, with the split assigned."""
+    stats = PrefixStats(trajectories=len(trajectories))
+    val = validation_ids((t.id for t in trajectories), opts.val_fraction, opts.seed)
+    history = opts.effective_history(spec)
+    rows: list[dict[str, Any]] = []
+    for traj in trajectories:
+        split = "val" if traj.id in val else "train"
+        messages = [render_messages(traj, t, spec, history, opts.prompt_style) for t in range(len(traj.turns))]
+        prompts = [render_prompt(tokenizer, m) for m in messages]
+        lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+        for t, turn in enumerate(traj.turns):
+            stats.prefixes_built += 1
+            stats.max_prompt_tokens_seen = max(stats.max_prompt_tokens_seen, lengths[t])
+            if opts.max_prompt_tokens is not None and lengths[t] > opts.max_prompt_tokens:
+                stats.filtered_too_long += 1
+                continue
+            rows.append({
+                "prefix_id": f"{traj.id}#{t}", "trajectory_id": traj.id, "turn_index": t,
+                "num_turns": len(traj.turns), "benchmark": spec.name, "category": traj.category,
+                "task": traj.task, "messages": json.dumps(messages[t], ensure_ascii=False),
+                "prompt": prompts[t], "prompt_tokens": lengths[t], "recorded_response": turn.response,
+                "recorded_action": turn.action,
+                "previous_action": traj.turns[t - 1].action if t > 0 else None,
+                "success": traj.success, "split": split,
+            })
+            cat = traj.category or "-"
+            stats.by_category[cat] = stats.by_category.get(cat, 0) + 1
+        if progress:
+            progress(1)
+    stats.kept = len(rows)
+    stats.train = sum(r["split"] == "train" for r in rows)
+    stats.val = stats.kept - stats.train
+    stats.val_trajectories = len({r["trajectory_id"] for r in rows if r["split"] == "val"})
+    stats.train_trajectories = len({r["trajectory_id"] for r in rows if r["split"] == "train"})
+    return rows, stats
+
+
+def trajectory_batches(trajectory_ids: Sequence[str], trajectories_per_batch: int, seed: int,
+                       epoch: int = 0) -> list[list[str]]:
+    """The paper's batches: each holds every prefix of a sample of ``trajectories_per_batch``
+    trajectories. Returns trajectory-id groups for one epoch, reshuffled per (seed, epoch); the caller
+    selects the prefixes of each group. The last batch may be smaller."""
+    if trajectories_per_batch < 1:
+        raise ValueError("trajectories_per_batch must be at least 1")
+    ids = sorted(set(trajectory_ids))
+    random.Random(f"{seed}:{epoch}").shuffle(ids)
+    return [ids[i:i + trajectories_per_batch] for i in range(0, len(ids), trajectories_per_batch)]
+
+
+def prefix_batches(table: pa.Table, trajectories_per_batch: int, seed: int, epoch: int = 0) -> list[pa.Table]:
+    """:func:`trajectory_batches` applied to a prefix table: each batch's rows in (trajectory, turn) order."""
+    import pyarrow.compute as pc
+    out = []
+    for group in trajectory_batches(table.column("trajectory_id").to_pylist(), trajectories_per_batch, seed, epoch):
+        sel = table.filter(pc.is_in(table.column("trajectory_id"), value_set=pa.array(group)))
+        order = {tid: i for i, tid in enumerate(group)}
+        keys = sorted(range(sel.num_rows), key=lambda i: (order[sel.column("trajectory_id")[i].as_py()],
+                                                           sel.column("turn_index")[i].as_py()))
+        out.append(sel.take(pa.array(keys, type=pa.int64())))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# the build as one committed output
+
+
+def fingerprint(input_files: Sequence[str], fmt: str, benchmark: str, opts: PrefixOptions,
+                tokenizer_id: str, extra: dict[str, Any] | None = None) -> str:
+    """Identity of a build: the input bytes, the format and every option that changes the rows."""
+    h = hashlib.sha256()
+    for f in sorted(input_files):
+        h.update(f.encode())
+        h.update(hashlib.sha256(storage.read_bytes(f)).digest())
+    h.update(json.dumps({"format": fmt, "benchmark": benchmark, "options": asdict(opts),
+                         "tokenizer": tokenizer_id, "extra": extra or {},
+                         "schema_version": PREFIX_SCHEMA_VERSION}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Vocabulary + special tokens + chat template: what decides the rendered prompt and its length."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode())
+    h.update(json.dumps(tokenizer.all_special_tokens).encode())
+    h.update((tokenizer.chat_template or "").encode())
+    return h.hexdigest()[:16]
+
+
+def committed_build(out: str) -> dict[str, Any] | None:
+    return shards.read_manifest(out)
+
+
+def write_prefix_output(out: str, rows: list[dict[str, Any]], stats: PrefixStats, build_id: str,
+                        extra: dict[str, Any], rows_per_part: int = 50_000) -> dict[str, Any]:
+    """Write ``train/`` and ``val/`` and commit the build with the top-level manifest, last."""
+    for split in ("train", "val"):
+        split_rows = [r for r in rows if r["split"] == split]
+        table = pa.Table.from_pylist(split_rows, schema=PREFIX_SCHEMA)
+        shards.write_shards(storage.join(out, split), table, kind=PREFIX_KIND,
+                            schema_version=PREFIX_SCHEMA_VERSION, rows_per_part=rows_per_part)
+    manifest = {"kind": "prefix_build", "schema_version": PREFIX_SCHEMA_VERSION, "build_id": build_id,
+                "splits": ["train", "val"], "stats": asdict(stats), **extra}
+    shards.commit_manifest(out, manifest)
+    return manifest
+
+
+def read_prefixes(out: str, split: str = "train", rank: int = 0, world_size: int = 1) -> pa.Table:
+    """The committed prefixes of one split of a build."""
+    if committed_build(out) is None:
+        raise shards.ShardError(f"{out}: no committed prefix build here (no {shards.MANIFEST_NAME})")
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+    return shards.read_shards(storage.join(out, split), kind=PREFIX_KIND,
+                              schema_version=PREFIX_SCHEMA_VERSION, rank=rank, world_size=world_size)
+
+
+@dataclass
+class BuildResult:
+    out: str
+    skipped: bool  # True when the same build was already committed (a no-op re-run)
+    manifest: dict[str, Any]
+    invalid: dict[str, Any]
+    files: list[str]
+
+
+def build_prefixes(input_uri: str, fmt: str, benchmark: str, out: str, tokenizer, *,
+                   opts: PrefixOptions | None = None, skip_invalid: bool = False,
+                   action_wording: str = "recorded", overwrite: bool = False, rows_per_part: int = 50_000,
+                   log: Callable[[str], None] = print, show_progress: bool = True) -> BuildResult:
+    """The whole ``build-prefixes`` stage: load → prefixes → shards → commit. Idempotent."""
+    from tqdm import tqdm
+
+    from sapd.data.loaders import LoadOptions, input_files, load_trajectories
+
+    opts = opts or PrefixOptions()
+    spec = get_benchmark(benchmark)
+    load_opts = LoadOptions(benchmark=benchmark, skip_invalid=skip_invalid,
+                            action_wording=action_wording)  # type: ignore[arg-type]
+    files = input_files(input_uri, fmt)
+    build_id = fingerprint(files, fmt, benchmark, opts, tokenizer_fingerprint(tokenizer),
+                           {"skip_invalid": skip_invalid, "action_wording": action_wording})
+    existing = committed_build(out)
+    if existing is not None:
+        if existing.get("build_id") == build_id:
+            log(f"{out}: already committed by an identical build ({build_id[:12]}); nothing to do")
+            return BuildResult(out, True, existing, existing.get("invalid", {}), files)
+        if not overwrite:
+            raise shards.ShardError(
+                f"{out}: already holds a different committed prefix build ({existing.get('build_id', '?')[:12]}); "
+                "choose another --out or pass --overwrite")
+        log(f"{out}: replacing the committed build {existing.get('build_id', '?')[:12]} (--overwrite)")
+    # no committed build (or replacing one): clear what this stage owns, never anything else under out
+    storage.delete(shards.manifest_uri(out))
+    for split in ("train", "val"):
+        storage.delete_prefix(storage.join(out, split))
+
+    log(f"reading {len(files)} file(s) of format '{fmt}' for benchmark '{benchmark}'")
+    with tqdm(desc="trajectories", unit="traj", disable=None if show_progress else True, leave=False) as bar:
+        loaded = load_trajectories(input_uri, fmt, load_opts, progress=bar.update)
+    if not loaded.trajectories:
+        raise ValueError(f"{input_uri}: no valid trajectories ({loaded.report.total} invalid)"
+                         + ("\n" + "\n".join(loaded.report.lines()) if loaded.report.total else ""))
+    with tqdm(total=len(loaded.trajectories), desc="prefixes", unit="traj",
+              disable=None if show_progress else True, leave=False) as bar:
+        rows, stats = build_prefix_rows(loaded.trajectories, spec, tokenizer, opts, progress=bar.update)
+    if not rows:
+        raise ValueError(f"every prefix was filtered out: the longest prompt has {stats.max_prompt_tokens_seen} "
+                         f"tokens, --max-prompt-tokens is {opts.max_prompt_tokens}")
+    invalid = loaded.report.to_dict()
+    manifest = write_prefix_output(out, rows, stats, build_id, {
+        "format": fmt, "benchmark": benchmark, "input": input_uri, "files": files,
+        "records_read": loaded.records_read, "invalid": invalid, "options": asdict(opts),
+        "action_wording": action_wording}, rows_per_part=rows_per_part)
+    return BuildResult(out, False, manifest, invalid, files)

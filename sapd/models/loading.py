@@ -1,0 +1,110 @@
+"""Loading HF-format models and tokenizers, from a local folder or an ``s3://`` prefix synced into a
+local cache, and the hard check that student and teacher share one tokenizer (SAPD.md §2: the token
+signal d = log π_T − log π_old is only meaningful over the same token ids)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from sapd import storage
+
+DType = Literal["float32", "bfloat16", "float16"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_COMPLETE = ".sapd-sync-complete"
+
+
+class TokenizerMismatch(ValueError):
+    """Student and teacher tokenizers differ; the message names the first difference."""
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SAPD_CACHE_DIR", Path.home() / ".cache" / "sapd"))
+
+
+def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cache_key: str = "") -> Path:
+    """A local folder as is; an ``s3://`` prefix downloaded once into the cache (a marker written last
+    makes a half-finished download be redone rather than used). ``cache_key`` distinguishes versions of
+    one URI (a checkpoint's commit id)."""
+    if not storage.is_s3(path_or_uri):
+        p = Path(path_or_uri.removeprefix("file://"))
+        if not p.is_dir():
+            raise FileNotFoundError(f"{path_or_uri}: model folder does not exist")
+        return p
+    root = Path(cache_dir or default_cache_dir()) / "models" / hashlib.sha256(f"{path_or_uri}|{cache_key}".encode()).hexdigest()[:16]
+    if (root / _COMPLETE).is_file():
+        return root
+    files = storage.list_files(path_or_uri)
+    if not files:
+        raise FileNotFoundError(f"{path_or_uri}: no files under this model prefix")
+    base = path_or_uri.rstrip("/") + "/"
+    for uri in files:
+        storage.download_to(uri, root / uri[len(base):])
+    (root / _COMPLETE).write_text(path_or_uri + "\n")
+    return root
+
+
+def load_tokenizer(path_or_uri: str, cache_dir: str | Path | None = None):
+    from transformers import AutoTokenizer
+    p = resolve_model_dir(path_or_uri, cache_dir)
+    if not (p / "tokenizer_config.json").is_file() and not (p / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{path_or_uri}: not a Hugging Face tokenizer folder (no tokenizer.json or "
+                                "tokenizer_config.json)")
+    tok = AutoTokenizer.from_pretrained(str(p))
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"{path_or_uri}: the tokenizer has no chat template; prompts are rendered through it")
+    if tok.pad_token_id is None:  # batched generation and scoring pad; EOS is the usual stand-in
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(path_or_uri: str, dtype: DType = "float32", device: str = "cpu",
+                   cache_dir: str | Path | None = None, trainable: bool = False):
+    from transformers import AutoModelForCausalLM
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}")
+    p = resolve_model_dir(path_or_uri, cache_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=_DTYPES[dtype]).to(device)
+    model.train(trainable)
+    if not trainable:
+        model.requires_grad_(False)
+    return model
+
+
+def check_same_tokenizer(student, teacher, names: tuple[str, str] = ("student", "teacher")) -> None:
+    """Refuse to go on unless both tokenizers map every string to the same ids: same vocabulary, same
+    special tokens. Raises :class:`TokenizerMismatch` naming the first difference."""
+    a, b = names
+    va, vb = student.get_vocab(), teacher.get_vocab()
+    if len(va) != len(vb):
+        raise TokenizerMismatch(f"{a} vocabulary has {len(va)} tokens, {b} has {len(vb)}")
+    by_id_a = {i: t for t, i in va.items()}
+    by_id_b = {i: t for t, i in vb.items()}
+    for i in sorted(by_id_a):
+        if by_id_a[i] != by_id_b.get(i):
+            raise TokenizerMismatch(f"token id {i} is {by_id_a[i]!r} for the {a} but {by_id_b.get(i)!r} "
+                                    f"for the {b}")
+    for attr in ("eos_token", "pad_token", "bos_token", "unk_token"):
+        sa, sb = getattr(student, attr, None), getattr(teacher, attr, None)
+        if sa != sb:
+            raise TokenizerMismatch(f"{attr}: {a} has {sa!r}, {b} has {sb!r}")
+    sa, sb = sorted(student.all_special_tokens), sorted(teacher.all_special_tokens)
+    if sa != sb:
+        extra = sorted(set(sa) ^ set(sb))
+        raise TokenizerMismatch(f"special tokens differ: {extra[0]!r} is special for only one of {a}/{b}")
+
+
+def cache_kwarg(model) -> str:
+    """Name of the forward() argument that takes a KV cache: ``cache`` in transformers ≥ 5.2x,
+    ``past_key_values`` before (the vLLM environment pins an older transformers)."""
+    import inspect
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def output_cache(output):
+    """The KV cache an HF forward returned, under either name."""
+    return getattr(output, "cache", None) or getattr(output, "past_key_values", None)

@@ -1,0 +1,113 @@
+"""Teacher scoring: log π_T(y_{i,k} | h, y_{i,<k}) of the student's sampled tokens (SAPD.md §2, Eq. 4).
+
+The HF scorer computes each group's shared prefix h **once** and scores the G continuations from its
+cached keys/values (one prompt forward + one batched continuation forward per group), instead of G
+full forward passes over prompt + response. :func:`score_naive` is the full-sequence reference it is
+tested against. Failures are loud and name the prefix: a non-finite log-prob, a prompt + response
+longer than the model's context, or running out of memory — never a silent zero.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from sapd.models.loading import cache_kwarg, output_cache
+from sapd.objective import token_logprobs
+
+
+class TeacherScoringError(RuntimeError):
+    pass
+
+
+def _max_positions(model) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def _check_fits(model, prefix_id: str, prompt_len: int, response_lens: Sequence[int]) -> None:
+    limit = _max_positions(model)
+    longest = prompt_len + max(response_lens, default=0)
+    if limit is not None and longest > limit:
+        raise TeacherScoringError(f"prefix {prefix_id}: prompt ({prompt_len} tokens) + response "
+                                  f"({max(response_lens)} tokens) exceeds the teacher's context of {limit} tokens; "
+                                  "it would be truncated — filter prefixes with --max-prompt-tokens")
+
+
+def _checked(prefix_id: str, logp_G_T: torch.Tensor, mask_G_T: torch.Tensor) -> torch.Tensor:
+    bad = ~torch.isfinite(logp_G_T) & mask_G_T
+    if bool(bad.any()):
+        i, k = (int(x) for x in bad.nonzero()[0])
+        raise TeacherScoringError(f"prefix {prefix_id}: non-finite teacher log-prob at response {i}, token {k}")
+    return logp_G_T
+
+
+def _pad_right(responses: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(max((len(r) for r in responses), default=0), 1)
+    ids = torch.full((len(responses), T), pad, dtype=torch.long, device=device)
+    mask = torch.zeros((len(responses), T), dtype=torch.bool, device=device)
+    for i, r in enumerate(responses):
+        if r:
+            ids[i, :len(r)] = torch.tensor(list(r), device=device)
+            mask[i, :len(r)] = True
+    return ids, mask
+
+
+@torch.no_grad()
+def score_group_shared_prefix(model, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]],
+                              prefix_id: str = "?", pad_id: int = 0) -> list[list[float]]:
+    """Teacher log-probs of each response's tokens, prompt prefilled once, its cache repeated G times."""
+    device = next(model.parameters()).device
+    _check_fits(model, prefix_id, len(prompt_ids), [len(r) for r in responses])
+    try:
+        prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+        res = model(input_ids=prompt, use_cache=True)
+        first_logits = res.logits[:, -1, :]  # predicts every response's first token
+        cache = output_cache(res)
+        G = len(responses)
+        cache.batch_repeat_interleave(G)
+        ids_G_T, mask_G_T = _pad_right(responses, pad_id, device)
+        P = prompt.shape[1]
+        T = ids_G_T.shape[1]
+        attn = torch.cat([torch.ones((G, P), dtype=torch.long, device=device), mask_G_T.long()], dim=-1)
+        positions = torch.arange(P, P + T, device=device).expand(G, T)
+        cont = model(input_ids=ids_G_T, attention_mask=attn, position_ids=positions, use_cache=False,
+                     **{cache_kwarg(model): cache})
+        # logits for token k come from position k−1: the prompt's last for k = 0, the continuation's after
+        logits_G_T_V = torch.cat([first_logits.expand(G, -1).unsqueeze(1), cont.logits[:, :-1, :]], dim=1)
+        logp = _checked(prefix_id, token_logprobs(logits_G_T_V, ids_G_T), mask_G_T)
+    except torch.OutOfMemoryError as e:
+        raise TeacherScoringError(f"prefix {prefix_id}: out of memory while scoring {len(responses)} responses "
+                                  f"over a {len(prompt_ids)}-token prompt") from e
+    return [logp[i, :len(r)].tolist() for i, r in enumerate(responses)]
+
+
+@torch.no_grad()
+def score_naive(model, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]], prefix_id: str = "?",
+                pad_id: int = 0) -> list[list[float]]:
+    """Reference: one full forward over prompt + response per response."""
+    device = next(model.parameters()).device
+    _check_fits(model, prefix_id, len(prompt_ids), [len(r) for r in responses])
+    out = []
+    P = len(prompt_ids)
+    for r in responses:
+        if not r:
+            out.append([])
+            continue
+        seq = torch.tensor([list(prompt_ids) + list(r)], dtype=torch.long, device=device)
+        logits = model(input_ids=seq).logits[:, P - 1:-1, :]
+        logp = token_logprobs(logits, seq[:, P:])
+        _checked(prefix_id, logp, torch.ones_like(logp, dtype=torch.bool))
+        out.append(logp[0].tolist())
+    return out
+
+
+def score_groups(model, groups: Sequence[tuple[str, Sequence[int], Sequence[Sequence[int]]]], *,
+                 pad_id: int = 0, progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
+    """``groups`` = [(prefix_id, prompt_ids, [response_ids × G])] → teacher log-probs per response."""
+    out = []
+    for prefix_id, prompt_ids, responses in groups:
+        out.append(score_group_shared_prefix(model, prompt_ids, responses, prefix_id=prefix_id, pad_id=pad_id))
+        if progress:
+            progress(1)
+    return out

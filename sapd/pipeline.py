@@ -1,0 +1,92 @@
+"""The local pipeline (``sapd run CONFIG``): build prefixes if needed, then rounds of precompute →
+train until ``train.rounds``, in one process, with a local folder or ``s3://`` as the run root.
+
+Every stage checks what is committed first, so killing the process at any point and starting it
+again resumes from the last committed piece and — since every stage reloads its inputs from the run
+root and is seeded by (seed, round, worker) — produces the same result as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from sapd import checkpoints, layout, storage
+from sapd.config import ConfigError, RunConfig, dump_config
+
+
+def write_run_config(cfg: RunConfig) -> None:
+    """The resolved config goes into the run root; a run root already holding a *different* config
+    is refused (resuming must not silently change the experiment)."""
+    uri = layout.config_uri(cfg.run_root)
+    text = dump_config(cfg)
+    if storage.exists(uri):
+        if storage.read_text(uri) != text:
+            raise ConfigError(f"{uri} holds a different resolved config; resume with the same config, or "
+                              "choose a new run_root")
+        return
+    storage.write_text(uri, text)
+
+
+def ensure_prefixes(cfg: RunConfig, tokenizer, log: Callable[[str], None], show_progress: bool):
+    from sapd.data.prefixes import PrefixOptions, build_prefixes
+    d = cfg.data
+    opts = PrefixOptions(history_length=d.history_length, full_history=d.full_history, prompt_style=d.prompt_style,
+                         max_prompt_tokens=d.max_prompt_tokens, val_fraction=d.val_fraction, seed=d.split_seed)
+    return build_prefixes(d.input, d.format, d.benchmark, layout.prefixes_dir(cfg.run_root), tokenizer, opts=opts,
+                          skip_invalid=d.skip_invalid, action_wording=d.action_wording, log=log,
+                          show_progress=show_progress)
+
+
+def ensure_initial_checkpoint(cfg: RunConfig, log: Callable[[str], None]) -> None:
+    from sapd.models.loading import load_causal_lm, load_tokenizer
+    if checkpoints.is_committed(cfg.run_root, 0):
+        return
+    log(f"checkpoint 0 ← initial student {cfg.model.student}")
+    model = load_causal_lm(cfg.model.student, dtype=cfg.model.dtype)
+    checkpoints.save_checkpoint(cfg.run_root, 0, model, load_tokenizer(cfg.model.student), None,
+                                {"source": cfg.model.student})
+
+
+def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_progress: bool = True,
+                 engine_factory: Callable | None = None) -> dict:
+    from sapd.models.generation import HFGenerator
+    from sapd.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer
+    from sapd.models.scoring import score_groups
+    from sapd.precompute import commit_round, precompute_worker
+    from sapd.train import run_train_stage
+
+    root = cfg.run_root
+    write_run_config(cfg)
+    tokenizer = load_tokenizer(cfg.model.student)
+    sft = cfg.loss_config().objective == "sft"
+    teacher = None
+    if not sft:
+        check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.teacher))
+    t0 = time.perf_counter()
+    build = ensure_prefixes(cfg, tokenizer, log, show_progress)
+    log(f"prefixes: {build.manifest['stats']['train']} train / {build.manifest['stats']['val']} val "
+        f"({'already committed' if build.skipped else 'built'}, {time.perf_counter() - t0:.1f}s)")
+    ensure_initial_checkpoint(cfg, log)
+    for k in range(cfg.train.rounds):
+        if checkpoints.is_committed(root, k + 1):
+            continue
+        if not sft:
+            from sapd.data import shards
+            if shards.read_manifest(layout.scored_dir(root, k)) is None:
+                if teacher is None:
+                    teacher = load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=cfg.model.device)
+                student = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, cfg.model.device)
+                generator = HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch,
+                                        device=cfg.model.device)
+
+                def scorer(groups, progress=None):
+                    return score_groups(teacher, groups, pad_id=tokenizer.pad_token_id, progress=progress)
+
+                for w in range(cfg.workers):
+                    precompute_worker(cfg, k, w, generator, scorer, tokenizer, log=log, show_progress=show_progress)
+                commit_round(cfg, k)
+                del student, generator
+        run_train_stage(cfg, k, engine_factory=engine_factory, log=log, show_progress=show_progress)
+        log(f"round {k}: checkpoint {k + 1} committed")
+    return {"run_root": root, "checkpoints": layout.committed_checkpoints(root)}

@@ -1,0 +1,670 @@
+"""One set of file functions for local folders and ``s3://bucket/key`` URIs.
+
+Runs, checkpoints and prefix caches are written by long jobs that may die at any moment, and read by
+other jobs that must never see half of something.  Every write here therefore lands whole or not at
+all: locally through a temp file in the same directory that is fsynced and then ``os.replace``d, on S3
+through a single PUT or a completed multipart upload (an interrupted multipart upload is aborted and
+never becomes an object).
+
+Every failure a user can cause (bad credentials, a missing bucket, an unreachable server, a missing
+file) surfaces as :class:`StorageError` with a one-line message that names the URI and the endpoint, so
+a failed run says what to fix instead of dumping a botocore traceback.  The secret key never appears.
+
+S3 settings come from the environment (``SAPD_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``) unless :func:`configure_s3`
+sets them explicitly.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import unquote, urlparse
+
+import boto3
+import botocore.exceptions as bce
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+
+__all__ = [
+    "StorageError",
+    "StorageNotFound",
+    "S3Settings",
+    "TRANSFER_CONFIG",
+    "configure_s3",
+    "is_s3",
+    "join",
+    "read_bytes",
+    "write_bytes",
+    "read_text",
+    "write_text",
+    "read_json",
+    "write_json",
+    "exists",
+    "list_files",
+    "delete",
+    "delete_prefix",
+    "write_file_from",
+    "download_to",
+]
+
+MiB = 1024 * 1024
+
+# Checkpoints are large; 16 MiB parts keep the part count low (S3 allows 10 000) while still
+# parallelising.  Replace this (or pass ``transfer_config=``) to force multipart with a few MB in tests.
+TRANSFER_CONFIG = TransferConfig(
+    multipart_threshold=16 * MiB,
+    multipart_chunksize=16 * MiB,
+    max_concurrency=8,
+    use_threads=True,
+    preferred_transfer_client="classic",
+)
+
+# MaxKeys for one ListObjectsV2 page.  1000 is the S3 maximum; tests lower it to exercise pagination.
+_LIST_PAGE_SIZE = 1000
+# DeleteObjects accepts at most 1000 keys per request.
+_DELETE_BATCH = 1000
+
+# Suffix of in-flight local temp files, so listings can hide the leftovers of a crashed writer.
+_TMP_SUFFIX = ".sapd-tmp"
+
+
+class StorageError(RuntimeError):
+    """A storage operation failed for a reason the user can act on (message is one line)."""
+
+
+class StorageNotFound(StorageError):
+    """The object or file does not exist; separate so callers can treat "absent" as a normal case."""
+
+
+# --------------------------------------------------------------------------------------------------
+# URIs
+
+
+def is_s3(uri: str) -> bool:
+    return uri[:5].lower() == "s3://"
+
+
+def _is_file_uri(uri: str) -> bool:
+    return uri[:7].lower() == "file://"
+
+
+_SCHEME_RE = re.compile(r"^(s3://|file://)?(.*)$", re.IGNORECASE | re.DOTALL)
+
+
+def join(base: str, *parts: str) -> str:
+    """Join path pieces with exactly one ``/`` between them.
+
+    Unlike ``os.path.join``, an absolute-looking part never discards the base: a key such as
+    ``"/x"`` coming from data must not silently redirect a write to the filesystem root.
+    """
+    pieces = [re.sub(r"/+", "/", p).strip("/") for p in parts]
+    pieces = [p for p in pieces if p]
+    if not pieces:
+        return base
+    match = _SCHEME_RE.match(base)
+    assert match is not None  # the pattern matches every string
+    scheme, rest = match.group(1) or "", match.group(2)
+    stripped = rest.rstrip("/")
+    if stripped:
+        head = scheme + stripped + "/"
+    elif rest.startswith("/") or scheme.lower() == "file://":
+        head = scheme + "/"  # filesystem root, "/" or "file:///"
+    elif scheme:
+        raise StorageError(f"cannot join onto {base!r}: it names no bucket")
+    else:
+        head = ""  # relative join onto "" behaves like joining onto the current directory
+    return head + "/".join(pieces)
+
+
+def _split_s3(uri: str) -> tuple[str, str]:
+    rest = uri[5:]
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise StorageError(f"S3 URI {uri!r} names no bucket (expected s3://bucket/key)")
+    return bucket, key
+
+
+def _s3_object(uri: str) -> tuple[str, str]:
+    bucket, key = _split_s3(uri)
+    if not key or key.endswith("/"):
+        raise StorageError(f"S3 URI {uri!r} names a folder, not an object (expected s3://bucket/key)")
+    return bucket, key
+
+
+def _s3_folder(uri: str) -> tuple[str, str]:
+    # Folder semantics: "s3://b/run1" must not match "s3://b/run10/...".
+    bucket, key = _split_s3(uri)
+    key = key.strip("/")
+    return bucket, (key + "/") if key else ""
+
+
+def _local_path(uri: str) -> Path:
+    if _is_file_uri(uri):
+        parsed = urlparse(uri)
+        if parsed.netloc not in ("", "localhost"):
+            raise StorageError(f"file URI {uri!r} names a remote host; only local files are supported")
+        return Path(unquote(parsed.path))
+    return Path(uri)
+
+
+# --------------------------------------------------------------------------------------------------
+# S3 client and configuration
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    """Explicit S3 settings; ``None`` fields fall back to the environment."""
+
+    endpoint_url: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    region: str | None = None
+
+
+_explicit = S3Settings()
+_clients: dict[tuple[str | None, str | None, str | None, str], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def configure_s3(
+    endpoint_url: str | None = None,
+    access_key_id: str | None = None,
+    secret_access_key: str | None = None,
+    region: str | None = None,
+) -> S3Settings:
+    """Set S3 settings explicitly and drop cached clients; returns the previous settings.
+
+    Returning the previous settings lets a caller (tests, a CLI sub-command) restore them exactly
+    with ``configure_s3(**dataclasses.asdict(previous))``.
+    """
+    global _explicit
+    with _clients_lock:
+        previous = _explicit
+        _explicit = S3Settings(endpoint_url, access_key_id, secret_access_key, region)
+        _clients.clear()
+    return previous
+
+
+def _resolved() -> tuple[str | None, str | None, str | None, str]:
+    # Read at every call so that a changed environment gets its own client instead of a stale one.
+    endpoint = (
+        _explicit.endpoint_url
+        or os.environ.get("SAPD_S3_ENDPOINT_URL")
+        or os.environ.get("AWS_ENDPOINT_URL")
+        or None
+    )
+    key_id = _explicit.access_key_id or os.environ.get("AWS_ACCESS_KEY_ID") or None
+    secret = _explicit.secret_access_key or os.environ.get("AWS_SECRET_ACCESS_KEY") or None
+    region = _explicit.region or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return endpoint, key_id, secret, region
+
+
+def _client() -> Any:
+    settings = _resolved()
+    with _clients_lock:
+        client = _clients.get(settings)
+        if client is None:
+            endpoint, key_id, secret, region = settings
+            # A private session per client: boto3's default session is not thread-safe to create
+            # clients from, and we do not want ~/.aws profiles to override explicit settings.
+            session = boto3.session.Session(
+                aws_access_key_id=key_id, aws_secret_access_key=secret, region_name=region
+            )
+            client = session.client(
+                "s3",
+                endpoint_url=endpoint,
+                config=Config(
+                    s3={"addressing_style": "path"},
+                    retries={"max_attempts": 3, "mode": "standard"},
+                    connect_timeout=5,
+                    read_timeout=60,
+                    max_pool_connections=32,
+                ),
+            )
+            _clients[settings] = client
+    return client
+
+
+def _endpoint(client: Any) -> str:
+    return str(client.meta.endpoint_url)
+
+
+def _key_id(client: Any) -> str:
+    # botocore has no public accessor for the signing credentials; only the id is ever shown.
+    try:
+        creds = client._request_signer._credentials
+    except AttributeError:
+        return "<unknown>"
+    return getattr(creds, "access_key", None) or "<none>"
+
+
+# --------------------------------------------------------------------------------------------------
+# Error translation
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """Find the botocore error behind wrappers (s3transfer, boto3's S3UploadFailedError)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (bce.ClientError, bce.BotoCoreError)):
+            return current
+        last = getattr(current, "last_exception", None)  # s3transfer RetriesExceededError
+        current = last if isinstance(last, BaseException) else (current.__cause__ or current.__context__)
+    return exc
+
+
+_CREDENTIAL_CODES = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "InvalidToken",
+    "ExpiredToken",
+    "TokenRefreshRequired",
+    "AuthorizationHeaderMalformed",
+    "403",
+}
+_NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
+
+
+def _translate(exc: BaseException, client: Any, uri: str, action: str) -> StorageError:
+    endpoint = _endpoint(client)
+    cause = _root_cause(exc)
+    if isinstance(cause, bce.ClientError):
+        error = cause.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        message = _one_line(error.get("Message") or code)
+        if code in _CREDENTIAL_CODES:
+            return StorageError(
+                f"S3 credentials rejected by {endpoint} for {uri} (access key id {_key_id(client)}): "
+                f"{code}: {message}"
+            )
+        if code == "NoSuchBucket":
+            bucket = _split_s3(uri)[0]
+            return StorageError(f"bucket '{bucket}' does not exist at {endpoint} (while {action} {uri})")
+        if code in _NOT_FOUND_CODES:
+            return StorageNotFound(f"no such object {uri} at {endpoint}")
+        return StorageError(f"S3 error while {action} {uri} at {endpoint}: {code}: {message}")
+    if isinstance(cause, (bce.HTTPClientError, bce.ConnectionError)):
+        return StorageError(f"S3 server {endpoint} unreachable while {action} {uri}: {_one_line(cause)}")
+    if isinstance(cause, (bce.NoCredentialsError, bce.PartialCredentialsError)):
+        return StorageError(
+            f"no S3 credentials for {uri} at {endpoint}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "or call sapd.storage.configure_s3()"
+        )
+    if isinstance(cause, bce.ParamValidationError):
+        return StorageError(f"invalid S3 request while {action} {uri} at {endpoint}: {_one_line(cause)}")
+    return StorageError(
+        f"S3 {action} {uri} at {endpoint} failed: {type(cause).__name__}: {_one_line(cause)}"
+    )
+
+
+def _s3_call(uri: str, action: str, fn: Callable[[Any], Any]) -> Any:
+    client = _client()
+    try:
+        return fn(client)
+    except StorageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a StorageError naming the URI
+        raise _translate(exc, client, uri, action) from exc
+
+
+def _missing_object(client: Any, bucket: str, uri: str) -> StorageError:
+    """HEAD answers a bare 404 for a missing bucket too; ask the bucket so the message is right."""
+    try:
+        client.head_bucket(Bucket=bucket)
+    except Exception as exc:  # noqa: BLE001
+        cause = _root_cause(exc)
+        if isinstance(cause, bce.ClientError) and str(cause.response.get("Error", {}).get("Code")) in (
+            "404",
+            "NoSuchBucket",
+            "NotFound",
+        ):
+            return StorageError(f"bucket '{bucket}' does not exist at {_endpoint(client)} (looking up {uri})")
+        return _translate(exc, client, uri, "looking up")
+    return StorageNotFound(f"no such object {uri} at {_endpoint(client)}")
+
+
+def _is_not_found(exc: BaseException) -> bool:
+    cause = _root_cause(exc)
+    return isinstance(cause, bce.ClientError) and str(cause.response.get("Error", {}).get("Code")) in (
+        _NOT_FOUND_CODES
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Local atomic writes
+
+
+def _local_error(exc: OSError, path: Path, action: str) -> StorageError:
+    if isinstance(exc, FileNotFoundError):
+        return StorageNotFound(f"no such file {path} (while {action})")
+    return StorageError(f"local {action} {path} failed: {exc.strerror or exc}")
+
+
+def _atomic_local_write(path: Path, fill: Callable[[IO[bytes]], None]) -> None:
+    """Write through a temp file in the target's directory so a crash leaves the old file intact.
+
+    Same directory because ``os.replace`` is only atomic within one filesystem; fsync before the
+    rename so that a power loss cannot publish a file whose data blocks never reached the disk.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TMP_SUFFIX, dir=path.parent)
+    except OSError as exc:
+        raise _local_error(exc, path, "writing") from exc
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            fill(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise _local_error(exc, path, "writing") from exc
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; not every filesystem allows opening a directory, so best effort.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bytes / text / JSON
+
+
+def read_bytes(uri: str) -> bytes:
+    if is_s3(uri):
+        bucket, key = _s3_object(uri)
+        return _s3_call(
+            uri, "reading", lambda c: c.get_object(Bucket=bucket, Key=key)["Body"].read()
+        )
+    path = _local_path(uri)
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise _local_error(exc, path, "reading") from exc
+
+
+def write_bytes(uri: str, data: bytes, *, transfer_config: TransferConfig | None = None) -> None:
+    """Write ``data`` whole or not at all; large payloads go through a managed (multipart) upload."""
+    if is_s3(uri):
+        config = transfer_config or TRANSFER_CONFIG
+        if len(data) >= config.multipart_threshold:
+            _s3_upload(io.BytesIO(data), uri, config)
+            return
+        bucket, key = _s3_object(uri)
+        _s3_call(uri, "writing", lambda c: c.put_object(Bucket=bucket, Key=key, Body=data))
+        return
+    payload = bytes(data)
+    _atomic_local_write(_local_path(uri), lambda handle: handle.write(payload))
+
+
+def read_text(uri: str, encoding: str = "utf-8") -> str:
+    data = read_bytes(uri)
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise StorageError(f"{uri} is not valid {encoding} text: {exc}") from exc
+
+
+def write_text(uri: str, text: str, encoding: str = "utf-8") -> None:
+    write_bytes(uri, text.encode(encoding))
+
+
+def read_json(uri: str) -> Any:
+    text = read_text(uri)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise StorageError(f"{uri} is not valid JSON: {exc}") from exc
+
+
+def write_json(uri: str, obj: Any) -> None:
+    """Stable formatting (sorted keys, indent 2, trailing newline) so reruns give identical bytes."""
+    write_text(uri, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Existence, listing, deletion
+
+
+def exists(uri: str) -> bool:
+    """True for an existing file/object; "folders" do not count (S3 has none to ask about)."""
+    if is_s3(uri):
+        bucket, key = _s3_object(uri)
+        client = _client()
+        try:
+            client.head_object(Bucket=bucket, Key=key)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            if not _is_not_found(exc):
+                raise _translate(exc, client, uri, "checking") from exc
+        missing = _missing_object(client, bucket, uri)
+        if isinstance(missing, StorageNotFound):
+            return False
+        raise missing
+    return _local_path(uri).is_file()
+
+
+def _iter_s3_keys(client: Any, bucket: str, prefix: str, *, include_markers: bool = False) -> Iterator[str]:
+    token: str | None = None
+    while True:
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": _LIST_PAGE_SIZE}
+        if token:
+            kwargs["ContinuationToken"] = token
+        page = client.list_objects_v2(**kwargs)
+        for item in page.get("Contents", []):
+            key = item["Key"]
+            # Zero-byte "folder" markers made by some tools are not files, but must go on delete.
+            if include_markers or not key.endswith("/"):
+                yield key
+        next_token = page.get("NextContinuationToken")
+        if not page.get("IsTruncated") or not next_token:
+            return
+        if next_token == token:  # a buggy server must not make us loop forever
+            raise StorageError(f"S3 listing of s3://{bucket}/{prefix} at {_endpoint(client)} does not advance")
+        token = next_token
+
+
+def list_files(prefix_uri: str) -> list[str]:
+    """Every file below a folder, recursively, as full URIs in sorted order.
+
+    Hides the temp files of local writers that are in flight or crashed, since those are not files
+    anyone wrote on purpose.
+    """
+    if is_s3(prefix_uri):
+        bucket, prefix = _s3_folder(prefix_uri)
+        keys = _s3_call(prefix_uri, "listing", lambda c: list(_iter_s3_keys(c, bucket, prefix)))
+        return sorted(f"s3://{bucket}/{key}" for key in keys)
+    root = _local_path(prefix_uri)
+    if not root.is_dir():
+        return []
+    found: list[str] = []
+
+    def _raise(exc: OSError) -> None:
+        raise exc
+
+    try:
+        for dirpath, _dirnames, filenames in os.walk(root, onerror=_raise):
+            rel_dir = os.path.relpath(dirpath, root)
+            for name in filenames:
+                if name.startswith(".") and name.endswith(_TMP_SUFFIX):
+                    continue
+                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                found.append(join(prefix_uri, rel.replace(os.sep, "/")))
+    except OSError as exc:
+        raise _local_error(exc, root, "listing") from exc
+    return sorted(found)
+
+
+def delete(uri: str) -> None:
+    """Remove one file/object; a missing one is not an error (S3 DELETE is idempotent too)."""
+    if is_s3(uri):
+        bucket, key = _s3_object(uri)
+        _s3_call(uri, "deleting", lambda c: c.delete_object(Bucket=bucket, Key=key))
+        return
+    path = _local_path(uri)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise _local_error(exc, path, "deleting") from exc
+
+
+def delete_prefix(prefix_uri: str) -> None:
+    """Remove everything below a folder; refuses a whole bucket or a filesystem root."""
+    if is_s3(prefix_uri):
+        bucket, prefix = _s3_folder(prefix_uri)
+        if not prefix:
+            raise StorageError(f"refusing to delete every object in bucket '{bucket}' ({prefix_uri})")
+
+        def _delete_all(client: Any) -> None:
+            batch: list[dict[str, str]] = []
+
+            def _flush() -> None:
+                response = client.delete_objects(
+                    Bucket=bucket, Delete={"Objects": batch, "Quiet": True}
+                )
+                errors = response.get("Errors") or []
+                if errors:
+                    first = errors[0]
+                    raise StorageError(
+                        f"could not delete {len(errors)} object(s) below {prefix_uri} at "
+                        f"{_endpoint(client)}, e.g. {first.get('Key')}: {first.get('Code')}: "
+                        f"{_one_line(first.get('Message', ''))}"
+                    )
+                batch.clear()
+
+            for key in _iter_s3_keys(client, bucket, prefix, include_markers=True):
+                batch.append({"Key": key})
+                if len(batch) >= _DELETE_BATCH:
+                    _flush()
+            if batch:
+                _flush()
+
+        _s3_call(prefix_uri, "deleting", _delete_all)
+        return
+    root = _local_path(prefix_uri)
+    resolved = root.resolve()
+    if resolved == Path(resolved.anchor):
+        raise StorageError(f"refusing to delete everything below the filesystem root ({prefix_uri})")
+    try:
+        if root.is_symlink():
+            root.unlink()  # rmtree refuses links; the link is what lives below the parent
+        elif root.is_dir():
+            shutil.rmtree(root)
+    except OSError as exc:
+        raise _local_error(exc, root, "deleting") from exc
+
+
+# --------------------------------------------------------------------------------------------------
+# Large files
+
+
+def _s3_upload(source: str | IO[bytes], uri: str, config: TransferConfig) -> None:
+    """Managed upload; on failure s3transfer aborts the multipart upload so no part becomes visible.
+
+    The abort is best effort: if the server is gone it cannot be told, but an uncompleted multipart
+    upload is never readable as an object, so readers still see either the old object or nothing.
+    """
+    from s3transfer.manager import TransferManager  # boto3 dependency; imported late, used rarely
+
+    bucket, key = _s3_object(uri)
+
+    def _run(client: Any) -> None:
+        with TransferManager(client, config) as manager:
+            manager.upload(source, bucket, key).result()
+
+    _s3_call(uri, "writing", _run)
+
+
+def write_file_from(
+    local_path: str | os.PathLike[str], uri: str, *, transfer_config: TransferConfig | None = None
+) -> None:
+    """Copy a (possibly huge) local file to ``uri`` atomically, streaming rather than loading it."""
+    source = Path(local_path)
+    if not source.is_file():
+        raise StorageNotFound(f"no such local file {source} to copy to {uri}")
+    if is_s3(uri):
+        _s3_upload(str(source), uri, transfer_config or TRANSFER_CONFIG)
+        return
+    target = _local_path(uri)
+
+    def _copy(handle: IO[bytes]) -> None:
+        with source.open("rb") as src:
+            shutil.copyfileobj(src, handle, length=4 * MiB)
+
+    try:
+        _atomic_local_write(target, _copy)
+    except StorageNotFound as exc:
+        raise StorageNotFound(f"no such local file {source} to copy to {uri}") from exc
+
+
+def download_to(
+    uri: str, local_path: str | os.PathLike[str], *, transfer_config: TransferConfig | None = None
+) -> None:
+    """Fetch ``uri`` into ``local_path`` atomically: an interrupted download leaves no partial file."""
+    target = Path(local_path)
+    if not is_s3(uri):
+        source = _local_path(uri)
+
+        def _copy_local(handle: IO[bytes]) -> None:
+            try:
+                src = source.open("rb")
+            except OSError as exc:
+                raise _local_error(exc, source, "reading") from exc
+            with src:
+                shutil.copyfileobj(src, handle, length=4 * MiB)
+
+        _atomic_local_write(target, _copy_local)
+        return
+
+    from s3transfer.manager import TransferManager
+
+    bucket, key = _s3_object(uri)
+    config = transfer_config or TRANSFER_CONFIG
+    client = _client()
+
+    def _fetch(handle: IO[bytes]) -> None:
+        try:
+            with TransferManager(client, config) as manager:
+                manager.download(bucket, key, handle).result()
+        except Exception as exc:  # noqa: BLE001
+            if _is_not_found(exc):
+                raise _missing_object(client, bucket, uri) from exc
+            raise _translate(exc, client, uri, "downloading") from exc
+
+    _atomic_local_write(target, _fetch)

