@@ -169,11 +169,27 @@ def _apply(obj: Any, overlay: dict[str, Any], path: str) -> None:
             setattr(obj, key, _check_type(value, hints[key], where))
 
 
+SHIPPED_CONFIGS = Path(__file__).parent / "configs"
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A path as given, or a config shipped with sapd by name (``variants/opd`` → sapd/configs/variants/opd.yaml)."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    for cand in (SHIPPED_CONFIGS / p, SHIPPED_CONFIGS / f"{p}.yaml"):
+        if cand.is_file():
+            return cand
+    raise ConfigError(f"{name}: no such config file (nor a shipped one under {SHIPPED_CONFIGS})")
+
+
 def load_config(*paths: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Defaults, then each YAML overlay in order, then ``overrides``; validated."""
+    """Defaults, then each YAML overlay in order (a path, or a shipped config's name), then
+    ``overrides``; validated."""
     cfg = RunConfig()
-    for p in paths:
-        text = Path(p).read_text(encoding="utf-8")
+    for name in paths:
+        p = resolve_config_path(name)
+        text = p.read_text(encoding="utf-8")
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
