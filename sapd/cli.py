@@ -118,26 +118,9 @@ def cmd_show_prefixes(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The embedded default for now: a tokenizer trained on the shipped samples, then prefixes for every
-    shipped sample file. Later stages (sampling, scoring, training, evaluation) extend this."""
-    from sapd.data.prefixes import PrefixOptions, build_prefixes
-    from sapd.demo_tokenizer import build_tokenizer
-    out = Path(args.out)
-    tok_dir = out / "tokenizer"
-    if (tok_dir / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer(str(tok_dir))
-    else:
-        texts = [(SAMPLE_DATA / f).read_text(encoding="utf-8") for f, _, _ in SAMPLES]
-        print(f"training a demo tokenizer on the shipped samples → {tok_dir}", flush=True)
-        tokenizer = build_tokenizer(texts, tok_dir)
-    for fname, fmt, bench in SAMPLES:
-        dest = out / "prefixes" / Path(fname).stem
-        print(f"\n--- {fname} ({fmt}, {bench}) → {dest}", flush=True)
-        result = build_prefixes(str(SAMPLE_DATA / fname), fmt, bench, str(dest), tokenizer,
-                                opts=PrefixOptions(), skip_invalid=True, log=lambda s: print(s, flush=True),
-                                show_progress=not args.no_progress)
-        print_build_summary(result)
-    print(f"\nlook at a prompt: sapd show-prefixes {out / 'prefixes' / 'alfworld_eto'} -n 1")
+    """The embedded default: the whole offline method on the shipped samples, on this CPU (sapd.demo)."""
+    from sapd.demo import run_demo
+    run_demo(Path(args.out), log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
     return 0
 
 
@@ -148,6 +131,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(*args.config, overrides=overrides)
     result = run_pipeline(cfg, log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
     print(f"done: {result['run_root']} holds checkpoints {result['checkpoints']}")
+    return 0
+
+
+def cmd_train_round(args: argparse.Namespace) -> int:
+    """One training stage (checkpoint K + round K's scored shards → checkpoint K+1), on every process
+    torchrun starts; the engine is ``train.engine``. The run root's config.yaml is written if absent
+    and otherwise must equal the resolved config, exactly as for ``sapd run``."""
+    import os
+    from sapd.config import load_config
+    from sapd.pipeline import write_run_config
+    from sapd.train import make_torch_engine, run_train_stage
+    overrides = {"run_root": args.run_root} if args.run_root else None
+    cfg = load_config(*args.config, overrides=overrides)
+    main = int(os.environ.get("RANK", "0")) == 0
+    if cfg.train.engine == "deepspeed":
+        from sapd.deepspeed_engine import make_deepspeed_engine
+        factory = make_deepspeed_engine
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("train.engine: torch trains on one process; set train.engine: deepspeed to use torchrun")
+    else:
+        factory = make_torch_engine
+    if main:
+        write_run_config(cfg)
+    marker = run_train_stage(cfg, args.round, engine_factory=factory,
+                             log=(lambda s: print(s, flush=True)) if main else (lambda s: None),
+                             show_progress=main and not args.no_progress)
+    if main:
+        print(f"round {args.round}: checkpoint {args.round + 1} committed ({marker['commit_id'][:12]})", flush=True)
     return 0
 
 
@@ -197,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("train-round", help="train one round (checkpoint K + round K's scored shards → K+1); "
+                                           "under torchrun with train.engine: deepspeed")
+    p.add_argument("config", nargs="+", help="YAML overlays, applied in order over the paper's defaults")
+    p.add_argument("--round", type=int, required=True, metavar="K", help="the round to train")
+    p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_train_round)
 
     p = sub.add_parser("report", help="render loss and timing curves of a run to PNG")
     p.add_argument("run", help="the run root")

@@ -51,6 +51,7 @@ class SamplingConfig:
     top_p: float = 1.0
     max_new_tokens: int = 256
     prompts_per_batch: int = 4  # HF: prompts prefilled together (each becomes G decode rows)
+    gpu_memory_utilization: float = 0.4  # vLLM: share of GPU memory for each engine (student sampler, teacher)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class TrainConfig:
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30 % more time
     engine: Literal["torch", "deepspeed"] = "torch"
     zero_stage: int = 2  # DeepSpeed ZeRO stage (engine: deepspeed)
     seed: int = 0

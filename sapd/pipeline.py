@@ -74,19 +74,31 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
         if not sft:
             from sapd.data import shards
             if shards.read_manifest(layout.scored_dir(root, k)) is None:
-                if teacher is None:
-                    teacher = load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=cfg.model.device)
-                student = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, cfg.model.device)
-                generator = HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch,
-                                        device=cfg.model.device)
+                if cfg.sampling.backend == "vllm":
+                    # vLLM engines are (re)built from the committed checkpoint each round: simple and exact;
+                    # a long-lived engine with in-place weight sync is the faster path for big pools
+                    from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
+                    mem = cfg.sampling.gpu_memory_utilization
+                    if teacher is None:
+                        teacher = VLLMScorer.from_path(cfg.model.teacher, dtype=cfg.model.dtype,
+                                                       gpu_memory_utilization=mem)
+                    generator = VLLMGenerator.from_path(checkpoints.checkpoint_model_path(root, k),
+                                                        dtype=cfg.model.dtype, gpu_memory_utilization=mem)
+                    scorer = teacher.score_groups
+                else:
+                    if teacher is None:
+                        teacher = load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=cfg.model.device)
+                    student = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, cfg.model.device)
+                    generator = HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch,
+                                            device=cfg.model.device)
 
-                def scorer(groups, progress=None):
-                    return score_groups(teacher, groups, pad_id=tokenizer.pad_token_id, progress=progress)
+                    def scorer(groups, progress=None, teacher=teacher):
+                        return score_groups(teacher, groups, pad_id=tokenizer.pad_token_id, progress=progress)
 
                 for w in range(cfg.workers):
                     precompute_worker(cfg, k, w, generator, scorer, tokenizer, log=log, show_progress=show_progress)
                 commit_round(cfg, k)
-                del student, generator
+                del generator
         run_train_stage(cfg, k, engine_factory=engine_factory, log=log, show_progress=show_progress)
         log(f"round {k}: checkpoint {k + 1} committed")
     return {"run_root": root, "checkpoints": layout.committed_checkpoints(root)}

@@ -6,7 +6,10 @@
 3. For ``epochs_per_round`` passes, shuffle the round's groups and cut them into minibatches of
    ``minibatch_prefixes`` prefixes (× G responses); each minibatch is one optimizer step, accumulated
    over micro-batches of ``micro_batch_prefixes``; gradient clipping; learning-rate schedule.
-4. Write the per-step log, then checkpoint k+1 (HF model + optimizer/RNG/cursor), committed last.
+   On W ranks (``train.engine: deepspeed`` under torchrun) rank r takes micro-batches r, r+W, … of
+   each minibatch, weighted so that the rank-averaged gradient is the one-process minibatch gradient.
+4. Write the per-step log, then checkpoint k+1 (HF model + optimizer/RNG/cursor), committed last
+   (by rank 0).
 
 The SFT baseline (:func:`train_sft_round`) uses the same data path, engine and checkpoint format with
 cross-entropy on the recorded responses of the round's prefixes.
@@ -23,6 +26,7 @@ import json
 import math
 import random
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -59,16 +63,38 @@ def pad_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence
     return ids.to(device), attn.to(device), pos.to(device), mask.to(device)
 
 
+# decoder-only families whose causal-LM head is a plain projection of the last hidden state (no logit
+# soft-capping or scaling in between), so it may be applied to selected positions only
+_PLAIN_HEAD_TYPES = {"llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "olmo2"}
+
+
+def _decoder_and_head(model):
+    """(decoder stack, LM head) of an HF causal LM whose head is a plain projection, else (None, None)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in _PLAIN_HEAD_TYPES:
+        return None, None
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    head = model.get_output_embeddings()
+    return (base, head) if base is not None and head is not None else (None, None)
+
+
 def response_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                       pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(response token k | prompt, response<k) for every row → (logp_B_T, response_mask_B_T).
     Prompt positions are gathered out, so they can never receive gradient from a loss on these."""
     device = next(model.parameters()).device
     ids, attn, pos, mask = pad_sequences(prompts, responses, pad_id, device)
-    logits = model(input_ids=ids, attention_mask=attn).logits  # (B, S, V)
-    # logits at position s predict token s+1: response token at position t is predicted from t−1
+    # the output at position s predicts token s+1: response token at position t is predicted from t−1
     pred_pos = (pos - 1).clamp(min=0)
-    logits_B_T_V = logits.gather(1, pred_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    base, head = _decoder_and_head(model)
+    if base is not None:
+        # project to the vocabulary at response positions only: prompts are most of each sequence, and
+        # the (B, S, V) logits would be the largest activation of the step
+        hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state  # (B, S, H)
+        logits_B_T_V = head(hidden.gather(1, pred_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])))
+    else:
+        logits = model(input_ids=ids, attention_mask=attn).logits  # (B, S, V)
+        logits_B_T_V = logits.gather(1, pred_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
     targets = ids.gather(1, pos)
     logp = token_logprobs(logits_B_T_V, targets)
     return torch.where(mask, logp, torch.zeros_like(logp)), mask
@@ -112,6 +138,14 @@ class TorchEngine:
     @property
     def rank(self) -> int:
         return 0
+
+    def barrier(self) -> None:
+        pass
+
+    @contextmanager
+    def gathered_model(self):
+        """The model with full weights, to save (DeepSpeed ZeRO-3 gathers its partitions here)."""
+        yield self.model
 
 
 def make_torch_engine(model, cfg: RunConfig) -> TorchEngine:
@@ -208,10 +242,30 @@ def _rng_state() -> dict[str, Any]:
     return {"python": random.getstate(), "torch": torch.get_rng_state()}
 
 
-def _mean_metrics(items: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    total = sum(w for w, _ in items) or 1.0
-    keys = items[0][1].keys()
-    return {key: sum(w * m[key] for w, m in items) / total for key in keys}
+def micro_batch_share(chunks: list, n: int, engine) -> list[tuple[Any, float, float]]:
+    """This rank's micro-batches of a minibatch of ``n`` prefixes: (chunk, loss weight, metric weight).
+
+    One process: every micro-batch, weighted len/n, which decomposes the minibatch mean over prefixes
+    exactly. W ranks: micro-batch j goes to rank j % W with loss weight W·len/n, because DeepSpeed
+    *averages* the accumulated gradients over ranks (÷W): the average is then the one-process minibatch
+    gradient. Every rank runs the same number of forward/backward passes (ZeRO-2/3 communicate inside
+    each backward, ZeRO-3 inside each forward), so a rank short of one repeats the minibatch's last
+    micro-batch with weight 0."""
+    W = engine.world_size
+    if W == 1:
+        return [(c, len(c) / n, len(c) / n) for c in chunks]
+    mine = [(c, W * len(c) / n, len(c) / n) for c in chunks[engine.rank::W]]
+    return mine + [(chunks[-1], 0.0, 0.0)] * (-(-len(chunks) // W) - len(mine))
+
+
+def _mean_metrics(items: list[tuple[float, dict[str, float]]], engine=None) -> dict[str, float]:
+    """Weighted mean of the micro-batch metrics; with several ranks, of every rank's micro-batches."""
+    keys = list(items[0][1])
+    if engine is None or engine.world_size == 1:
+        total = sum(w for w, _ in items) or 1.0
+        return {key: sum(w * m[key] for w, m in items) / total for key in keys}
+    sums = engine.all_reduce_sum([sum(w for w, _ in items)] + [sum(w * m[key] for w, m in items) for key in keys])
+    return {key: s / (sums[0] or 1.0) for key, s in zip(keys, sums[1:])}
 
 
 def train_round(cfg: RunConfig, k: int, engine, tokenizer, groups: list[Group], state: dict[str, Any] | None,
@@ -241,18 +295,17 @@ def train_round(cfg: RunConfig, k: int, engine, tokenizer, groups: list[Group], 
         for mb_start in range(0, len(order), t.minibatch_prefixes):
             t_step = time.perf_counter()
             mb = [groups[i] for i in order[mb_start:mb_start + t.minibatch_prefixes]]
+            chunks = [mb[s:s + t.micro_batch_prefixes] for s in range(0, len(mb), t.micro_batch_prefixes)]
             parts = []
-            for start in range(0, len(mb), t.micro_batch_prefixes):
-                chunk = mb[start:start + t.micro_batch_prefixes]
+            for chunk, weight, metric_weight in micro_batch_share(chunks, len(mb), engine):
                 loss, metrics = _micro_loss(model, cfg, chunk, pad)
-                weight = len(chunk) / len(mb)  # exact decomposition of the minibatch mean over prefixes
-                engine.backward(loss * weight)
-                parts.append((weight, metrics))
+                engine.backward(loss * weight)  # weight: exact decomposition of the minibatch mean over prefixes
+                parts.append((metric_weight, metrics))
             lr = learning_rate(cfg, k, global_step)
             grad_norm = engine.step(lr)
             global_step += 1
             rec = {"round": k, "epoch": epoch, "step": global_step, "lr": lr, "grad_norm": grad_norm,
-                   "prefixes": len(mb), **_mean_metrics(parts),
+                   "prefixes": len(mb), **_mean_metrics(parts, engine),
                    "step_seconds": time.perf_counter() - t_step}
             records.append(rec)
             bar.update(1)
@@ -292,19 +345,18 @@ def sft_round(cfg: RunConfig, k: int, engine, tokenizer, rows: list[dict], state
         for mb_start in range(0, len(order), t.minibatch_prefixes):
             t_step = time.perf_counter()
             mb = [data[i] for i in order[mb_start:mb_start + t.minibatch_prefixes]]
+            chunks = [mb[s:s + t.micro_batch_prefixes] for s in range(0, len(mb), t.micro_batch_prefixes)]
             parts = []
-            for start in range(0, len(mb), t.micro_batch_prefixes):
-                chunk = mb[start:start + t.micro_batch_prefixes]
+            for chunk, weight, metric_weight in micro_batch_share(chunks, len(mb), engine):
                 logp, mask = response_logprobs(model, [c[0] for c in chunk], [c[1] for c in chunk], pad)
                 loss, metrics = sft_loss(logp, mask, cfg.loss_config().reduction)
-                weight = len(chunk) / len(mb)
                 engine.backward(loss * weight)
-                parts.append((weight, metrics))
+                parts.append((metric_weight, metrics))
             lr = learning_rate(cfg, k, global_step)
             grad_norm = engine.step(lr)
             global_step += 1
             rec = {"round": k, "epoch": epoch, "step": global_step, "lr": lr, "grad_norm": grad_norm,
-                   "prefixes": len(mb), **_mean_metrics(parts), "step_seconds": time.perf_counter() - t_step}
+                   "prefixes": len(mb), **_mean_metrics(parts, engine), "step_seconds": time.perf_counter() - t_step}
             records.append(rec)
             bar.update(1)
             log(f"round {k} step {global_step}: sft loss {rec['loss']:.5f} |g| {grad_norm:.3f}")
@@ -331,6 +383,8 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: Callable | None =
     ckpt_path = checkpoints.checkpoint_model_path(root, k)
     tokenizer = load_tokenizer(str(ckpt_path))
     model = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, cfg.model.device, trainable=True)
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
     engine = (engine_factory or make_torch_engine)(model, cfg)
     state = checkpoints.load_trainer_state(root, k)
     if state and "optimizer" in state:
@@ -342,8 +396,12 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: Callable | None =
         groups = _groups_from_table(read_scored(root, k))
         records, new_state = train_round(cfg, k, engine, tokenizer, groups, state, log=log,
                                          show_progress=show_progress)
-    if engine.is_main:
-        write_round_log(root, k, records, {"variant": cfg.variant})
-        return checkpoints.save_checkpoint(root, k + 1, model, tokenizer, new_state,
-                                           {"round": k, "steps": len(records)})
-    return {}
+    # several ranks: rank 0 writes the log and checkpoint k+1, once every rank is done reading round k
+    engine.barrier()
+    with engine.gathered_model() as full_model:
+        if engine.is_main:
+            write_round_log(root, k, records, {"variant": cfg.variant})
+            checkpoints.save_checkpoint(root, k + 1, full_model, tokenizer, new_state,
+                                        {"round": k, "steps": len(records)})
+    engine.barrier()
+    return checkpoints.read_marker(root, k + 1)

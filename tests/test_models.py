@@ -144,3 +144,18 @@ def test_model_synced_from_s3(tiny, s3_storage, tmp_path):
     assert load_tokenizer(uri, cache_dir=tmp_path / "cache").get_vocab() == load_tokenizer(str(tiny / "qwen")).get_vocab()
     with pytest.raises(FileNotFoundError, match="no files under this model prefix"):
         load_causal_lm(storage.join(s3_storage, "models", "missing"), cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("arch", ["qwen", "llama"])
+def test_response_logprobs_head_only_path_equals_the_full_forward(tiny, arch):
+    from sapd.train import _decoder_and_head, response_logprobs
+    model = load_causal_lm(str(tiny / arch))
+    assert _decoder_and_head(model)[0] is not None
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (30, 12, 50)]
+    responses = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (5, 9, 1)]
+    logp, mask = response_logprobs(model, prompts, responses, pad_id=0)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        ref = score_naive(model, p, [r])[0]
+        assert logp[b, :len(r)].tolist() == pytest.approx(ref, abs=1e-5)
+        assert not mask[b, len(r):].any() and bool((logp[b, len(r):] == 0).all())

@@ -61,18 +61,19 @@ def score_group_shared_prefix(model, prompt_ids: Sequence[int], responses: Seque
     _check_fits(model, prefix_id, len(prompt_ids), [len(r) for r in responses])
     try:
         prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-        res = model(input_ids=prompt, use_cache=True)
-        first_logits = res.logits[:, -1, :]  # predicts every response's first token
+        # only the last prompt position's logits are needed: it predicts every response's first token
+        res = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        first_logits = res.logits[:, -1, :]
         cache = output_cache(res)
         G = len(responses)
         cache.batch_repeat_interleave(G)
         ids_G_T, mask_G_T = _pad_right(responses, pad_id, device)
         P = prompt.shape[1]
         T = ids_G_T.shape[1]
-        attn = torch.cat([torch.ones((G, P), dtype=torch.long, device=device), mask_G_T.long()], dim=-1)
         positions = torch.arange(P, P + T, device=device).expand(G, T)
-        cont = model(input_ids=ids_G_T, attention_mask=attn, position_ids=positions, use_cache=False,
-                     **{cache_kwarg(model): cache})
+        # no attention mask: responses are right-padded, and under the causal mask a real token never
+        # sees the pads after it, so the plain causal path (faster kernels) gives the same real-token logits
+        cont = model(input_ids=ids_G_T, position_ids=positions, use_cache=False, **{cache_kwarg(model): cache})
         # logits for token k come from position k−1: the prompt's last for k = 0, the continuation's after
         logits_G_T_V = torch.cat([first_logits.expand(G, -1).unsqueeze(1), cont.logits[:, :-1, :]], dim=1)
         logp = _checked(prefix_id, token_logprobs(logits_G_T_V, ids_G_T), mask_G_T)

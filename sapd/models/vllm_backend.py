@@ -18,9 +18,9 @@ vLLM features used, and why:
   vLLM cuts its text right after the stop string, which can drop the tail of the token that completed
   it, and a ``Sample``'s text must be what its token ids decode to.
 * ``prompt_logprobs=0`` with ``max_tokens=1`` — teacher scoring is a prefill: prompt + response go in
-  as one prompt and vLLM returns, at each position, the log-prob of the token actually there. vLLM
-  skips its prefix cache for such requests (so every position is computed), chunks long prefills,
-  and never materialises more than one chunk of logits.
+  as one prompt and vLLM returns, at each position, the log-prob of the token actually there (the
+  raw model distribution, in fp32). vLLM skips reading its prefix cache for such requests, so every
+  position is really computed, and produces them chunk by chunk along with chunked prefill.
 * ``kv_cache_memory_bytes`` — an explicit KV-cache size that both the GPU and the CPU workers honour
   (on CPU it replaces the integer-GiB ``VLLM_CPU_KVCACHE_SPACE`` variable).
 
@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from sapd.models.generation import FinishReason, Sample, SamplingParams
 from sapd.models.loading import DType, resolve_model_dir
@@ -49,7 +50,7 @@ Group = tuple[str, Sequence[int], Sequence[Sequence[int]]]
 def make_llm(model_dir: str | Path, *, dtype: DType = "float32", seed: int = 0,
              gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
              enforce_eager: bool | None = None, kv_cache_memory_bytes: int | None = None,
-             cache_dir: str | Path | None = None, **llm_kwargs: Any) -> "LLM":
+             cache_dir: str | Path | None = None, **llm_kwargs: Any) -> LLM:
     """A ``vllm.LLM`` over an HF model folder (or an ``s3://`` prefix synced into the cache first).
 
     ``enforce_eager=None`` means eager on CPU (no torch.compile / graph capture: on a small CPU machine
@@ -62,8 +63,8 @@ def make_llm(model_dir: str | Path, *, dtype: DType = "float32", seed: int = 0,
     if enforce_eager is None:
         enforce_eager = bool(current_platform.is_cpu())
     path = resolve_model_dir(str(model_dir), cache_dir)
-    kwargs: dict[str, Any] = dict(model=str(path), tokenizer=str(path), dtype=dtype, seed=seed,
-                                  gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+    kwargs: dict[str, Any] = {"model": str(path), "tokenizer": str(path), "dtype": dtype, "seed": seed,
+                              "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager}
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
     if kv_cache_memory_bytes is not None:
@@ -72,7 +73,7 @@ def make_llm(model_dir: str | Path, *, dtype: DType = "float32", seed: int = 0,
     return LLM(**kwargs)
 
 
-def _max_model_len(llm: "LLM") -> int:
+def _max_model_len(llm: LLM) -> int:
     return int(llm.llm_engine.model_config.max_model_len)
 
 
@@ -100,10 +101,10 @@ class VLLMGenerator:
     schedules a call's requests together; ``progress`` is told after each call).
     """
 
-    llm: "LLM"
+    llm: LLM
     tokenizer: Any = None
     prompts_per_call: int = 256
-    _eos_ids: set[int] = field(default_factory=set)
+    _eos_ids: set[int] = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:
@@ -120,7 +121,7 @@ class VLLMGenerator:
     def from_path(cls, model_dir: str | Path, *, dtype: DType = "float32", seed: int = 0,
                   gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                   enforce_eager: bool | None = None, kv_cache_memory_bytes: int | None = None,
-                  cache_dir: str | Path | None = None, **llm_kwargs: Any) -> "VLLMGenerator":
+                  cache_dir: str | Path | None = None, **llm_kwargs: Any) -> VLLMGenerator:
         """Load the model into vLLM and the tokenizer with :func:`sapd.models.loading.load_tokenizer`
         (the same tokenizer object type, and so the same ids, as the HF path)."""
         from sapd.models.loading import load_tokenizer
@@ -213,14 +214,14 @@ class VLLMScorer:
     and a truncated sequence would be scored wrongly). ``groups_per_call`` bounds one ``LLM.generate``.
     """
 
-    llm: "LLM"
+    llm: LLM
     groups_per_call: int = 16
 
     @classmethod
     def from_path(cls, model_dir: str | Path, *, dtype: DType = "float32", seed: int = 0,
                   gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                   enforce_eager: bool | None = None, kv_cache_memory_bytes: int | None = None,
-                  cache_dir: str | Path | None = None, **llm_kwargs: Any) -> "VLLMScorer":
+                  cache_dir: str | Path | None = None, **llm_kwargs: Any) -> VLLMScorer:
         return cls(make_llm(model_dir, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                             max_model_len=max_model_len, enforce_eager=enforce_eager,
                             kv_cache_memory_bytes=kv_cache_memory_bytes, cache_dir=cache_dir, **llm_kwargs))

@@ -1,0 +1,234 @@
+"""The vLLM backend against the HF reference, for real: a tiny random Qwen2 model served by vLLM
+(the CPU build here), its samples and log-probs checked against an fp32 HF transformers forward
+of the same weights.
+
+Run in the vLLM environment only (see conftest.py): vLLM is imported at the top so that the
+wrong environment fails loudly instead of skipping.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import vllm  # noqa: F401  — fail at collection, never skip, where vLLM is absent
+
+from sapd.models.generation import SamplingParams
+from sapd.models.loading import load_causal_lm, load_tokenizer
+from sapd.models.scoring import TeacherScoringError, score_groups, score_naive
+from sapd.models.tiny import build_tiny_model
+from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer, make_llm
+from sapd.objective import token_logprobs
+from tests.tokenizer_util import build_test_tokenizer
+
+pytestmark = pytest.mark.vllm
+
+MAX_MODEL_LEN = 256
+TOLERANCE = 1e-3
+STOP = "e"  # a letter in a large share of the vocabulary: the random model emits it within a few tokens
+PROMPTS = [
+    "You are in the middle of a room. Your task is to: put a clean apple in the fridge.",
+    "Find me a pair of running shoes under 50 dollars.",
+    "Question: who wrote the novel that the film was based on?",
+]
+EOS_BOOST = 15.0  # × the EOS embedding row (tied to the LM head): ~4 % of the mass per token on plain text
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 model + ChatML tokenizer. vLLM's CPU attention has no kernel for head_dim 16 (the
+    default tiny config), so hidden 128 / 4 heads (head_dim 32), 2 KV heads (grouped-query, as Qwen2).
+    A random model puts ~1/V on EOS; its embedding row is scaled up so that samples do end on EOS
+    within a few dozen tokens and the "eos" finish is exercised for real."""
+    root = tmp_path_factory.mktemp("vllm-model")
+    tok = build_test_tokenizer(root / "tokenizer")
+    model = build_tiny_model(tok, root / "model", hidden_size=128, heads=4, kv_heads=2, intermediate_size=256,
+                             layers=2)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[tok.eos_token_id] *= EOS_BOOST
+    model.save_pretrained(str(root / "model"))
+    return root / "model"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path):
+    return load_tokenizer(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir: Path):
+    return load_causal_lm(str(model_dir), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path):
+    """One engine for the module (starting one costs ~10 s on 2 cores); student and teacher alike."""
+    engine = make_llm(model_dir, dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN,
+                      kv_cache_memory_bytes=256 * 2**20)
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def generator(llm, tokenizer) -> VLLMGenerator:
+    return VLLMGenerator(llm, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[str]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                          add_generation_prompt=True) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def stop_samples(generator, prompts):
+    params = SamplingParams(n=4, temperature=1.0, top_p=1.0, max_new_tokens=24, stop=(STOP,), seed=3)
+    return params, generator.generate(prompts, params)
+
+
+def _hf_logprobs(model, prompt_ids: list[int], response: list[int]) -> list[float]:
+    seq = torch.tensor([prompt_ids + response])
+    with torch.no_grad():
+        logits = model(input_ids=seq).logits[:, len(prompt_ids) - 1:-1, :]
+    return token_logprobs(logits, seq[:, len(prompt_ids):])[0].tolist()
+
+
+def _max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(x) for x in b]
+    return max((abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)), default=0.0)
+
+
+def _check_sample(sample, tokenizer, params: SamplingParams) -> None:
+    ids = sample.token_ids
+    assert 1 <= len(ids) <= params.max_new_tokens
+    assert len(sample.logprobs) == len(ids)
+    assert all(math.isfinite(x) and x <= 0.0 for x in sample.logprobs)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == sample.text
+    if sample.finish_reason == "eos":
+        assert ids[-1] == tokenizer.eos_token_id
+    else:
+        assert tokenizer.eos_token_id not in ids
+    if sample.finish_reason == "stop":  # stopped at the first stop string, and it is kept
+        assert any(s in sample.text for s in params.stop)
+        before = tokenizer.decode(ids[:-1], skip_special_tokens=True)
+        assert not any(s in before for s in params.stop)
+    if sample.finish_reason == "length":
+        assert len(ids) == params.max_new_tokens
+        assert not any(s in sample.text for s in params.stop)
+
+
+def test_generate_with_stop_string(stop_samples, tokenizer, prompts) -> None:
+    params, out = stop_samples
+    assert len(out) == len(prompts)
+    reasons = []
+    for group in out:
+        assert len(group) == params.n
+        assert len({tuple(s.token_ids) for s in group}) > 1  # sampled, not n copies of one
+        for s in group:
+            _check_sample(s, tokenizer, params)
+            reasons.append(s.finish_reason)
+    print(f"\n[vllm] finish reasons with stop={STOP!r}: " + ", ".join(f"{r}={reasons.count(r)}" for r in
+                                                                     ("stop", "eos", "length")))
+    assert reasons.count("stop") >= len(reasons) // 2, reasons
+
+
+def test_generate_until_eos_or_length(generator, tokenizer) -> None:
+    """Plain-text prompts: after a chat template's <|im_end|>, the boosted EOS row pushes the hidden
+    state away from EOS, and the random model then hardly ever ends."""
+    params = SamplingParams(n=4, max_new_tokens=24, stop=(), seed=1)
+    out = generator.generate(PROMPTS, params)
+    reasons = [s.finish_reason for g in out for s in g]
+    for g in out:
+        assert len(g) == params.n
+        for s in g:
+            _check_sample(s, tokenizer, params)
+    print("\n[vllm] finish reasons without stop strings: " + ", ".join(f"{r}={reasons.count(r)}" for r in
+                                                                       ("stop", "eos", "length")))
+    assert "eos" in reasons and "length" in reasons, reasons
+    assert "stop" not in reasons
+
+
+def test_generate_is_deterministic_per_seed(generator, stop_samples, prompts) -> None:
+    params, first = stop_samples
+    seen: list[int] = []
+    again = generator.generate(prompts, params, progress=seen.append)
+    assert sum(seen) == len(prompts)
+    assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in first]
+    assert _max_abs_diff([s.logprobs for g in again for s in g], [s.logprobs for g in first for s in g]) < 1e-6
+    other = generator.generate(prompts, SamplingParams(**{**params.__dict__, "seed": params.seed + 1}))
+    assert [[s.token_ids for s in g] for g in other] != [[s.token_ids for s in g] for g in first]
+    # prompts get seeds of their own: identical prompts in one call do not draw identical samples
+    twins = generator.generate([prompts[0], prompts[0]], params)
+    assert [s.token_ids for s in twins[0]] != [s.token_ids for s in twins[1]]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampled_logprobs_match_hf(generator, hf_model, tokenizer, prompts, temperature, top_p) -> None:
+    """vLLM's sampled-token log-probs are the model's at temperature 1 (raw), whatever the sampler's
+    temperature / top-p: the quantity the importance ratios need, and what HFGenerator returns."""
+    params = SamplingParams(n=4, temperature=temperature, top_p=top_p, max_new_tokens=20, stop=(), seed=5)
+    out = generator.generate(prompts, params)
+    got, want = [], []
+    for prompt, group in zip(prompts, out):
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        for s in group:
+            got.append(s.logprobs)
+            want.append(_hf_logprobs(hf_model, prompt_ids, s.token_ids))
+    diff = _max_abs_diff(got, want)
+    print(f"\n[vllm-vs-hf] sampled-token logprobs, T={temperature} top_p={top_p}: max |Δ| = {diff:.3e} "
+          f"over {sum(map(len, got))} tokens")
+    assert diff <= TOLERANCE
+
+
+def test_scorer_matches_hf(llm, generator, hf_model, tokenizer, prompts) -> None:
+    out = generator.generate(prompts, SamplingParams(n=3, max_new_tokens=20, stop=(), seed=9))
+    groups = []
+    for j, (prompt, group) in enumerate(zip(prompts, out)):
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        responses = [s.token_ids for s in group]
+        if j == 1:
+            responses = responses + [[]]  # an empty response scores as []
+        groups.append((f"p{j}", prompt_ids, responses))
+    scorer = VLLMScorer(llm, groups_per_call=2)  # two calls: the chunking is exercised too
+    seen: list[int] = []
+    got = scorer.score_groups(groups, progress=seen.append)
+    assert sum(seen) == len(groups)
+    assert [[len(r) for r in g] for g in got] == [[len(r) for r in rs] for _, _, rs in groups]
+    worst = 0.0
+    for (pid, prompt_ids, responses), scored in zip(groups, got):
+        worst = max(worst, _max_abs_diff(scored, score_naive(hf_model, prompt_ids, responses, prefix_id=pid)))
+    shared = score_groups(hf_model, groups, pad_id=tokenizer.pad_token_id)
+    worst_shared = max(_max_abs_diff(g, s) for g, s in zip(got, shared))
+    print(f"\n[vllm-vs-hf] teacher scoring: max |Δ| vs score_naive = {worst:.3e}, "
+          f"vs score_groups (shared prefix) = {worst_shared:.3e}")
+    assert worst <= TOLERANCE
+    assert worst_shared <= TOLERANCE
+
+
+def test_scorer_refuses_too_long(llm, tokenizer) -> None:
+    scorer = VLLMScorer(llm)
+    fits = ("ok", list(range(10, 20)), [[30, 31]])
+    limit = scorer.max_model_len - 1
+    prompt = [(7 * i) % 900 + 10 for i in range(limit - 4)]
+    with pytest.raises(TeacherScoringError, match=r"prefix too-long-7\b.*exceeds"):
+        scorer.score_groups([fits, ("too-long-7", prompt, [[40, 41], list(range(50, 55))])])
+    # exactly at the limit is scored, not refused
+    (scored,) = scorer.score_groups([("at-limit", prompt, [[40, 41, 42, 43]])])
+    assert len(scored[0]) == 4 and all(math.isfinite(x) for x in scored[0])
+
+
+def test_scorer_refuses_non_finite() -> None:
+    """vLLM does not produce a NaN on demand; the reader is fed one the way vLLM would return it."""
+    from vllm.logprobs import Logprob
+
+    positions = [None, {5: Logprob(-1.0)}, {6: Logprob(float("nan"))}]
+    with pytest.raises(TeacherScoringError, match=r"prefix x9: non-finite teacher log-prob at response 2, token 0"):
+        VLLMScorer._read("x9", 2, 2, [6], positions)
+
+
+def test_generator_refuses_too_long_prompt(generator, tokenizer) -> None:
+    long_prompt = "apple " * (MAX_MODEL_LEN * 2)
+    with pytest.raises(ValueError, match="prompt 1 has"):
+        generator.generate(["short", long_prompt], SamplingParams(n=1, max_new_tokens=2))
