@@ -13,6 +13,8 @@ $(BIN)/.sapd-installed: pyproject.toml
 	# torch first and pinned: the CPU wheel on this machine; nothing below may pull another build
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	# DeepSpeed for multi-process training; DS_BUILD_OPS=0: no CUDA ops to build here (JIT-compiled if needed)
+	DS_BUILD_OPS=0 $(BIN)/pip install --quiet 'deepspeed>=0.19' torch==2.13.0
 	touch $@
 
 setup: $(BIN)/.sapd-installed

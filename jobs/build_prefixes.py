@@ -1,21 +1,55 @@
 """Job: cut recorded trajectories into decision prefixes.
 
-Local:   python -m jobs.build_prefixes --input data/alfworld.json --format eto --benchmark alfworld \
+With ``--config`` the prefixes of the run are built from the config's ``data`` section into
+``RUN_ROOT/prefixes`` (what ``sapd run`` does first); without it, every flag is ``sapd build-prefixes``'s.
+Re-running over a committed build does nothing.
+
+Local:   python -m jobs.build_prefixes --config run.yaml
+         python -m jobs.build_prefixes --input data/alfworld.json --format eto --benchmark alfworld \
              --tokenizer models/student --out runs/alfworld/prefixes
-Cluster: the same flags from the chart's job config (issue: Kubernetes job suite).
+Cluster: helm install sapd-alfworld charts/sapd -f charts/sapd/values/alfworld.yaml
+         (buildPrefixes: one pod, `--config /etc/sapd/config.yaml` from the chart's ConfigMap)
 Exit codes: 0 done (or already committed), 2 bad input or storage error.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Sequence
 
 from sapd.cli import main as sapd_main
 
 
+def build_from_config(configs: list[str], run_root: str | None, show_progress: bool) -> int:
+    from sapd.cli import print_build_summary
+    from sapd.config import load_config
+    from sapd.models.loading import load_tokenizer
+    from sapd.pipeline import ensure_prefixes
+    cfg = load_config(*configs, overrides={"run_root": run_root} if run_root else None)
+    result = ensure_prefixes(cfg, load_tokenizer(cfg.model.student), lambda s: print(s, flush=True), show_progress)
+    print_build_summary(result)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return sapd_main(["build-prefixes", *(sys.argv[1:] if argv is None else argv)])
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--config" not in args:
+        return sapd_main(["build-prefixes", *args])
+    p = argparse.ArgumentParser(prog="python -m jobs.build_prefixes", description=__doc__.splitlines()[0])
+    p.add_argument("--config", nargs="+", required=True, help="YAML overlays, applied in order over the defaults")
+    p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ns = p.parse_args(args)
+    from sapd.config import ConfigError
+    from sapd.data.errors import InvalidRecordError
+    from sapd.data.shards import ShardError
+    from sapd.storage import StorageError
+    try:
+        return build_from_config(ns.config, ns.run_root, not ns.no_progress)
+    except (InvalidRecordError, ShardError, StorageError, ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"build_prefixes: error: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -141,17 +141,11 @@ def cmd_train_round(args: argparse.Namespace) -> int:
     import os
     from sapd.config import load_config
     from sapd.pipeline import write_run_config
-    from sapd.train import make_torch_engine, run_train_stage
+    from sapd.train import engine_factory_for, run_train_stage
     overrides = {"run_root": args.run_root} if args.run_root else None
     cfg = load_config(*args.config, overrides=overrides)
     main = int(os.environ.get("RANK", "0")) == 0
-    if cfg.train.engine == "deepspeed":
-        from sapd.deepspeed_engine import make_deepspeed_engine
-        factory = make_deepspeed_engine
-    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("train.engine: torch trains on one process; set train.engine: deepspeed to use torchrun")
-    else:
-        factory = make_torch_engine
+    factory = engine_factory_for(cfg)
     if main:
         write_run_config(cfg)
     marker = run_train_stage(cfg, args.round, engine_factory=factory,

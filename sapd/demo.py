@@ -32,7 +32,7 @@ def _data() -> dict:
 
 
 def run_demo(out: Path, *, log: Callable[[str], None] = print, show_progress: bool = True,
-             teacher_rounds: int = 24, student_rounds: int = 10, sapd_rounds: int = 6) -> dict:
+             teacher_rounds: int = 30, student_rounds: int = 12, sapd_rounds: int = 6) -> dict:
     from sapd import checkpoints
     from sapd.cli import print_build_summary
     from sapd.config import config_from_dict
@@ -81,7 +81,7 @@ def run_demo(out: Path, *, log: Callable[[str], None] = print, show_progress: bo
     sapd_root = str(out / "sapd")
     sapd_cfg = config_from_dict({
         "run_root": sapd_root, "variant": "sapd", "data": _data(), "model": {"student": student, "teacher": teacher},
-        "sampling": {"group_size": 4, "max_new_tokens": 40, "prompts_per_batch": 8},
+        "sampling": {"group_size": 4, "max_new_tokens": 96, "prompts_per_batch": 8},
         "train": {"rounds": sapd_rounds, "trajectories_per_round": 2, "minibatch_prefixes": 8,
                   "micro_batch_prefixes": 4, "lr": 1e-3}})
     run_pipeline(sapd_cfg, log=log, show_progress=show_progress)
@@ -92,7 +92,7 @@ def run_demo(out: Path, *, log: Callable[[str], None] = print, show_progress: bo
     for name, root, k in (("student before", student_root, student_rounds), ("student after SAPD", sapd_root, sapd_rounds),
                           ("teacher", teacher_root, teacher_rounds)):
         model = checkpoints.load_checkpoint_model(root, k)
-        evals[name] = offline_eval(model, tokenizer, val, "alfworld", max_new_tokens=40)
+        evals[name] = offline_eval(model, tokenizer, val, "alfworld", max_new_tokens=96)
     report = write_report(sapd_root)
     summary = {"evals": evals, "report": report, "seconds": time.perf_counter() - t_start}
     (out / "demo-summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -154,6 +154,17 @@ def make_torch_engine(model, cfg: RunConfig) -> TorchEngine:
     return TorchEngine(model, opt, t.max_grad_norm)
 
 
+def engine_factory_for(cfg: RunConfig) -> Callable:
+    """``train.engine``: plain torch (one process) or DeepSpeed ZeRO (one or more, under torchrun)."""
+    import os
+    if cfg.train.engine == "deepspeed":
+        from sapd.deepspeed_engine import make_deepspeed_engine
+        return make_deepspeed_engine
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("train.engine: torch trains on one process; set train.engine: deepspeed to use torchrun")
+    return make_torch_engine
+
+
 def learning_rate(cfg: RunConfig, k: int, global_step: int) -> float:
     """Warmup over optimizer steps, then constant / linear / cosine decay over rounds."""
     t = cfg.train
@@ -268,37 +279,31 @@ def _mean_metrics(items: list[tuple[float, dict[str, float]]], engine=None) -> d
     return {key: s / (sums[0] or 1.0) for key, s in zip(keys, sums[1:])}
 
 
-def train_round(cfg: RunConfig, k: int, engine, tokenizer, groups: list[Group], state: dict[str, Any] | None,
-                *, log: Callable[[str], None] = print, show_progress: bool = True) -> tuple[list[dict], dict]:
-    """Run round k's optimizer steps on ``engine.model`` (loaded from checkpoint k). Returns the step
-    records and the trainer state to store with checkpoint k+1."""
+def optimizer_steps(cfg: RunConfig, k: int, engine, items: list, micro_loss: Callable, global_step: int,
+                    describe: Callable[[dict], str], *, log: Callable[[str], None] = print,
+                    show_progress: bool = True, label: str = "training") -> tuple[list[dict], int]:
+    """The optimizer steps of round k over ``items`` (scored groups, or SFT examples): each epoch
+    reshuffles them with (seed, k), cuts minibatches of ``minibatch_prefixes``, accumulates the
+    micro-batch losses ``micro_loss(chunk) -> (loss, metrics)`` of this rank's share, clips and steps.
+    Returns the per-step records and the new global step."""
     from tqdm import tqdm
 
     t = cfg.train
-    model = engine.model
-    pad = tokenizer.pad_token_id
-    global_step = (state or {}).get("global_step", 0)
-    _restore_rng(state)
-    t0 = time.perf_counter()
-    model.eval()  # π_old: no dropout, same numerics as the sampler's weights
-    recompute_old_logprobs(model, groups, pad, t.micro_batch_prefixes)
-    old_seconds = time.perf_counter() - t0
-    model.train()
     order_rng = random.Random(f"{t.seed}:{k}")
     records: list[dict] = []
-    n_steps = t.epochs_per_round * -(-len(groups) // t.minibatch_prefixes)
-    bar = tqdm(total=n_steps, desc=f"round {k} training", unit="step",
-               disable=None if show_progress else True, leave=False)
+    n_steps = t.epochs_per_round * -(-len(items) // t.minibatch_prefixes)
+    bar = tqdm(total=n_steps, desc=f"round {k} {label}", unit="step",
+               disable=None if show_progress and engine.is_main else True, leave=False)
     for epoch in range(t.epochs_per_round):
-        order = list(range(len(groups)))
+        order = list(range(len(items)))
         order_rng.shuffle(order)
         for mb_start in range(0, len(order), t.minibatch_prefixes):
             t_step = time.perf_counter()
-            mb = [groups[i] for i in order[mb_start:mb_start + t.minibatch_prefixes]]
+            mb = [items[i] for i in order[mb_start:mb_start + t.minibatch_prefixes]]
             chunks = [mb[s:s + t.micro_batch_prefixes] for s in range(0, len(mb), t.micro_batch_prefixes)]
             parts = []
             for chunk, weight, metric_weight in micro_batch_share(chunks, len(mb), engine):
-                loss, metrics = _micro_loss(model, cfg, chunk, pad)
+                loss, metrics = micro_loss(chunk)
                 engine.backward(loss * weight)  # weight: exact decomposition of the minibatch mean over prefixes
                 parts.append((metric_weight, metrics))
             lr = learning_rate(cfg, k, global_step)
@@ -309,58 +314,54 @@ def train_round(cfg: RunConfig, k: int, engine, tokenizer, groups: list[Group], 
                    "step_seconds": time.perf_counter() - t_step}
             records.append(rec)
             bar.update(1)
-            log(f"round {k} step {global_step}: loss {rec['loss']:.5f} (tok {rec['loss_tok']:.4f} "
-                f"step {rec['loss_step']:.4f} rule {rec['loss_rule']:.4f}) gap {rec['teacher_student_gap']:.4f} "
-                f"clip {rec['clip_fraction']:.3f} |g| {grad_norm:.3f}")
+            log(f"round {k} step {global_step}: {describe(rec)} |g| {grad_norm:.3f}")
     bar.close()
+    return records, global_step
+
+
+def train_round(cfg: RunConfig, k: int, engine, tokenizer, groups: list[Group], state: dict[str, Any] | None,
+                *, log: Callable[[str], None] = print, show_progress: bool = True) -> tuple[list[dict], dict]:
+    """Run round k's optimizer steps on ``engine.model`` (loaded from checkpoint k). Returns the step
+    records and the trainer state to store with checkpoint k+1."""
+    model = engine.model
+    pad = tokenizer.pad_token_id
+    _restore_rng(state)
+    t0 = time.perf_counter()
+    model.eval()  # π_old: no dropout, same numerics as the sampler's weights
+    recompute_old_logprobs(model, groups, pad, cfg.train.micro_batch_prefixes)
+    old_seconds = time.perf_counter() - t0
+    model.train()
+    records, global_step = optimizer_steps(
+        cfg, k, engine, groups, lambda chunk: _micro_loss(model, cfg, chunk, pad), (state or {}).get("global_step", 0),
+        lambda r: (f"loss {r['loss']:.5f} (tok {r['loss_tok']:.4f} step {r['loss_step']:.4f} rule "
+                   f"{r['loss_rule']:.4f}) gap {r['teacher_student_gap']:.4f} clip {r['clip_fraction']:.3f}"),
+        log=log, show_progress=show_progress)
     if records:
         records[0]["old_logp_seconds"] = old_seconds
-    new_state = {"global_step": global_step, "round": k + 1, "rng": _rng_state(),
-                 "optimizer": engine.optimizer_state()}
-    return records, new_state
+    return records, {"global_step": global_step, "round": k + 1, "rng": _rng_state(),
+                     "optimizer": engine.optimizer_state()}
 
 
 def sft_round(cfg: RunConfig, k: int, engine, tokenizer, rows: list[dict], state: dict[str, Any] | None,
               *, log: Callable[[str], None] = print, show_progress: bool = True) -> tuple[list[dict], dict]:
     """SFT baseline round: cross-entropy on the recorded response of each prefix (the response text
     followed by EOS), minibatches and micro-batches counted in prefixes exactly as SAPD's."""
-    from tqdm import tqdm
-
-    t = cfg.train
     model = engine.model
     pad = tokenizer.pad_token_id
-    global_step = (state or {}).get("global_step", 0)
     _restore_rng(state)
     model.train()
     data = [(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"],
              tokenizer(r["recorded_response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
             for r in rows]
-    order_rng = random.Random(f"{t.seed}:{k}")
-    records = []
-    n_steps = t.epochs_per_round * -(-len(data) // t.minibatch_prefixes)
-    bar = tqdm(total=n_steps, desc=f"round {k} sft", unit="step", disable=None if show_progress else True, leave=False)
-    for epoch in range(t.epochs_per_round):
-        order = list(range(len(data)))
-        order_rng.shuffle(order)
-        for mb_start in range(0, len(order), t.minibatch_prefixes):
-            t_step = time.perf_counter()
-            mb = [data[i] for i in order[mb_start:mb_start + t.minibatch_prefixes]]
-            chunks = [mb[s:s + t.micro_batch_prefixes] for s in range(0, len(mb), t.micro_batch_prefixes)]
-            parts = []
-            for chunk, weight, metric_weight in micro_batch_share(chunks, len(mb), engine):
-                logp, mask = response_logprobs(model, [c[0] for c in chunk], [c[1] for c in chunk], pad)
-                loss, metrics = sft_loss(logp, mask, cfg.loss_config().reduction)
-                engine.backward(loss * weight)
-                parts.append((metric_weight, metrics))
-            lr = learning_rate(cfg, k, global_step)
-            grad_norm = engine.step(lr)
-            global_step += 1
-            rec = {"round": k, "epoch": epoch, "step": global_step, "lr": lr, "grad_norm": grad_norm,
-                   "prefixes": len(mb), **_mean_metrics(parts, engine), "step_seconds": time.perf_counter() - t_step}
-            records.append(rec)
-            bar.update(1)
-            log(f"round {k} step {global_step}: sft loss {rec['loss']:.5f} |g| {grad_norm:.3f}")
-    bar.close()
+    reduction = cfg.loss_config().reduction
+
+    def micro_loss(chunk):
+        logp, mask = response_logprobs(model, [c[0] for c in chunk], [c[1] for c in chunk], pad)
+        return sft_loss(logp, mask, reduction)
+
+    records, global_step = optimizer_steps(cfg, k, engine, data, micro_loss, (state or {}).get("global_step", 0),
+                                           lambda r: f"sft loss {r['loss']:.5f}", log=log,
+                                           show_progress=show_progress, label="sft")
     return records, {"global_step": global_step, "round": k + 1, "rng": _rng_state(),
                      "optimizer": engine.optimizer_state()}
 
@@ -385,7 +386,7 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: Callable | None =
     model = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, cfg.model.device, trainable=True)
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    engine = (engine_factory or make_torch_engine)(model, cfg)
+    engine = (engine_factory or engine_factory_for(cfg))(model, cfg)
     state = checkpoints.load_trainer_state(root, k)
     if state and "optimizer" in state:
         engine.load_optimizer_state(state["optimizer"])
