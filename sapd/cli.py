@@ -139,19 +139,30 @@ def cmd_train_round(args: argparse.Namespace) -> int:
     torchrun starts; the engine is ``train.engine``. The run root's config.yaml is written if absent
     and otherwise must equal the resolved config, exactly as for ``sapd run``."""
     import os
+    import time
+
     from sapd.config import load_config
+    from sapd.metrics import Metrics
     from sapd.pipeline import write_run_config
     from sapd.train import engine_factory_for, run_train_stage
     overrides = {"run_root": args.run_root} if args.run_root else None
     cfg = load_config(*args.config, overrides=overrides)
     main = int(os.environ.get("RANK", "0")) == 0
     factory = engine_factory_for(cfg)
+    metrics = Metrics.from_env("train")
     if main:
         write_run_config(cfg)
+        if os.environ.get("SAPD_METRICS_PORT"):  # rank 0 of a long training job serves /metrics
+            metrics.serve(int(os.environ["SAPD_METRICS_PORT"]))
+    t0 = time.perf_counter()
     marker = run_train_stage(cfg, args.round, engine_factory=factory,
                              log=(lambda s: print(s, flush=True)) if main else (lambda s: None),
-                             show_progress=main and not args.no_progress)
+                             show_progress=main and not args.no_progress,
+                             on_step=lambda rec: metrics.record_step(rec, cfg.sampling.group_size))
     if main:
+        metrics.observe_stage("train", time.perf_counter() - t0)
+        metrics.mark_success()
+        metrics.push()
         print(f"round {args.round}: checkpoint {args.round + 1} committed ({marker['commit_id'][:12]})", flush=True)
     return 0
 

@@ -13,6 +13,7 @@ from typing import Callable
 
 from sapd import checkpoints, layout, storage
 from sapd.config import ConfigError, RunConfig, dump_config
+from sapd.metrics import Metrics
 
 
 def write_run_config(cfg: RunConfig) -> None:
@@ -49,7 +50,9 @@ def ensure_initial_checkpoint(cfg: RunConfig, log: Callable[[str], None]) -> Non
 
 
 def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_progress: bool = True,
-                 engine_factory: Callable | None = None) -> dict:
+                 engine_factory: Callable | None = None, metrics: Metrics | None = None) -> dict:
+    """Run (or resume) the whole local pipeline. ``metrics`` (default: from the environment) records stage
+    timings, tokens and loss terms, and is pushed to the Pushgateway after every stage when one is set."""
     from sapd.models.generation import HFGenerator
     from sapd.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer
     from sapd.models.scoring import score_groups
@@ -57,6 +60,7 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
     from sapd.train import run_train_stage
 
     root = cfg.run_root
+    metrics = metrics or Metrics.from_env("pipeline")
     write_run_config(cfg)
     tokenizer = load_tokenizer(cfg.model.student)
     sft = cfg.loss_config().objective == "sft"
@@ -67,6 +71,9 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
     build = ensure_prefixes(cfg, tokenizer, log, show_progress)
     log(f"prefixes: {build.manifest['stats']['train']} train / {build.manifest['stats']['val']} val "
         f"({'already committed' if build.skipped else 'built'}, {time.perf_counter() - t0:.1f}s)")
+    if not build.skipped:
+        metrics.observe_stage("build_prefixes", time.perf_counter() - t0)
+        metrics.push()
     ensure_initial_checkpoint(cfg, log)
     for k in range(cfg.train.rounds):
         if checkpoints.is_committed(root, k + 1):
@@ -96,9 +103,22 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
                         return score_groups(teacher, groups, pad_id=tokenizer.pad_token_id, progress=progress)
 
                 for w in range(cfg.workers):
-                    precompute_worker(cfg, k, w, generator, scorer, tokenizer, log=log, show_progress=show_progress)
+                    res = precompute_worker(cfg, k, w, generator, scorer, tokenizer, log=log,
+                                            show_progress=show_progress)
+                    for key, seconds in res.timings.items():
+                        metrics.observe_stage(key.removesuffix("_seconds"), seconds)
+                    metrics.add_tokens("sample", res.generated_tokens)
+                    metrics.add_tokens("score", res.generated_tokens)
                 commit_round(cfg, k)
+                metrics.round.set(k)
+                metrics.push()
                 del generator
-        run_train_stage(cfg, k, engine_factory=engine_factory, log=log, show_progress=show_progress)
+        t0 = time.perf_counter()
+        run_train_stage(cfg, k, engine_factory=engine_factory, log=log, show_progress=show_progress,
+                        on_step=lambda rec: metrics.record_step(rec, cfg.sampling.group_size))
+        metrics.observe_stage("train", time.perf_counter() - t0)
+        metrics.push()
         log(f"round {k}: checkpoint {k + 1} committed")
+    metrics.mark_success()
+    metrics.push()
     return {"run_root": root, "checkpoints": layout.committed_checkpoints(root)}

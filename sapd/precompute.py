@@ -82,6 +82,7 @@ class PrecomputeResult:
     skipped: bool
     rows: int
     timings: dict[str, float]
+    generated_tokens: int = 0
 
 
 def precompute_worker(cfg: RunConfig, k: int, worker: int, generator: Generator, teacher_scorer: Callable,
@@ -98,7 +99,7 @@ def precompute_worker(cfg: RunConfig, k: int, worker: int, generator: Generator,
     if shards.read_manifest(out_dir) is not None or storage.exists(marker):
         log(f"round {k} worker {worker}: already done")
         done = storage.read_json(marker) if storage.exists(marker) else {"rows": -1, "timings": {}}
-        return PrecomputeResult(True, done["rows"], done.get("timings", {}))
+        return PrecomputeResult(True, done["rows"], done.get("timings", {}), done.get("generated_tokens", 0))
     spec = get_benchmark(cfg.data.benchmark)
     rows = worker_rows(round_batch(cfg, k), worker, cfg.workers).to_pylist()
     prompts = [r["prompt"] for r in rows]
@@ -151,7 +152,7 @@ def precompute_worker(cfg: RunConfig, k: int, worker: int, generator: Generator,
                                 "generated_tokens": n_tokens})
     log(f"round {k} worker {worker}: wrote {table.num_rows} groups, {n_tokens} generated tokens "
         f"(sample {timings['sample_seconds']:.1f}s, teacher {timings['score_seconds']:.1f}s)")
-    return PrecomputeResult(False, table.num_rows, timings)
+    return PrecomputeResult(False, table.num_rows, timings, n_tokens)
 
 
 def commit_round(cfg: RunConfig, k: int) -> dict[str, Any]:

@@ -281,7 +281,8 @@ def _mean_metrics(items: list[tuple[float, dict[str, float]]], engine=None) -> d
 
 def optimizer_steps(cfg: RunConfig, k: int, engine, items: list, micro_loss: Callable, global_step: int,
                     describe: Callable[[dict], str], *, log: Callable[[str], None] = print,
-                    show_progress: bool = True, label: str = "training") -> tuple[list[dict], int]:
+                    show_progress: bool = True, label: str = "training",
+                    on_step: Callable[[dict], None] | None = None) -> tuple[list[dict], int]:
     """The optimizer steps of round k over ``items`` (scored groups, or SFT examples): each epoch
     reshuffles them with (seed, k), cuts minibatches of ``minibatch_prefixes``, accumulates the
     micro-batch losses ``micro_loss(chunk) -> (loss, metrics)`` of this rank's share, clips and steps.
@@ -314,13 +315,16 @@ def optimizer_steps(cfg: RunConfig, k: int, engine, items: list, micro_loss: Cal
                    "step_seconds": time.perf_counter() - t_step}
             records.append(rec)
             bar.update(1)
+            if on_step is not None and engine.is_main:
+                on_step(rec)
             log(f"round {k} step {global_step}: {describe(rec)} |g| {grad_norm:.3f}")
     bar.close()
     return records, global_step
 
 
 def train_round(cfg: RunConfig, k: int, engine, tokenizer, groups: list[Group], state: dict[str, Any] | None,
-                *, log: Callable[[str], None] = print, show_progress: bool = True) -> tuple[list[dict], dict]:
+                *, log: Callable[[str], None] = print, show_progress: bool = True,
+                on_step: Callable[[dict], None] | None = None) -> tuple[list[dict], dict]:
     """Run round k's optimizer steps on ``engine.model`` (loaded from checkpoint k). Returns the step
     records and the trainer state to store with checkpoint k+1."""
     model = engine.model
@@ -335,7 +339,7 @@ def train_round(cfg: RunConfig, k: int, engine, tokenizer, groups: list[Group], 
         cfg, k, engine, groups, lambda chunk: _micro_loss(model, cfg, chunk, pad), (state or {}).get("global_step", 0),
         lambda r: (f"loss {r['loss']:.5f} (tok {r['loss_tok']:.4f} step {r['loss_step']:.4f} rule "
                    f"{r['loss_rule']:.4f}) gap {r['teacher_student_gap']:.4f} clip {r['clip_fraction']:.3f}"),
-        log=log, show_progress=show_progress)
+        log=log, show_progress=show_progress, on_step=on_step)
     if records:
         records[0]["old_logp_seconds"] = old_seconds
     return records, {"global_step": global_step, "round": k + 1, "rng": _rng_state(),
@@ -343,7 +347,8 @@ def train_round(cfg: RunConfig, k: int, engine, tokenizer, groups: list[Group], 
 
 
 def sft_round(cfg: RunConfig, k: int, engine, tokenizer, rows: list[dict], state: dict[str, Any] | None,
-              *, log: Callable[[str], None] = print, show_progress: bool = True) -> tuple[list[dict], dict]:
+              *, log: Callable[[str], None] = print, show_progress: bool = True,
+              on_step: Callable[[dict], None] | None = None) -> tuple[list[dict], dict]:
     """SFT baseline round: cross-entropy on the recorded response of each prefix (the response text
     followed by EOS), minibatches and micro-batches counted in prefixes exactly as SAPD's."""
     model = engine.model
@@ -361,7 +366,7 @@ def sft_round(cfg: RunConfig, k: int, engine, tokenizer, rows: list[dict], state
 
     records, global_step = optimizer_steps(cfg, k, engine, data, micro_loss, (state or {}).get("global_step", 0),
                                            lambda r: f"sft loss {r['loss']:.5f}", log=log,
-                                           show_progress=show_progress, label="sft")
+                                           show_progress=show_progress, label="sft", on_step=on_step)
     return records, {"global_step": global_step, "round": k + 1, "rng": _rng_state(),
                      "optimizer": engine.optimizer_state()}
 
@@ -372,8 +377,10 @@ def write_round_log(root: str, k: int, records: list[dict], extra: dict[str, Any
 
 
 def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: Callable | None = None,
-                    log: Callable[[str], None] = print, show_progress: bool = True) -> dict[str, Any]:
-    """Checkpoint k + round k's data → checkpoint k+1 (idempotent: a committed k+1 is left alone)."""
+                    log: Callable[[str], None] = print, show_progress: bool = True,
+                    on_step: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """Checkpoint k + round k's data → checkpoint k+1 (idempotent: a committed k+1 is left alone).
+    ``on_step`` sees every optimizer-step record on the main rank (metrics)."""
     from sapd.models.loading import load_tokenizer
     from sapd.precompute import read_scored, round_batch
 
@@ -392,11 +399,12 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: Callable | None =
         engine.load_optimizer_state(state["optimizer"])
     if cfg.loss_config().objective == "sft":
         rows = round_batch(cfg, k).to_pylist()
-        records, new_state = sft_round(cfg, k, engine, tokenizer, rows, state, log=log, show_progress=show_progress)
+        records, new_state = sft_round(cfg, k, engine, tokenizer, rows, state, log=log, show_progress=show_progress,
+                                       on_step=on_step)
     else:
         groups = _groups_from_table(read_scored(root, k))
         records, new_state = train_round(cfg, k, engine, tokenizer, groups, state, log=log,
-                                         show_progress=show_progress)
+                                         show_progress=show_progress, on_step=on_step)
     # several ranks: rank 0 writes the log and checkpoint k+1, once every rank is done reading round k
     engine.barrier()
     with engine.gathered_model() as full_model:

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -123,6 +124,7 @@ def ensure_panel(panel: list[GameSpec], cache_dir: str | Path = DEFAULT_CACHE,
 
 _BANNER_LINE = re.compile(r"^[\s_|\\/$<>()\-=*.,'`~^]*$")
 _END = "*** The End ***"
+_STATUS_LINE = re.compile(r"(?m)^>[ \t]*(-=.*=-[ \t]*[\d/]*)?[ \t]*$")
 
 
 def clean_observation(text: str, objective: str | None = None) -> str:
@@ -136,6 +138,7 @@ def clean_observation(text: str, objective: str | None = None) -> str:
     while lines and _BANNER_LINE.match(lines[0]):  # banner art left when the objective was not found
         lines.pop(0)
     text = "\n".join(lines)
+    text = _STATUS_LINE.sub("", text)  # the interpreter's status bar ("> … -= Room =-0/1") after reset
     if _END in text:
         text = text[:text.index(_END)].rstrip() + "\n\n" + _END
     text = re.sub(r"[ \t]+\n", "\n", text)
@@ -169,13 +172,17 @@ class TextWorldEnv:
 
         infos = textworld.EnvInfos(admissible_commands=True, policy_commands=True, extras=["walkthrough"],
                                    objective=True, won=True, lost=True, score=True, max_score=True)
-        self._env = textworld.start(str(self.game_file), request_infos=infos)
+        with warnings.catch_warnings():  # Jericho: "not fully supported" — TextWorld tracks the score itself
+            warnings.filterwarnings("ignore", message=r".*is not fully supported")
+            self._env = textworld.start(str(self.game_file), request_infos=infos)
 
     def reset(self, seed: int | None = None) -> StepInfo:
         # generated games are deterministic; the seed is accepted for the protocol and ignored
         if self._env is None:
             self._start()
-        state = self._env.reset()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*is not fully supported")
+            state = self._env.reset()
         self._state, self._actions, self._score = state, [], float(state["score"] or 0)
         self._objective = (state["objective"] or "").strip()
         return StepInfo(observation=clean_observation(state.feedback, self._objective), task=self._objective,

@@ -1,0 +1,105 @@
+"""Every Prometheus metric sapd exports, declared in one place (DESIGN.md "Metrics").
+
+Names carry the ``sapd_`` prefix and base units; labels are low-cardinality only (stage, loss term,
+advantage statistic, benchmark, category) — never a prefix or trajectory id. Batch jobs push their
+registry to a Pushgateway (``SAPD_PUSHGATEWAY_URL``) after each stage and at the end, grouped by job
+name and release (``SAPD_RELEASE``); long training also serves ``/metrics`` on rank 0
+(``SAPD_METRICS_PORT``). Without those variables nothing leaves the process, and the same figures are
+in the run's JSONL logs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, push_to_gateway, start_http_server
+
+# stage wall times span sub-second CPU steps to hour-long GPU rounds
+_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, float("inf"))
+
+# training-step record fields → (metric, label value)
+_LOSS_TERMS = {"loss": "total", "loss_tok": "tok", "loss_step": "step", "loss_rule": "rule", "loss_sft": "sft"}
+_ADV_STATS = {"step_adv_abs_mean": "step_abs_mean", "step_adv_std": "step_std", "rule_adv_abs_mean": "rule_abs_mean",
+              "step_score_mean": "step_score_mean", "rule_score_mean": "rule_score_mean"}
+
+
+@dataclass
+class Metrics:
+    job: str  # Pushgateway grouping key: the job (build_prefixes, teacher_scores, train, pipeline, …)
+    pushgateway: str | None = None
+    release: str = "local"
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.stage_duration = Histogram("sapd_stage_duration_seconds", "Wall time of one stage run",
+                                        ["stage"], buckets=_DURATION_BUCKETS, registry=r)
+        self.tokens = Counter("sapd_tokens_total", "Tokens processed, by stage (sample, score, train)",
+                              ["stage"], registry=r)
+        self.loss = Gauge("sapd_loss", "Loss terms of the last optimizer step", ["term"], registry=r)
+        self.advantage = Gauge("sapd_advantage", "Advantage and score statistics of the last optimizer step",
+                               ["stat"], registry=r)
+        self.gap = Gauge("sapd_teacher_student_gap", "Mean per-token teacher − student log-prob of sampled tokens",
+                         registry=r)
+        self.clip_fraction = Gauge("sapd_clip_fraction", "Share of response tokens whose ratio was clipped", registry=r)
+        self.round = Gauge("sapd_round", "Round being (or last) processed", registry=r)
+        self.optimizer_steps = Counter("sapd_optimizer_steps_total", "Optimizer steps taken", registry=r)
+        self.eval_success = Gauge("sapd_eval_success_ratio", "Task success (or exact match) of the newest evaluation",
+                                  ["benchmark", "category"], registry=r)
+        self.last_success = Gauge("sapd_job_last_success_timestamp_seconds",
+                                  "Unix time the job last finished successfully", registry=r)
+
+    @classmethod
+    def from_env(cls, job: str) -> "Metrics":
+        return cls(job=job, pushgateway=os.environ.get("SAPD_PUSHGATEWAY_URL") or None,
+                   release=os.environ.get("SAPD_RELEASE", "local"))
+
+    # -- recording ---------------------------------------------------------------------------------
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        self.stage_duration.labels(stage=stage).observe(seconds)
+
+    def add_tokens(self, stage: str, n: int) -> None:
+        if n > 0:
+            self.tokens.labels(stage=stage).inc(n)
+
+    def record_step(self, rec: dict[str, Any], group_size: int = 1) -> None:
+        """One optimizer-step record of the training loop (sapd.train); ``group_size`` G turns the mean
+        response length per response into tokens trained."""
+        for key, term in _LOSS_TERMS.items():
+            if key in rec:
+                self.loss.labels(term=term).set(rec[key])
+        for key, stat in _ADV_STATS.items():
+            if key in rec:
+                self.advantage.labels(stat=stat).set(rec[key])
+        if "teacher_student_gap" in rec:
+            self.gap.set(rec["teacher_student_gap"])
+        if "clip_fraction" in rec:
+            self.clip_fraction.set(rec["clip_fraction"])
+        self.round.set(rec.get("round", 0))
+        self.optimizer_steps.inc()
+        self.observe_stage("train_step", rec.get("step_seconds", 0.0))
+        self.add_tokens("train", round(rec.get("response_tokens_mean", 0.0) * rec.get("prefixes", 0) * group_size))
+
+    def record_eval(self, benchmark: str, overall: float, by_category: dict[str, float] | None = None) -> None:
+        self.eval_success.labels(benchmark=benchmark, category="all").set(overall)
+        for cat, v in (by_category or {}).items():
+            self.eval_success.labels(benchmark=benchmark, category=cat).set(v)
+
+    def mark_success(self) -> None:
+        self.last_success.set(time.time())
+
+    # -- export ------------------------------------------------------------------------------------
+
+    def push(self) -> None:
+        """Push the registry to the Pushgateway, when one is configured (a batch job's metrics)."""
+        if self.pushgateway:
+            push_to_gateway(self.pushgateway, job=self.job, registry=self.registry,
+                            grouping_key={"release": self.release}, timeout=10)
+
+    def serve(self, port: int, addr: str = "0.0.0.0"):
+        """Serve ``/metrics`` (rank 0 of a long training job). Returns (server, thread)."""
+        return start_http_server(port, addr=addr, registry=self.registry)

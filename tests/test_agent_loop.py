@@ -1,0 +1,280 @@
+"""The agent loop without a real environment: recorded trajectories replayed (ReplayEnv) give
+byte-identical prompts to their prefixes; horizon, invalid responses and crashing environments."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import pytest
+
+from sapd.agent_loop import (EpisodeSpec, LoopOptions, collect_expert, expert_response, run_episodes,
+                             summarize)
+from sapd.benchmarks import get_benchmark, parse_decision
+from sapd.data.loaders import LoadOptions, load_trajectories, write_native_jsonl
+from sapd.data.prefixes import PrefixOptions, build_prefix_rows
+from sapd.data.schema import Trajectory, Turn
+from sapd.envs.base import ReplayEnv, StepInfo, StepResult
+from sapd.models.generation import Sample, SamplingParams
+from tests.tokenizer_util import SAMPLE_DATA, build_test_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_test_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+class ScriptedGenerator:
+    """A Generator that answers step k of every live episode with its recorded response k. The loop
+    batches the live episodes in spec order, and a replayed episode lives exactly while k < its length,
+    so the live list of step k is known; each prompt is kept under (trajectory id, k)."""
+
+    def __init__(self, trajectories: Sequence[Trajectory],
+                 override: Callable[[str, int], str | None] | None = None, by_task: bool = False) -> None:
+        self.trajectories = list(trajectories)
+        self.by_task = by_task
+        self.override = override
+        self.calls: list[int] = []  # prompts per generate call
+        self.prompts: dict[tuple[str, int], str] = {}
+        self.step = 0
+
+    def generate(self, prompts, params, progress=None):
+        assert params.n == 1
+        live = [t for t in self.trajectories if len(t.turns) > self.step]
+        if self.by_task:  # episodes may end early: find each prompt's trajectory by its task
+            live = [next(t for t in self.trajectories if f"Your task is to: {t.task}\n" in p) for p in prompts]
+        assert len(live) == len(prompts)
+        self.calls.append(len(prompts))
+        out = []
+        for traj, prompt in zip(live, prompts):
+            self.prompts[(traj.id, self.step)] = prompt
+            text = traj.turns[self.step].response
+            if self.override is not None and (o := self.override(traj.id, self.step)) is not None:
+                text = o
+            out.append([Sample(token_ids=[], logprobs=[], text=text, finish_reason="stop")])
+        self.step += 1
+        return out
+
+
+def _load(name: str, benchmark: str) -> list[Trajectory]:
+    return load_trajectories(str(SAMPLE_DATA / name), "eto", LoadOptions(benchmark=benchmark)).trajectories
+
+
+def _replay_specs(trajs: Sequence[Trajectory]) -> list[EpisodeSpec]:
+    return [EpisodeSpec(t.id, (lambda t=t: ReplayEnv(t))) for t in trajs]
+
+
+def assert_replay_matches_prefixes(trajs: Sequence[Trajectory], make_specs, benchmark: str, tokenizer,
+                                   popts: PrefixOptions) -> list[Trajectory]:
+    """Replay ``trajs`` through the loop; every prompt equals its prefix's, byte for byte."""
+    spec = get_benchmark(benchmark)
+    gen = ScriptedGenerator(trajs)
+    got = run_episodes(make_specs(trajs), gen, tokenizer, spec, opts=LoopOptions(prompt=popts))
+    rows, _ = build_prefix_rows(trajs, spec, tokenizer, popts)
+    expected = {(r["trajectory_id"], r["turn_index"]): r["prompt"] for r in rows}
+    assert set(gen.prompts) == set(expected)
+    for key, prompt in expected.items():
+        assert gen.prompts[key] == prompt, key
+    # one generate call per step over all live episodes
+    assert gen.calls == [sum(len(t.turns) > k for t in trajs) for k in range(max(len(t.turns) for t in trajs))]
+    for rec, ep in zip(trajs, got):
+        assert [(u.observation, u.response, u.action, u.admissible_actions) for u in ep.turns] == \
+               [(u.observation, u.response, u.action, u.admissible_actions) for u in rec.turns]
+        assert ep.metadata["invalid_steps"] == 0 and ep.metadata["end_reason"] == "done"
+    return got
+
+
+@pytest.mark.parametrize("popts", [PrefixOptions(), PrefixOptions(full_history=True),
+                                   PrefixOptions(prompt_style="chat", history_length=3)],
+                         ids=["step", "step-full", "chat"])
+@pytest.mark.parametrize("name,benchmark", [("alfworld_eto.json", "alfworld"), ("webshop_eto.json", "webshop")])
+def test_replayed_trajectories_give_the_prefix_prompts(tokenizer, name, benchmark, popts):
+    trajs = _load(name, benchmark)
+    assert len(trajs) >= 3
+    assert_replay_matches_prefixes(trajs, _replay_specs, benchmark, tokenizer, popts)
+
+
+def test_replay_with_admissible_actions_and_the_recorded_outcome(tokenizer):
+    trajs = _load("alfworld_eto.json", "alfworld")[:3]
+    trajs = [dataclasses.replace(t, success=i != 1, turns=[dataclasses.replace(u, admissible_actions=[u.action, "look"])
+                                                           for u in t.turns]) for i, t in enumerate(trajs)]
+    got = assert_replay_matches_prefixes(trajs, _replay_specs, "alfworld", tokenizer, PrefixOptions())
+    assert [t.success for t in got] == [True, False, True]
+    assert all(t.final_observation == r.final_observation for t, r in zip(got, trajs))
+
+
+def test_loop_records_load_back_and_rebuild_the_same_prefixes(tokenizer, tmp_path):
+    trajs = _load("alfworld_eto.json", "alfworld")
+    gen = ScriptedGenerator(trajs)
+    got = run_episodes(_replay_specs(trajs), gen, tokenizer, "alfworld")
+    path = tmp_path / "pool.jsonl"
+    write_native_jsonl(got, str(path))
+    back = load_trajectories(str(path), "native", LoadOptions(benchmark="alfworld")).trajectories
+    assert [t.to_dict() for t in back] == [t.to_dict() for t in got]
+    rows, _ = build_prefix_rows(back, get_benchmark("alfworld"), tokenizer, PrefixOptions())
+    assert {(r["trajectory_id"], r["turn_index"]): r["prompt"] for r in rows} == gen.prompts
+
+
+def test_horizon_is_enforced(tokenizer):
+    trajs = _load("alfworld_eto.json", "alfworld")
+    long = [t for t in trajs if len(t.turns) >= 5]
+    got = run_episodes(_replay_specs(long), ScriptedGenerator(long), tokenizer, "alfworld",
+                       opts=LoopOptions(horizon=3))
+    for t in got:
+        assert len(t.turns) == 3 and t.success is False
+        assert t.metadata["end_reason"] == "horizon"
+        assert t.final_observation == long[got.index(t)].turns[3].observation
+
+
+@pytest.mark.parametrize("bad", ["no tags at all", "<think>x</think><action></action>",
+                                 "<action>go to desk 1</action>", ""])
+def test_malformed_response_is_an_invalid_step_not_a_crash(tokenizer, bad):
+    trajs = _load("alfworld_eto.json", "alfworld")[:2]
+    envs: dict[str, ReplayEnv] = {}
+
+    def specs(ts):
+        def make(t):
+            envs[t.id] = ReplayEnv(t)
+            return envs[t.id]
+        return [EpisodeSpec(t.id, (lambda t=t: make(t))) for t in ts]
+
+    gen = ScriptedGenerator(trajs, override=lambda tid, k: bad if (tid == trajs[0].id and k == 1) else None)
+    got = run_episodes(specs(trajs), gen, tokenizer, "alfworld")
+    first = got[0]
+    assert first.metadata["invalid_steps"] == 1 and first.metadata["invalid_turns"] == [1]
+    reason = parse_decision(bad, "alfworld").reason
+    assert first.metadata["invalid_reasons"] == {reason: 1}
+    assert first.turns[1].response == bad and first.turns[1].action == "look"
+    assert envs[trajs[0].id].actions[1] == "look"  # the environment got the no-op
+    assert len(first.turns) == len(trajs[0].turns)  # the episode went on
+    assert got[1].metadata["invalid_steps"] == 0
+    assert summarize(got)["overall"]["invalid_step_rate"] == pytest.approx(1 / sum(len(t.turns) for t in trajs))
+
+
+def test_invalid_without_noop_leaves_the_environment_alone(tokenizer):
+    traj = _load("alfworld_eto.json", "alfworld")[0]
+    gen = ScriptedGenerator([traj], override=lambda tid, k: "nonsense" if k == 0 else None)
+    got = run_episodes(_replay_specs([traj]), gen, tokenizer, "alfworld",
+                       opts=LoopOptions(invalid_action=None, horizon=2))[0]
+    assert got.turns[0].action == "<invalid>"
+    assert got.turns[1].observation == got.turns[0].observation  # nothing happened
+
+
+class FlakyEnv:
+    """A ReplayEnv that raises in ``step`` number ``fail_at`` (1-based) of its first ``fail_times`` instances."""
+
+    instances = 0
+
+    def __init__(self, traj: Trajectory, fail_at: int, fail_times: int, counter: list[int],
+                 fail_reset: bool = False) -> None:
+        self.inner = ReplayEnv(traj)
+        self.benchmark = traj.benchmark
+        counter[0] += 1
+        self.broken = counter[0] <= fail_times
+        self.fail_at, self.fail_reset, self.steps = fail_at, fail_reset, 0
+
+    def reset(self, seed=None) -> StepInfo:
+        if self.broken and self.fail_reset:
+            raise ConnectionError("simulator did not start")
+        self.steps = 0
+        return self.inner.reset(seed)
+
+    def step(self, action: str) -> StepResult:
+        self.steps += 1
+        if self.broken and self.steps == self.fail_at:
+            raise RuntimeError("simulator crashed")
+        return self.inner.step(action)
+
+    def close(self) -> None:
+        pass
+
+
+def _flaky_specs(traj, **kw):
+    counter = [0]
+    return [EpisodeSpec(traj.id, lambda: FlakyEnv(traj, counter=counter, **kw))], counter
+
+
+def test_a_crashing_environment_is_restarted_and_the_episode_continues(tokenizer):
+    traj = _load("alfworld_eto.json", "alfworld")[2]
+    traj = dataclasses.replace(traj, success=True)
+    specs, counter = _flaky_specs(traj, fail_at=3, fail_times=1)
+    got = run_episodes(specs, ScriptedGenerator([traj]), tokenizer, "alfworld")[0]
+    assert counter[0] == 2 and got.metadata["env_restarts"] == 1
+    assert got.success is True and got.metadata["end_reason"] == "done" and got.metadata["error"] is None
+    assert [u.observation for u in got.turns] == [u.observation for u in traj.turns]
+
+
+def test_an_environment_that_keeps_crashing_is_recorded_as_failed(tokenizer):
+    traj = dataclasses.replace(_load("alfworld_eto.json", "alfworld")[2], success=True)
+    specs, counter = _flaky_specs(traj, fail_at=2, fail_times=100)
+    other = _load("alfworld_eto.json", "alfworld")[0]
+    gen = ScriptedGenerator([traj, other], by_task=True)
+    got = run_episodes(specs + _replay_specs([other]), gen, tokenizer, "alfworld",
+                       opts=LoopOptions(max_env_retries=2))
+    bad = got[0]
+    assert counter[0] == 3  # the first build and two restarts
+    assert bad.success is False and bad.metadata["end_reason"] == "env_error"
+    assert "RuntimeError: simulator crashed" in bad.metadata["error"] and "step 2" in bad.metadata["error"]
+    assert len(bad.turns) == 2 and bad.metadata["env_restarts"] == 2
+    assert got[1].metadata["end_reason"] == "done"  # the other episode is unaffected
+    assert summarize(got)["overall"]["env_errors"] == 1
+
+
+def test_an_environment_that_never_starts_is_recorded_as_failed(tokenizer):
+    traj = _load("alfworld_eto.json", "alfworld")[0]
+    specs, counter = _flaky_specs(traj, fail_at=0, fail_times=100, fail_reset=True)
+    got = run_episodes(specs, ScriptedGenerator([]), tokenizer, "alfworld", opts=LoopOptions(max_env_retries=1))[0]
+    assert counter[0] == 2 and got.turns == [] and got.success is False
+    assert got.metadata["end_reason"] == "env_error" and "ConnectionError" in got.metadata["error"]
+
+
+def test_a_restart_that_diverges_fails_the_episode(tokenizer):
+    traj = _load("alfworld_eto.json", "alfworld")[3]
+    counter = [0]
+
+    class Diverging(FlakyEnv):
+        def step(self, action):
+            res = super().step(action)
+            if counter[0] > 1:
+                res = dataclasses.replace(res, observation=res.observation + " (different)")
+            return res
+
+    specs = [EpisodeSpec(traj.id, lambda: Diverging(traj, fail_at=3, fail_times=1, counter=counter))]
+    got = run_episodes(specs, ScriptedGenerator([traj]), tokenizer, "alfworld")[0]
+    assert got.metadata["end_reason"] == "env_error" and "diverged at step 1" in got.metadata["error"]
+
+
+def test_collect_expert_on_replayed_trajectories():
+    trajs = _load("alfworld_eto.json", "alfworld")
+    trajs = [dataclasses.replace(t, success=True) for t in trajs]
+    got = collect_expert(_replay_specs(trajs), "alfworld")
+    for rec, ep in zip(trajs, got):
+        assert [u.action for u in ep.turns] == [u.action for u in rec.turns]
+        assert [u.observation for u in ep.turns] == [u.observation for u in rec.turns]
+        for u in ep.turns:
+            d = parse_decision(u.response, "alfworld")
+            assert d.valid and d.content == u.action.lower()
+            assert u.response.startswith("<think>") and "</think>\n<action>" in u.response
+        assert ep.success is True and ep.metadata["policy"] == "expert"
+    s = summarize(got)
+    assert s["overall"]["success"] == 1.0 and s["overall"]["episodes"] == len(trajs)
+
+
+def test_expert_response_format():
+    r = expert_response("take old key from antique trunk")
+    assert r == "<think>I need the old key for the task, so I should take it.</think>\n<action>take old key from antique trunk</action>"
+    assert parse_decision(expert_response("go north"), "textworld").content == "go north"
+
+
+def test_sampling_params_are_one_sample_per_episode_with_the_step_seed(tokenizer):
+    traj = _load("alfworld_eto.json", "alfworld")[0]
+    seen = []
+
+    class Gen(ScriptedGenerator):
+        def generate(self, prompts, params, progress=None):
+            seen.append((params.n, params.seed, params.temperature))
+            return super().generate(prompts, params, progress)
+
+    run_episodes(_replay_specs([traj]), Gen([traj]), tokenizer, "alfworld",
+                 params=SamplingParams(n=8, seed=10, temperature=0.7))
+    assert seen == [(1, 10 + k, 0.7) for k in range(len(traj.turns))]

@@ -1,0 +1,145 @@
+"""Metrics for real: Debian's prometheus-pushgateway and prometheus on loopback; a tiny pipeline pushes,
+Prometheus scrapes the gateway, and the figures are read back through Prometheus' HTTP query API."""
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from sapd.config import config_from_dict
+from sapd.metrics import Metrics
+from sapd.pipeline import run_pipeline
+from tests.pipeline_util import make_models, tiny_config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, seconds: float = 30.0) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{url}: server exited ({proc.returncode}):\n{log.read_text()[-2000:]}")
+        try:
+            _get(url, timeout=1)
+            return
+        except OSError:
+            time.sleep(0.2)
+    pytest.fail(f"{url}: no answer within {seconds}s:\n{log.read_text()[-2000:]}")
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name)
+    if not path:
+        pytest.fail(f"{name} not found: install Debian's prometheus and prometheus-pushgateway (.ci/run does)")
+    return path
+
+
+@pytest.fixture
+def prometheus_stack(tmp_path):
+    gw_port, prom_port = _free_port(), _free_port()
+    gw_log, prom_log = tmp_path / "pushgateway.log", tmp_path / "prometheus.log"
+    gw = subprocess.Popen([_binary("prometheus-pushgateway"), f"--web.listen-address=127.0.0.1:{gw_port}",
+                           f"--persistence.file={tmp_path / 'pgw.data'}"],
+                          stdout=gw_log.open("w"), stderr=subprocess.STDOUT)
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(f"global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: pushgateway\n"
+                   f"    honor_labels: true\n    static_configs:\n      - targets: ['127.0.0.1:{gw_port}']\n")
+    prom = subprocess.Popen([_binary("prometheus"), f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=prom_log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        _wait_http(f"http://127.0.0.1:{gw_port}/-/ready", gw, gw_log)
+        _wait_http(f"http://127.0.0.1:{prom_port}/-/ready", prom, prom_log)
+        yield {"pushgateway": f"http://127.0.0.1:{gw_port}", "prometheus": f"http://127.0.0.1:{prom_port}"}
+    finally:
+        for p in (prom, gw):
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _query(prom: str, expr: str) -> list[dict]:
+    body = json.loads(_get(f"{prom}/api/v1/query?query={urllib.parse.quote(expr)}"))
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _wait_query(prom: str, expr: str, seconds: float = 30.0) -> list[dict]:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        result = _query(prom, expr)
+        if result:
+            return result
+        time.sleep(0.5)
+    pytest.fail(f"Prometheus never returned a sample for {expr}")
+
+
+@pytest.mark.integration
+def test_pipeline_metrics_reach_prometheus(tmp_path, prometheus_stack):
+    models = make_models(tmp_path / "models")
+    cfg = config_from_dict(tiny_config(str(tmp_path / "run"), *models, train={"rounds": 1}))
+    metrics = Metrics(job="pipeline", pushgateway=prometheus_stack["pushgateway"], release="test-release")
+    t_start = time.time()
+    run_pipeline(cfg, log=lambda s: None, show_progress=False, metrics=metrics)
+    prom = prometheus_stack["prometheus"]
+    # the job's last push carries every figure; wait until Prometheus has scraped that one
+    (last,) = _wait_query(prom, f"sapd_job_last_success_timestamp_seconds >= {t_start}")
+    stages = _wait_query(prom, 'sapd_stage_duration_seconds_count{release="test-release"}')
+    assert {"build_prefixes", "sample", "score", "train", "train_step"} <= {r["metric"]["stage"] for r in stages}
+    assert all(r["metric"]["job"] == "pipeline" for r in stages)
+    losses = {r["metric"]["term"]: float(r["value"][1]) for r in _wait_query(prom, "sapd_loss")}
+    assert {"total", "tok", "step", "rule"} <= set(losses)
+    tokens = {r["metric"]["stage"]: float(r["value"][1]) for r in _wait_query(prom, "sapd_tokens_total")}
+    assert tokens["sample"] > 0 and tokens["train"] > 0
+    assert last["metric"]["release"] == "test-release"
+    (steps,) = _wait_query(prom, "sapd_optimizer_steps_total")
+    from sapd.report import read_step_log
+    assert float(steps["value"][1]) == len(read_step_log(cfg.run_root))
+    assert _wait_query(prom, "sapd_teacher_student_gap")
+
+
+def test_metrics_endpoint_serves_training_figures():
+    m = Metrics(job="train")
+    port = _free_port()
+    server, _ = m.serve(port, addr="127.0.0.1")
+    try:
+        m.record_step({"round": 3, "loss": 0.5, "loss_tok": 0.1, "teacher_student_gap": -0.25,
+                       "step_adv_abs_mean": 0.7, "clip_fraction": 0.1, "step_seconds": 1.5,
+                       "response_tokens_mean": 10.0, "prefixes": 4}, group_size=8)
+        m.record_eval("alfworld", 0.5, {"Pick": 1.0})
+        text = _get(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        server.shutdown()
+    assert 'sapd_loss{term="total"} 0.5' in text and "sapd_teacher_student_gap -0.25" in text
+    assert 'sapd_tokens_total{stage="train"} 320.0' in text and "sapd_round 3.0" in text
+    assert 'sapd_eval_success_ratio{benchmark="alfworld",category="Pick"} 1.0' in text
+    assert 'sapd_stage_duration_seconds_count{stage="train_step"} 1.0' in text
+    # nothing in the exposition carries a high-cardinality id label
+    assert "prefix_id" not in text and "trajectory_id" not in text
+
+
+def test_no_pushgateway_configured_pushes_nothing(monkeypatch):
+    monkeypatch.delenv("SAPD_PUSHGATEWAY_URL", raising=False)
+    m = Metrics.from_env("pipeline")
+    assert m.pushgateway is None
+    m.push()  # a no-op, not an error
+    monkeypatch.setenv("SAPD_PUSHGATEWAY_URL", "http://127.0.0.1:1")
+    with pytest.raises(OSError):  # configured but unreachable: the job hears about it
+        Metrics.from_env("pipeline").push()
