@@ -167,6 +167,42 @@ def cmd_train_round(args: argparse.Namespace) -> int:
     return 0
 
 
+def _families(value: str | None) -> list[str] | None:
+    return [f.strip() for f in value.split(",") if f.strip()] if value else None
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from sapd.evaluate import evaluate_checkpoint
+    from sapd.metrics import Metrics
+    metrics = Metrics.from_env("evaluate")
+    result = evaluate_checkpoint(args.run, args.checkpoint, args.benchmark, families=_families(args.families),
+                                 games_per_family=args.games_per_family, seed=args.seed, horizon=args.horizon,
+                                 max_new_tokens=args.max_new_tokens, device=args.device, cache_dir=args.cache,
+                                 log=lambda s: print(s, flush=True), show_progress=not args.no_progress,
+                                 metrics=metrics)
+    metrics.mark_success()
+    metrics.push()
+    print(json.dumps({"checkpoint": result["checkpoint"], "overall": result["overall"]["success"],
+                      "by_category": {c: v["success"] for c, v in result["by_category"].items()}}))
+    return 0
+
+
+def cmd_collect_expert(args: argparse.Namespace) -> int:
+    from sapd.agent_loop import collect_expert, summarize
+    from sapd.data.loaders import write_native_jsonl
+    from sapd.evaluate import episode_specs
+    specs = episode_specs(args.benchmark, families=_families(args.families), games_per_family=args.games_per_family,
+                          seed=args.seed, cache_dir=args.cache)
+    trajs = collect_expert(specs, args.benchmark, successful_only=args.successful_only)
+    write_native_jsonl(trajs, args.out)
+    s = summarize(trajs)
+    print(f"wrote {len(trajs)} expert trajectories to {args.out}; expert success {s['overall']['success']:.2f}, "
+          f"{s['overall']['mean_steps']:.1f} steps on average")
+    for cat, v in s["by_category"].items():
+        print(f"  {cat}: {v['episodes']} episodes, success {v['success']:.2f}")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from sapd.report import write_report
     paths = write_report(args.run, args.out)
@@ -221,6 +257,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_train_round)
+
+    def panel_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--benchmark", default="textworld", choices=sorted(BENCHMARKS))
+        p.add_argument("--families", default=None, help="comma-separated TextWorld families (default: all)")
+        p.add_argument("--games-per-family", type=int, default=2)
+        p.add_argument("--seed", type=int, default=0, help="panel seed: the same seed, the same games")
+        p.add_argument("--cache", default=None, help="game cache folder (default .cache/textworld)")
+
+    p = sub.add_parser("evaluate", help="task success of a checkpoint on a fixed, seeded environment panel")
+    p.add_argument("--run", required=True, help="the run root holding the checkpoints")
+    p.add_argument("--checkpoint", default="latest", help="checkpoint index, or 'latest' (default)")
+    panel_flags(p)
+    p.add_argument("--horizon", type=int, default=None, help="max steps per episode (default: the benchmark's)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("collect-expert", help="expert trajectories from an environment panel (native JSONL)")
+    panel_flags(p)
+    p.add_argument("--out", required=True, help="….jsonl (local or s3://)")
+    p.add_argument("--successful-only", action="store_true", help="keep only the episodes the expert won")
+    p.set_defaults(func=cmd_collect_expert)
 
     p = sub.add_parser("report", help="render loss and timing curves of a run to PNG")
     p.add_argument("run", help="the run root")

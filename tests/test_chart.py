@@ -34,10 +34,26 @@ def overlay_values(name: str) -> dict:
     return helm.values_from_yaml((CHART / "values" / f"{name}.yaml").read_text())
 
 
-def render(values: dict, release: str = "sapd-test") -> list[dict]:
+ROUND_PLACEHOLDER = "__SAPD_ROUND__"  # what the pipeline driver replaces in its stage templates
+
+
+def render(values: dict, release: str = "sapd-test", with_templates: bool = True) -> list[dict]:
+    """Every rendered document; with the pipeline driver enabled, the stage Jobs it creates (the
+    pipeline-templates ConfigMap's entries, round 0 filled in) are appended as documents too, so
+    each check below covers the Jobs the driver creates as well as the stand-alone ones."""
     with helm.Chart.load(CHART) as chart:
         out = chart.render(values=values, name=release, namespace="sapd", is_install=True)
-    return [d for text in out.values() for d in yaml.safe_load_all(text) if d]
+    docs = [d for text in out.values() for d in yaml.safe_load_all(text) if d]
+    if with_templates:
+        docs += [d for _, d in stage_templates(docs)]
+    return docs
+
+
+def stage_templates(docs: list[dict], round_: int = 0) -> list[tuple[str, dict]]:
+    found = [d for d in docs if d["kind"] == "ConfigMap"
+             and d["metadata"]["labels"]["app.kubernetes.io/component"] == "pipeline-templates"]
+    return [(key, yaml.safe_load(text.replace(ROUND_PLACEHOLDER, str(round_))))
+            for cm in found for key, text in sorted(cm["data"].items())]
 
 
 def with_pipeline(values: dict) -> dict:
@@ -122,7 +138,8 @@ def test_job_blocks_are_symmetric():
 def test_batch_fields_are_set_on_every_job(rendered):
     name, docs = rendered
     specs = job_specs(docs)
-    assert len(specs) == 6  # build-prefixes, teacher-scores, train, evaluate, pipeline + the CronJob's
+    # build-prefixes, teacher-scores, train, evaluate (the driver's templates), pipeline + the CronJob's
+    assert len(specs) == 6
     for job_name, spec in specs:
         for f in ("backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished"):
             assert isinstance(spec.get(f), int) and spec[f] >= 0, (name, job_name, f)
@@ -158,7 +175,7 @@ def test_teacher_scores_is_an_indexed_job_of_one_pod_per_worker(name, workers):
     cmd = container(spec)["command"]
     assert cmd[:3] == ["python", "-m", "jobs.teacher_scores"] and cmd[3:5] == ["--config", "/etc/sapd/config.yaml"]
     # the index comes from JOB_COMPLETION_INDEX, which the Job controller sets; the config agrees on W
-    cm = next(iter(by_kind(docs, "ConfigMap").values()))
+    cm = by_kind(docs, "ConfigMap")["sapd-test-config"]
     assert yaml.safe_load(cm["data"]["teacher-scores.yaml"])["workers"] == workers
 
 
@@ -213,6 +230,7 @@ def test_pipeline_driver_rbac():
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "sapd"}]
     assert job(docs, "pipeline")["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+    assert {"get", "create"} <= rules[(("",), ("services",))]  # the train Service, if it is missing
     assert not by_kind(render({}), "Role")  # off by default
     for component in ("build-prefixes", "teacher-scores", "train", "evaluate"):
         assert job(docs, component)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
@@ -220,7 +238,7 @@ def test_pipeline_driver_rbac():
 
 def test_config_map_holds_overlays_that_sapd_loads(rendered, tmp_path):
     name, docs = rendered
-    (cm,) = by_kind(docs, "ConfigMap").values()
+    cm = by_kind(docs, "ConfigMap")[f"{docs[0]['metadata']['labels']['app.kubernetes.io/instance']}-config"]
     assert set(cm["data"]) == {"config.yaml", "build-prefixes.yaml", "teacher-scores.yaml", "train.yaml",
                                "evaluate.yaml", "pipeline.yaml"}
     for key, text in cm["data"].items():
@@ -245,7 +263,7 @@ def test_config_map_content_per_overlay(tmp_path):
         values = overlay_values(name)
         if extra:
             values = {**values, **extra}
-        (cm,) = by_kind(render(values), "ConfigMap").values()
+        cm = by_kind(render(values), "ConfigMap")["sapd-test-config"]
         (tmp_path / key).write_text(cm["data"][key])
         return load_config(tmp_path / key)
     smoke = cfg("smoke")

@@ -79,7 +79,8 @@ ttlSecondsAfterFinished: {{ int .job.ttlSecondsAfterFinished }}
 {{- end -}}
 
 {{/* Pod-spec fields shared by every job: security, scheduling, the config and scratch volumes.
-     Call with (dict "root" $ "component" "train" "job" .Values.train "shm" "64Gi"). */}}
+     Call with (dict "root" $ "component" "train" "job" .Values.train "shm" "64Gi"); "extraVolumes" and
+     "extraMounts" (lists) add the pipeline driver's own volume. */}}
 {{- define "sapd.podCommon" -}}
 restartPolicy: Never
 securityContext:
@@ -114,6 +115,9 @@ volumes:
       medium: Memory
       sizeLimit: {{ . }}
   {{- end }}
+  {{- with .extraVolumes }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
 {{- end -}}
 
 {{/* Container fields shared by every job. */}}
@@ -134,5 +138,8 @@ volumeMounts:
   {{- if .shm }}
   - name: dshm
     mountPath: /dev/shm
+  {{- end }}
+  {{- with .extraMounts }}
+  {{- toYaml . | nindent 2 }}
   {{- end }}
 {{- end -}}

@@ -1,0 +1,103 @@
+"""Evaluation stage: a committed checkpoint × an environment panel → task success per category and
+overall, as ``evals/NNNNNN/<benchmark>.json`` in the run root (the episodes themselves beside it as
+native JSONL). Deterministic: greedy decoding over a fixed, seeded panel, so the same checkpoint and
+seed give the same numbers; a checkpoint already evaluated is skipped (what a CronJob wants).
+
+Environments available here: the embedded TextWorld panel. The paper's ALFWorld / WebShop / search-QA
+adapters plug into the same loop (:mod:`sapd.agent_loop`) where those environments exist.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from sapd import checkpoints, layout, storage
+from sapd.agent_loop import EpisodeSpec, LoopOptions, run_episodes, summarize
+from sapd.data.prefixes import PrefixOptions
+
+
+def textworld_specs(families: list[str] | None, games_per_family: int, seed: int,
+                    cache_dir: str | Path | None = None) -> list[EpisodeSpec]:
+    """The fixed TextWorld panel as episodes (games generated once into the cache)."""
+    from sapd.envs.textworld_env import DEFAULT_CACHE, default_panel, ensure_panel, make_env
+    cache = Path(cache_dir or DEFAULT_CACHE)
+    panel = default_panel(games_per_family, families, seed)
+    ensure_panel(panel, cache)
+    return [EpisodeSpec(f"textworld/{g.game_id}", (lambda g=g: make_env(g, cache)), category=g.family)
+            for g in panel]
+
+
+def episode_specs(benchmark: str, *, families: list[str] | None = None, games_per_family: int = 2,
+                  seed: int = 0, cache_dir: str | Path | None = None) -> list[EpisodeSpec]:
+    if benchmark == "textworld":
+        return textworld_specs(families, games_per_family, seed, cache_dir)
+    raise ValueError(f"no environment for benchmark '{benchmark}' on this machine: the evaluation stage runs "
+                     "the embedded TextWorld panel here; ALFWorld, WebShop and search QA need their own "
+                     "servers/data (their adapters are not part of this release yet)")
+
+
+def latest_checkpoint(root: str) -> int:
+    committed = layout.committed_checkpoints(root)
+    if not committed:
+        raise FileNotFoundError(f"{root}: no committed checkpoint to evaluate")
+    return committed[-1]
+
+
+def _prompt_options(root: str) -> PrefixOptions:
+    """The prompt layout the run trained on (its resolved config), so evaluation prompts match its prefixes."""
+    uri = layout.config_uri(root)
+    if not storage.exists(uri):
+        return PrefixOptions()
+    data = (yaml.safe_load(storage.read_text(uri)) or {}).get("data", {})
+    return PrefixOptions(history_length=data.get("history_length"), full_history=bool(data.get("full_history")),
+                         prompt_style=data.get("prompt_style", "step"))
+
+
+def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: list[str] | None = None,
+                        games_per_family: int = 2, seed: int = 0, horizon: int | None = None,
+                        max_new_tokens: int = 128, device: str = "cpu", cache_dir: str | Path | None = None,
+                        log: Callable[[str], None] = print, show_progress: bool = True,
+                        metrics=None) -> dict[str, Any]:
+    """Evaluate checkpoint ``k`` ("latest" for the newest committed one) of the run at ``root``."""
+    from tqdm import tqdm
+
+    from sapd.models.generation import HFGenerator, SamplingParams, stops_for
+    from sapd.benchmarks import get_benchmark
+    from sapd.models.loading import load_tokenizer
+
+    k = latest_checkpoint(root) if k == "latest" else int(k)
+    dest = storage.join(layout.evals_dir(root, k), f"{benchmark}.json")
+    if storage.exists(dest):
+        log(f"checkpoint {k}: {benchmark} already evaluated ({dest})")
+        return storage.read_json(dest)
+    t0 = time.perf_counter()
+    specs = episode_specs(benchmark, families=families, games_per_family=games_per_family, seed=seed,
+                          cache_dir=cache_dir)
+    tokenizer = load_tokenizer(str(checkpoints.checkpoint_model_path(root, k)))
+    model = checkpoints.load_checkpoint_model(root, k, device=device)
+    spec = get_benchmark(benchmark)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision))
+    opts = LoopOptions(prompt=_prompt_options(root), horizon=horizon)
+    log(f"checkpoint {k}: {len(specs)} {benchmark} episodes (seed {seed})")
+    with tqdm(desc=f"evaluating checkpoint {k}", unit="step", disable=None if show_progress else True,
+              leave=False) as bar:
+        trajs = run_episodes(specs, HFGenerator(model, tokenizer, device=device), tokenizer, spec, params, opts,
+                             progress=bar.update)
+    result = {"checkpoint": k, "benchmark": benchmark, "seed": seed, "games_per_family": games_per_family,
+              "families": sorted({s.category for s in specs if s.category}), "horizon": opts.horizon or spec.horizon,
+              **summarize(trajs), "seconds": time.perf_counter() - t0}
+    lines = [json.dumps(t.to_dict(), sort_keys=True) for t in trajs]
+    storage.write_text(storage.join(layout.evals_dir(root, k), f"{benchmark}.episodes.jsonl"), "\n".join(lines) + "\n")
+    storage.write_json(dest, result)  # written last: its presence means "evaluated"
+    log(f"checkpoint {k}: {benchmark} success {result['overall']['success']:.3f} "
+        + " ".join(f"{c}={v['success']:.2f}" for c, v in result["by_category"].items()))
+    if metrics is not None:
+        metrics.record_eval(benchmark, result["overall"]["success"],
+                            {c: v["success"] for c, v in result["by_category"].items()})
+        metrics.observe_stage("evaluate", result["seconds"])
+    return result
