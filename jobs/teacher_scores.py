@@ -51,9 +51,8 @@ def worker_index(flag: int | None, workers: int) -> int:
 def run(args: argparse.Namespace) -> int:
     from sapd import checkpoints
     from sapd.config import load_config
-    from sapd.models.generation import HFGenerator
-    from sapd.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer
-    from sapd.models.scoring import score_groups
+    from sapd.models.loading import check_same_tokenizer, load_tokenizer
+    from sapd.pipeline import round_backends
     from sapd.precompute import commit_round, precompute_worker
 
     def log(line: str) -> None:
@@ -70,23 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"checkpoint {k} is not committed in {cfg.run_root}; train round {k - 1} first")
     tokenizer = load_tokenizer(cfg.model.student)
     check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.teacher))
-    if cfg.sampling.backend == "vllm":
-        # the same engines as the local pipeline (sapd.pipeline): built from the committed checkpoint
-        from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
-        mem = cfg.sampling.gpu_memory_utilization
-        teacher_engine = VLLMScorer.from_path(cfg.model.teacher, dtype=cfg.model.dtype, gpu_memory_utilization=mem)
-        generator = VLLMGenerator.from_path(checkpoints.checkpoint_model_path(cfg.run_root, k),
-                                            dtype=cfg.model.dtype, gpu_memory_utilization=mem)
-        scorer = teacher_engine.score_groups
-    else:
-        student = checkpoints.load_checkpoint_model(cfg.run_root, k, cfg.model.dtype, cfg.model.device)
-        teacher = load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=cfg.model.device)
-        generator = HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch,
-                                device=cfg.model.device)
-
-        def scorer(groups, progress=None):
-            return score_groups(teacher, groups, pad_id=tokenizer.pad_token_id, progress=progress)
-
+    generator, scorer, _ = round_backends(cfg, k, tokenizer)
     result = precompute_worker(cfg, k, w, generator, scorer, tokenizer, log=log, show_progress=not args.no_progress)
     log(f"round {k} worker {w}/{cfg.workers}: {'already done' if result.skipped else 'done'}, {result.rows} groups")
     return 0

@@ -13,6 +13,7 @@ from typing import Callable
 
 from sapd import checkpoints, layout, storage
 from sapd.config import ConfigError, RunConfig, dump_config
+from sapd.data import shards
 from sapd.metrics import Metrics
 
 
@@ -49,13 +50,40 @@ def ensure_initial_checkpoint(cfg: RunConfig, log: Callable[[str], None]) -> Non
                                 {"source": cfg.model.student})
 
 
+def round_backends(cfg: RunConfig, k: int, tokenizer, teacher=None):
+    """(generator, teacher scorer, teacher) for round k's precompute: checkpoint k samples, the frozen
+    teacher scores. Pass the returned ``teacher`` back in for later rounds so it is loaded once."""
+    from sapd.models.generation import HFGenerator
+    from sapd.models.loading import load_causal_lm
+    from sapd.models.scoring import score_groups
+
+    if cfg.sampling.backend == "vllm":
+        # vLLM engines are (re)built from the committed checkpoint each round: simple and exact; a
+        # long-lived engine with in-place weight sync is the faster path for big pools
+        from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
+        mem = cfg.sampling.gpu_memory_utilization
+        if teacher is None:
+            teacher = VLLMScorer.from_path(cfg.model.teacher, dtype=cfg.model.dtype, gpu_memory_utilization=mem)
+        generator = VLLMGenerator.from_path(checkpoints.checkpoint_model_path(cfg.run_root, k), dtype=cfg.model.dtype,
+                                            gpu_memory_utilization=mem)
+        return generator, teacher.score_groups, teacher
+    if teacher is None:
+        teacher = load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=cfg.model.device)
+    student = checkpoints.load_checkpoint_model(cfg.run_root, k, cfg.model.dtype, cfg.model.device)
+    generator = HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch,
+                            device=cfg.model.device)
+
+    def scorer(groups, progress=None):
+        return score_groups(teacher, groups, pad_id=tokenizer.pad_token_id, progress=progress)
+
+    return generator, scorer, teacher
+
+
 def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_progress: bool = True,
                  engine_factory: Callable | None = None, metrics: Metrics | None = None) -> dict:
     """Run (or resume) the whole local pipeline. ``metrics`` (default: from the environment) records stage
     timings, tokens and loss terms, and is pushed to the Pushgateway after every stage when one is set."""
-    from sapd.models.generation import HFGenerator
-    from sapd.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer
-    from sapd.models.scoring import score_groups
+    from sapd.models.loading import check_same_tokenizer, load_tokenizer
     from sapd.precompute import commit_round, precompute_worker
     from sapd.train import run_train_stage
 
@@ -79,29 +107,8 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
         if checkpoints.is_committed(root, k + 1):
             continue
         if not sft:
-            from sapd.data import shards
             if shards.read_manifest(layout.scored_dir(root, k)) is None:
-                if cfg.sampling.backend == "vllm":
-                    # vLLM engines are (re)built from the committed checkpoint each round: simple and exact;
-                    # a long-lived engine with in-place weight sync is the faster path for big pools
-                    from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
-                    mem = cfg.sampling.gpu_memory_utilization
-                    if teacher is None:
-                        teacher = VLLMScorer.from_path(cfg.model.teacher, dtype=cfg.model.dtype,
-                                                       gpu_memory_utilization=mem)
-                    generator = VLLMGenerator.from_path(checkpoints.checkpoint_model_path(root, k),
-                                                        dtype=cfg.model.dtype, gpu_memory_utilization=mem)
-                    scorer = teacher.score_groups
-                else:
-                    if teacher is None:
-                        teacher = load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=cfg.model.device)
-                    student = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, cfg.model.device)
-                    generator = HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch,
-                                            device=cfg.model.device)
-
-                    def scorer(groups, progress=None, teacher=teacher):
-                        return score_groups(teacher, groups, pad_id=tokenizer.pad_token_id, progress=progress)
-
+                generator, scorer, teacher = round_backends(cfg, k, tokenizer, teacher)
                 for w in range(cfg.workers):
                     res = precompute_worker(cfg, k, w, generator, scorer, tokenizer, log=log,
                                             show_progress=show_progress)

@@ -1,0 +1,86 @@
+"""Job: the pipeline driver — sequences a whole run by creating the stage Jobs with the Kubernetes API,
+waiting for them, and resuming from what is committed in the run root (sapd/k8s_driver.py).
+
+Order (the local pipeline's, `sapd run`): build-prefixes (unless prefixes and checkpoint 0 are
+committed); per round k < train.rounds whose checkpoint k+1 is not committed: teacher-scores-r<k> (an
+Indexed Job; the driver commits round k's scored manifest when it completes; skipped for sft or when
+already committed), then train-r<k>; finally evaluate-r<R> if the chart renders an evaluate template.
+Stage manifests come from --templates (the chart's pipeline-templates ConfigMap). A restarted driver
+adopts the current round's Job instead of creating a duplicate and skips every committed stage. A Job
+that fails, or completes without committing its output, is deleted and created again at most
+--retries times. Every line it prints is meant to be read with `kubectl logs job/<release>-pipeline`.
+
+Cluster: helm install sapd-alfworld charts/sapd -f charts/sapd/values/alfworld.yaml --set pipeline.enabled=true
+         (the stand-alone stage Jobs are then not rendered: the driver creates them)
+Local:   python -m jobs.pipeline --config run.yaml --release sapd-alfworld --namespace sapd \
+             --templates rendered-templates/ --kubeconfig ~/.kube/config
+Exit codes: 0 run complete, 1 a stage kept failing (the message names the Job and what to do),
+            2 bad config, templates or storage error, 3 Kubernetes API error or a wait ran out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jobs.pipeline", description=__doc__.splitlines()[0])
+    p.add_argument("--config", nargs="+", required=True, help="YAML overlays, applied in order over the defaults")
+    p.add_argument("--release", required=True, help="the Helm release (only used in log lines)")
+    p.add_argument("--templates", default="/etc/sapd-pipeline",
+                   help="folder of stage manifests (<stage>.yaml; default /etc/sapd-pipeline)")
+    p.add_argument("--namespace", default=None,
+                   help="namespace of the stage Jobs (default: $SAPD_NAMESPACE, else the pod's own namespace)")
+    p.add_argument("--retries", type=int, default=2, help="recreate a failed stage Job at most this often (default 2)")
+    p.add_argument("--poll-seconds", type=float, default=30.0, help="seconds between Job status reads (default 30)")
+    p.add_argument("--log-every-seconds", type=float, default=300.0,
+                   help="seconds between 'still running' lines (default 300)")
+    p.add_argument("--stage-timeout-seconds", type=float, default=None,
+                   help="give up waiting on one Job after this long (default: its activeDeadlineSeconds + 600)")
+    p.add_argument("--owner-job", default=os.environ.get("SAPD_DRIVER_JOB"),
+                   help="own Job name, made the owner of the stage Jobs (default $SAPD_DRIVER_JOB)")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster config inside a pod)")
+    p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kubernetes.client.exceptions import ApiException
+    from kubernetes.config.config_exception import ConfigException
+
+    from sapd.config import ConfigError, load_config
+    from sapd.data.shards import ShardError
+    from sapd.k8s_driver import Driver, DriverError, StageTemplates, current_namespace, load_api_client
+    from sapd.storage import StorageError
+
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+        templates = StageTemplates.from_dir(args.templates)
+        namespace = current_namespace(args.namespace)
+        log(f"pipeline: release {args.release}, templates {args.templates} ({', '.join(sorted(templates.texts))})")
+        driver = Driver(cfg, templates, load_api_client(args.kubeconfig), namespace, retries=args.retries,
+                        poll_seconds=args.poll_seconds, log_every_seconds=args.log_every_seconds,
+                        stage_timeout_seconds=args.stage_timeout_seconds, owner_job=args.owner_job, log=log)
+        driver.run()
+        return 0
+    except DriverError as e:
+        print(f"pipeline: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except (ConfigError, ShardError, StorageError, FileNotFoundError, ValueError) as e:
+        print(f"pipeline: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except (ApiException, ConfigException) as e:
+        print(f"pipeline: error: Kubernetes API: {str(e).strip().splitlines()[0]}", file=sys.stderr, flush=True)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
