@@ -25,7 +25,7 @@ ARG TORCH_VERSION=2.13.0
 # empty: the default index; pass the PyTorch CPU wheel index to get the small CPU build
 ARG TORCH_INDEX_URL=
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}" \
- && DS_BUILD_OPS=0 pip install ".[train]" "torch==${TORCH_VERSION}" \
+ && DS_BUILD_OPS=0 pip install ".[train,k8s]" "torch==${TORCH_VERSION}" \
  && python -c "import sapd, jobs.teacher_scores, jobs.train, jobs.build_prefixes"
 USER 1000:1000
 CMD ["python", "-m", "sapd.cli", "--help"]
@@ -33,7 +33,7 @@ CMD ["python", "-m", "sapd.cli", "--help"]
 FROM base AS gpu
 ARG TORCH_VERSION=2.13.0
 RUN pip install "torch==${TORCH_VERSION}" \
- && DS_BUILD_OPS=0 pip install ".[train,vllm]" "torch==${TORCH_VERSION}" \
+ && DS_BUILD_OPS=0 pip install ".[train,vllm,k8s]" "torch==${TORCH_VERSION}" \
  && python -c "import sapd, jobs.teacher_scores, jobs.train, jobs.build_prefixes"
 USER 1000:1000
 CMD ["python", "-m", "sapd.cli", "--help"]

@@ -1,7 +1,8 @@
 """Job: cut recorded trajectories into decision prefixes.
 
 With ``--config`` the prefixes of the run are built from the config's ``data`` section into
-``RUN_ROOT/prefixes`` (what ``sapd run`` does first); without it, every flag is ``sapd build-prefixes``'s.
+``RUN_ROOT/prefixes`` and the initial student is saved as checkpoint 0 (what ``sapd run`` does first,
+and what the later stages need); without it, every flag is ``sapd build-prefixes``'s.
 Re-running over a committed build does nothing.
 
 Local:   python -m jobs.build_prefixes --config run.yaml
@@ -25,10 +26,13 @@ def build_from_config(configs: list[str], run_root: str | None, show_progress: b
     from sapd.cli import print_build_summary
     from sapd.config import load_config
     from sapd.models.loading import load_tokenizer
-    from sapd.pipeline import ensure_prefixes
+    from sapd.pipeline import ensure_initial_checkpoint, ensure_prefixes, write_run_config
     cfg = load_config(*configs, overrides={"run_root": run_root} if run_root else None)
-    result = ensure_prefixes(cfg, load_tokenizer(cfg.model.student), lambda s: print(s, flush=True), show_progress)
+    write_run_config(cfg)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    result = ensure_prefixes(cfg, load_tokenizer(cfg.model.student), log, show_progress)
     print_build_summary(result)
+    ensure_initial_checkpoint(cfg, log)
     return 0
 
 

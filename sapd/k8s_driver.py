@@ -10,7 +10,7 @@ What is committed in the run root decides what runs next, with the same checks a
    committed — the driver commits it (``sapd.precompute.commit_round``) once the Job completes —,
    skipped for the ``sft`` objective; then ``train-r<k>``, which commits checkpoint k+1;
 3. ``evaluate-r<R>`` (R = ``train.rounds``) when the chart renders an evaluate template and
-   ``evals/R/`` holds nothing yet.
+   ``evals/R/<benchmark>.json`` is not written yet.
 
 The stage manifests come from the chart (the ``pipeline-templates`` ConfigMap, one file per stage):
 ``__SAPD_ROUND__`` is replaced by the round, the driver adds its annotations (attempt, run root) and an
@@ -194,7 +194,7 @@ class Driver:
             else:
                 self.run_job("evaluate", final,
                              lambda: None if self._evaluated(final) else
-                             f"nothing written under {layout.evals_dir(root, final)}")
+                             f"no {cfg.data.benchmark}.json under {layout.evals_dir(root, final)}")
         done = layout.committed_checkpoints(root)
         self.log(f"pipeline done: checkpoints {done} committed; Jobs created {len(self.stats.created)}, "
                  f"adopted {len(self.stats.adopted)}, retried {len(self.stats.retried)}")
@@ -231,7 +231,8 @@ class Driver:
         return f"checkpoint {k} is not committed in {layout.checkpoint_dir(self.cfg.run_root, k)}"
 
     def _evaluated(self, k: int) -> bool:
-        return bool(storage.list_files(layout.evals_dir(self.cfg.run_root, k)))
+        # sapd.evaluate writes <benchmark>.json (the summary) once the episodes are done
+        return storage.exists(storage.join(layout.evals_dir(self.cfg.run_root, k), f"{self.cfg.data.benchmark}.json"))
 
     # ---------------------------------------------------------------------------------- one stage Job
 

@@ -226,3 +226,61 @@ def loss_from_config(cfg: LossConfig, new_logp_P_G_T: torch.Tensor, old_logp_P_G
                      token_scale=cfg.token_scale, clip_eps=cfg.clip_eps,
                      full_token_scoring=cfg.full_token_scoring,
                      std_normalize_step=cfg.std_normalize_step, eps=cfg.eps, reduction=cfg.reduction)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GRPO baseline (SAPD.md §4, needs the environment; rows written by sapd.online)
+
+
+def grpo_advantages(returns_P_G: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative task-reward advantage: Aₑ = (Rₑ − R̄) / (std_G(R) + η) over the G episodes of one
+    game (a row of ``returns_P_G``), population std as for the rule advantage; all-equal returns → 0.
+
+    >>> grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])).round(decimals=4).tolist()
+    [[1.0, -1.0, -1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]
+    """
+    returns = returns_P_G.to(torch.float32)
+    centred = returns - returns.mean(dim=-1, keepdim=True)
+    return centred / (returns.std(dim=-1, unbiased=False, keepdim=True) + eps)
+
+
+def grpo_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor, response_mask_P_G_T: torch.Tensor,
+              adv_P_G: torch.Tensor, *, clip_eps: float = 0.2,
+              reduction: Reduction = "seq_mean_token_mean") -> tuple[torch.Tensor, dict[str, float]]:
+    """L_GRPO = −E[1/Lᵢ Σ_k C_ε(ρ_{i,k}, Aᵢ)] with a fixed, precomputed per-response advantage Aᵢ (for
+    the online baseline: the :func:`grpo_advantages` of the episode the response belongs to, applied to
+    every token of every response of that episode). No teacher, no KL term. Metric keys of the SAPD
+    family are present (unused terms 0, the teacher gap NaN) so the training loop logs it unchanged."""
+    response_mask = response_mask_P_G_T.bool()
+    adv = adv_P_G.to(new_logp_P_G_T.dtype).detach()
+    ratio = importance_ratio(new_logp_P_G_T, old_logp_P_G_T, response_mask)
+    loss = -reduce_loss(clipped_surrogate(ratio, adv.unsqueeze(-1), clip_eps), response_mask, reduction)
+    with torch.no_grad():
+        mask_f = response_mask.to(ratio.dtype)
+        n_tok = mask_f.sum().clamp(min=1.0)
+        clipped = ((ratio - 1.0).abs() > clip_eps) & response_mask
+        metrics = {
+            "loss": float(loss.detach()), "loss_grpo": float(loss.detach()),
+            "loss_tok": 0.0, "loss_step": 0.0, "loss_rule": 0.0,
+            "teacher_student_gap": float("nan"),  # GRPO has no teacher
+            "grpo_adv_mean": float(adv.mean()), "grpo_adv_abs_mean": float(adv.abs().mean()),
+            "ratio_mean": float((ratio * mask_f).sum() / n_tok),
+            "clip_fraction": float(clipped.sum() / n_tok),
+            "response_tokens_mean": float(mask_f.sum(-1).mean()),
+        }
+    return loss, metrics
+
+
+VARIANTS["grpo"] = {"objective": "grpo"}  # rows: sapd.online (rule_score holds the episode's advantage)
+
+
+def loss_for(cfg: LossConfig, new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
+             teacher_logp_P_G_T: torch.Tensor, response_mask_P_G_T: torch.Tensor, action_mask_P_G_T: torch.Tensor,
+             rule_scores_P_G: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`loss_from_config`, or :func:`grpo_loss` for objective 'grpo' (whose rows carry the
+    precomputed episode advantage in the rule-score slot; teacher log-probs and action masks unused)."""
+    if cfg.objective == "grpo":
+        return grpo_loss(new_logp_P_G_T, old_logp_P_G_T, response_mask_P_G_T, rule_scores_P_G,
+                         clip_eps=cfg.clip_eps, reduction=cfg.reduction)
+    return loss_from_config(cfg, new_logp_P_G_T, old_logp_P_G_T, teacher_logp_P_G_T, response_mask_P_G_T,
+                            action_mask_P_G_T, rule_scores_P_G)

@@ -52,7 +52,7 @@ def render(values: dict, release: str = "sapd-test", with_templates: bool = True
 def stage_templates(docs: list[dict], round_: int = 0) -> list[tuple[str, dict]]:
     found = [d for d in docs if d["kind"] == "ConfigMap"
              and d["metadata"]["labels"]["app.kubernetes.io/component"] == "pipeline-templates"]
-    return [(key, yaml.safe_load(text.replace(ROUND_PLACEHOLDER, str(round_))))
+    return [(key.removesuffix(".yaml"), yaml.safe_load(text.replace(ROUND_PLACEHOLDER, str(round_))))
             for cm in found for key, text in sorted(cm["data"].items())]
 
 
@@ -234,6 +234,36 @@ def test_pipeline_driver_rbac():
     assert not by_kind(render({}), "Role")  # off by default
     for component in ("build-prefixes", "teacher-scores", "train", "evaluate"):
         assert job(docs, component)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_pipeline_driver_creates_the_stage_jobs_from_the_same_templates():
+    # with the driver on, helm renders no stage Job itself: the driver creates them from its templates
+    docs = render(with_pipeline({}), with_templates=False)
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Job"] == ["sapd-test-pipeline"]
+    (svc,) = by_kind(docs, "Service").values()  # round-independent: rendered either way
+    templates = dict(stage_templates(docs, round_=3))
+    assert set(templates) == {"build-prefixes", "teacher-scores", "train", "train-service", "evaluate"}
+    assert templates["train-service"] == svc
+    # the templates of round 3 are exactly the stand-alone Jobs of `round: 3` (one source of truth)
+    alone = render({"round": 3})
+    for key, component in (("build-prefixes", "build-prefixes"), ("teacher-scores", "teacher-scores"),
+                           ("train", "train")):
+        assert templates[key] == job(alone, component), key
+    assert templates["teacher-scores"]["metadata"]["name"] == "sapd-test-teacher-scores-r3"
+    ev = job(alone, "evaluate")  # the driver names its evaluation after the final round
+    assert templates["evaluate"]["spec"] == ev["spec"] and templates["evaluate"]["metadata"]["name"] == "sapd-test-evaluate-r3"
+    # the driver pod mounts them where its command reads them
+    drv = job(docs, "pipeline")["spec"]["template"]["spec"]
+    cmd = container({"template": {"spec": drv}})["command"]
+    assert cmd[:3] == ["python", "-m", "jobs.pipeline"] and cmd[cmd.index("--templates") + 1] == "/etc/sapd-pipeline"
+    (vol,) = [v for v in drv["volumes"] if v["name"] == "stage-templates"]
+    assert vol["configMap"]["name"] == "sapd-test-pipeline-templates"
+    mount = next(m for m in drv["containers"][0]["volumeMounts"] if m["name"] == "stage-templates")
+    assert mount["mountPath"] == "/etc/sapd-pipeline" and mount["readOnly"] is True
+    assert cmd[cmd.index("--retries") + 1] == "2"
+    # a disabled stage has no template (the driver then refuses or skips it)
+    off = dict(stage_templates(render(with_pipeline({"evaluate": {"enabled": False}}), with_templates=False)))
+    assert "evaluate" not in off and "train" in off
 
 
 def test_config_map_holds_overlays_that_sapd_loads(rendered, tmp_path):

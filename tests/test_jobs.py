@@ -72,10 +72,10 @@ def test_build_prefixes_then_scores_then_train_from_one_config(tmp_path, models)
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(root, *models)))
     assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 0
+    assert checkpoints.is_committed(root, 0)  # the initial student, which the later stages start from
+    marker = checkpoints.read_marker(root, 0)
     assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 0  # committed: nothing redone
-    cfg = load_config(config)
-    from sapd.pipeline import ensure_initial_checkpoint
-    ensure_initial_checkpoint(cfg, lambda s: None)
+    assert checkpoints.read_marker(root, 0) == marker
     assert teacher_scores.main(["--config", str(config), "--round", "0", "--worker", "0", "--no-progress"]) == 0
     assert teacher_scores.main(["--config", str(config), "--round", "0", "--commit"]) == 0
     assert train.main(["--config", str(config), "--round", "0", "--no-progress"]) == 0

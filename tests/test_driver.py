@@ -1,0 +1,481 @@
+"""The pipeline driver (jobs/pipeline.py, sapd/k8s_driver.py) against the real ``kubernetes`` client,
+with only its HTTP layer faked: ``urllib3.PoolManager.request`` is routed to an in-memory API server
+that stores the Jobs and Services it is sent, plays a Job controller (a test scripts each Job's
+attempts: complete, fail or keep running) and, when a Job completes, performs the Job's effect on a
+local run root — the commit markers the real stage would write (prefix manifest, checkpoint markers,
+precompute workers' done-markers, evaluation files). The driver itself commits each round's scored
+manifest with the real ``sapd.precompute.commit_round``.
+
+The stage templates and the driver's config come from rendering the chart (pipeline enabled), and
+every Job or Service body the client puts on the wire is validated with ``kubernetes-validate`` in
+strict mode, as the chart tests validate the chart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import urllib.parse
+from pathlib import Path
+from typing import Any, Callable
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import urllib3
+import yaml
+
+from sapd import checkpoints, layout, storage
+from sapd.config import load_config
+from sapd.data import shards
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "sapd"
+KUBE_VERSION = kubernetes_validate.utils.latest_version()
+NS = "sapd"
+RELEASE = "sapd-t"
+
+
+# ------------------------------------------------------------------------------------------ fake API server
+
+
+class FakeKube:
+    """A tiny API server: jobs (create/read/delete), services (create/read), pods (list) and pod logs.
+
+    ``script[name]`` lists what each attempt (each created incarnation) of Job ``name`` does:
+    "complete" (run the effect, then the Complete condition), "fail" (a failed pod, then Failed),
+    "run" (stay running). Unscripted attempts complete. A Job finishes on its second read."""
+
+    def __init__(self, effect: Callable[[dict], None]):
+        self.effect = effect
+        self.jobs: dict[str, dict] = {}
+        self.services: dict[str, dict] = {}
+        self.pods: dict[str, list[dict]] = {}
+        self.script: dict[str, list[str]] = {}
+        self.incarnations: dict[str, int] = {}
+        self.posted: list[dict] = []  # every Job/Service body as received, in order
+        self.calls: list[tuple[str, str]] = []
+        self.invalid: list[str] = []
+        self.reads: dict[str, int] = {}
+        self.race_on_create: set[str] = set()  # POST finds the Job created meanwhile → 409
+        self.fail_next: list[int] = []  # statuses to answer the next requests with (transient errors)
+        self.uid = 0
+
+    # -- helpers for tests
+    def posted_jobs(self) -> list[str]:
+        return [b["metadata"]["name"] for b in self.posted if b["kind"] == "Job"]
+
+    def add_job(self, body: dict, state: str | None = None, attempt: int = 1) -> None:
+        """A Job that exists before the driver starts (made by an earlier driver pod)."""
+        body = json.loads(json.dumps(body))
+        body.setdefault("metadata", {}).setdefault("annotations", {})["sapd.io/attempt"] = str(attempt)
+        self._store(body)
+        if state:
+            self._finish(body["metadata"]["name"], state)
+
+    # -- HTTP
+    def request(self, method, url, body=None, fields=None, headers=None, timeout=None, preload_content=True, **kw):
+        parts = urllib.parse.urlsplit(url)
+        path, query = parts.path, urllib.parse.parse_qs(parts.query)
+        self.calls.append((method, path))
+        if self.fail_next:
+            return self._status(self.fail_next.pop(0), "InternalError", "etcdserver: request timed out")
+        m = re.fullmatch(rf"/apis/batch/v1/namespaces/{NS}/jobs(?:/([^/]+))?", path)
+        if m:
+            return self._jobs(method, m.group(1), json.loads(body) if body else None, query)
+        m = re.fullmatch(rf"/api/v1/namespaces/{NS}/services(?:/([^/]+))?", path)
+        if m:
+            return self._services(method, m.group(1), json.loads(body) if body else None, query)
+        if method == "GET" and path == f"/api/v1/namespaces/{NS}/pods":
+            sel = query.get("labelSelector", [""])[0]
+            job = sel.split("=", 1)[1] if sel.startswith("batch.kubernetes.io/job-name=") else None
+            return self._json(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {},
+                                    "items": self.pods.get(job, [])})
+        m = re.fullmatch(rf"/api/v1/namespaces/{NS}/pods/([^/]+)/log", path)
+        if m and method == "GET":
+            return self._raw(200, f"loading checkpoint\nRuntimeError: CUDA out of memory ({m.group(1)})\n",
+                             "text/plain")
+        return self._status(404, "NotFound", f"no route {method} {path}")
+
+    def _jobs(self, method, name, body, query):
+        if method == "POST":
+            self._check(body, query)
+            name = body["metadata"]["name"]
+            if name in self.race_on_create:
+                self.race_on_create.discard(name)
+                self.add_job(body)  # "another driver pod" created it a moment ago
+                return self._status(409, "AlreadyExists", f'jobs.batch "{name}" already exists')
+            if name in self.jobs:
+                return self._status(409, "AlreadyExists", f'jobs.batch "{name}" already exists')
+            self.posted.append(body)
+            self.incarnations[name] = self.incarnations.get(name, 0) + 1
+            return self._json(201, self._store(body))
+        job = self.jobs.get(name)
+        if job is None:
+            return self._status(404, "NotFound", f'jobs.batch "{name}" not found')
+        if method == "DELETE":
+            assert json.loads(json.dumps(query)).get("propagationPolicy") == ["Foreground"]
+            job["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+            return self._json(200, job)
+        # GET: the Job controller acts on reads
+        if job["metadata"].get("deletionTimestamp"):
+            del self.jobs[name]  # foreground deletion finishes: pods gone
+            self.pods.pop(name, None)
+            return self._json(200, job)
+        self.reads[name] = self.reads.get(name, 0) + 1
+        if not job["status"].get("conditions") and self.reads[name] >= 2:
+            attempt = self.incarnations.get(name, 1)
+            steps = self.script.get(name, [])
+            action = steps[attempt - 1] if attempt <= len(steps) else "complete"
+            if action != "run":
+                if action == "complete":
+                    self.effect(job)
+                self._finish(name, action)
+        return self._json(200, job)
+
+    def _services(self, method, name, body, query):
+        if method == "POST":
+            self._check(body, query)
+            self.posted.append(body)
+            if body["metadata"]["name"] in self.services:
+                return self._status(409, "AlreadyExists", "exists")
+            self.services[body["metadata"]["name"]] = body
+            return self._json(201, body)
+        if name in self.services:
+            return self._json(200, self.services[name])
+        return self._status(404, "NotFound", f'services "{name}" not found')
+
+    def _check(self, body, query):
+        assert query.get("fieldValidation") == ["Strict"], query
+        try:
+            kubernetes_validate.validate(body, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            self.invalid.append(f"{body['metadata']['name']}: {e}")
+
+    def _store(self, body: dict) -> dict:
+        self.uid += 1
+        body = json.loads(json.dumps(body))
+        body["metadata"].update({"namespace": NS, "uid": f"uid-{self.uid}", "creationTimestamp": "2026-01-01T00:00:00Z"})
+        n = body["spec"].get("completions", 1)
+        body["status"] = {"active": n, "ready": 0, "startTime": "2026-01-01T00:00:00Z"}
+        self.jobs[body["metadata"]["name"]] = body
+        self.reads[body["metadata"]["name"]] = 0
+        return body
+
+    def _finish(self, name: str, state: str) -> None:
+        job = self.jobs[name]
+        n = job["spec"].get("completions", 1)
+        t = "2026-01-01T01:00:00Z"
+        if state == "complete":
+            job["status"] = {"succeeded": n, "active": 0, "completionTime": t,
+                             "conditions": [{"type": "Complete", "status": "True", "lastTransitionTime": t}]}
+        else:
+            job["status"] = {"failed": job["spec"].get("backoffLimit", 0) + 1, "active": 0, "conditions": [
+                {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                 "message": "Job has reached the specified backoff limit", "lastTransitionTime": t}]}
+            self.pods[name] = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-0-abcde"},
+                                "status": {"phase": "Failed"}}]
+
+    def _json(self, status: int, obj: Any):
+        return self._raw(status, json.dumps(obj), "application/json")
+
+    def _status(self, code: int, reason: str, message: str):
+        return self._json(code, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                                 "message": message, "reason": reason, "code": code})
+
+    @staticmethod
+    def _raw(status: int, text: str, ctype: str):
+        return urllib3.HTTPResponse(body=io.BytesIO(text.encode()), status=status, headers={"Content-Type": ctype},
+                                    preload_content=False, reason={200: "OK", 201: "Created"}.get(status, "Error"))
+
+
+# ------------------------------------------------------------------------------------------ job effects
+
+
+def job_effect(root: str, commit: bool = True) -> Callable[[dict], None]:
+    """What each stage's pods leave in the run root when they succeed (the commit markers the
+    driver checks; the scored parts as the precompute workers write them, before the commit)."""
+    def effect(job: dict) -> None:
+        labels = job["metadata"]["labels"]
+        stage = labels["app.kubernetes.io/component"]
+        k = int(labels["sapd.io/round"]) if "sapd.io/round" in labels else None
+        effect.log.append(job["metadata"]["name"])
+        if not commit:
+            return
+        if stage == "build-prefixes":
+            shards.commit_manifest(layout.prefixes_dir(root), {"kind": "prefix-build", "stats": {"train": 4, "val": 1}})
+            storage.write_json(layout.checkpoint_marker(root, 0), {"checkpoint": 0, "commit_id": "c0"})
+        elif stage == "teacher-scores":
+            out = layout.scored_dir(root, k)
+            for w in range(job["spec"]["completions"]):  # pod w = JOB_COMPLETION_INDEX w
+                data = f"part {w} of round {k}".encode()
+                storage.write_bytes(storage.join(out, f"part-{w:05d}.parquet"), data)
+                storage.write_json(storage.join(out, f"_worker-{w:05d}.json"),
+                                   {"worker": w, "rows": 3, "bytes": len(data),
+                                    "sha256": hashlib.sha256(data).hexdigest(), "timings": {}})
+        elif stage == "train":
+            storage.write_json(layout.checkpoint_marker(root, k + 1), {"checkpoint": k + 1, "commit_id": f"c{k + 1}"})
+        elif stage == "evaluate":
+            storage.write_json(storage.join(layout.evals_dir(root, k), "alfworld.json"), {"success": 0.5})
+    effect.log = []
+    return effect
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+
+def render_chart(values: dict) -> list[dict]:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values=values, name=RELEASE, namespace=NS, is_install=True)
+    return [d for text in out.values() for d in yaml.safe_load_all(text) if d]
+
+
+class Env:
+    def __init__(self, tmp_path: Path, monkeypatch, values: dict | None = None):
+        values = {"pipeline": {"enabled": True}, "teacherScores": {"parallelism": 2},
+                  "config": {"train": {"rounds": 2}}, **(values or {})}
+        docs = render_chart(values)
+        cms = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+        self.templates = tmp_path / "templates"  # what the driver pod sees at /etc/sapd-pipeline
+        self.templates.mkdir()
+        for key, text in cms[f"{RELEASE}-pipeline-templates"]["data"].items():
+            (self.templates / key).write_text(text)
+        self.config = tmp_path / "config.yaml"  # … and at /etc/sapd/config.yaml
+        self.config.write_text(cms[f"{RELEASE}-config"]["data"]["pipeline.yaml"])
+        (self.driver_job,) = [d for d in docs if d["kind"] == "Job"]
+        self.root = str(tmp_path / "run")
+        self.cfg = load_config(self.config, overrides={"run_root": self.root})
+        self.effect = job_effect(self.root)
+        self.kube = FakeKube(self.effect)
+        self.kube.add_job(self.driver_job)  # the driver's own Job, owner of the stage Jobs
+        monkeypatch.setattr(urllib3.PoolManager, "request",
+                            lambda pm, *a, **kw: self.kube.request(*a, **kw))
+        self.kubeconfig = tmp_path / "kubeconfig"
+        self.kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": "https://kube.fake.invalid:6443",
+                                                      "insecure-skip-tls-verify": True}}],
+            "users": [{"name": "u", "user": {"token": "t0ken"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": NS}}]}))
+
+    def argv(self, *extra: str) -> list[str]:
+        return ["--config", str(self.config), "--run-root", self.root, "--release", RELEASE,
+                "--templates", str(self.templates), "--namespace", NS, "--kubeconfig", str(self.kubeconfig),
+                "--poll-seconds", "0", "--owner-job", self.driver_job["metadata"]["name"], *extra]
+
+    def driver(self, **kw):
+        from sapd.k8s_driver import Driver, StageTemplates, load_api_client
+        kw.setdefault("poll_seconds", 0)
+        kw.setdefault("log", self.lines.append)
+        return Driver(self.cfg, StageTemplates.from_dir(self.templates), load_api_client(str(self.kubeconfig)), NS,
+                      **kw)
+
+    lines: list[str]
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    e = Env(tmp_path, monkeypatch)
+    e.lines = []
+    return e
+
+
+ORDER = [f"{RELEASE}-build-prefixes", f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0",
+         f"{RELEASE}-teacher-scores-r1", f"{RELEASE}-train-r1", f"{RELEASE}-evaluate-r2"]
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+
+def test_two_rounds_in_order_with_valid_manifests(env, capsys):
+    from jobs import pipeline
+    assert pipeline.main(env.argv()) == 0
+    out = capsys.readouterr().out
+    assert env.kube.posted_jobs() == ORDER == env.effect.log
+    assert env.kube.invalid == []
+    for body in env.kube.posted:  # the strict schema check, once more here, on what went over the wire
+        assert kubernetes_validate.validate(body, KUBE_VERSION, strict=True)
+    assert layout.committed_checkpoints(env.root) == [0, 1, 2]
+    for k in (0, 1):  # committed by the driver (commit_round) once the Indexed Job completed
+        m = shards.read_manifest(layout.scored_dir(env.root, k))
+        assert m["round"] == k and m["workers"] == 2 and m["rows"] == 6
+    jobs = {b["metadata"]["name"]: b for b in env.kube.posted if b["kind"] == "Job"}
+    owner_uid = env.kube.jobs[env.driver_job["metadata"]["name"]]["metadata"]["uid"]
+    for k in (0, 1):
+        ts = jobs[f"{RELEASE}-teacher-scores-r{k}"]
+        assert ts["spec"]["completionMode"] == "Indexed"
+        assert ts["spec"]["completions"] == ts["spec"]["parallelism"] == 2 == env.cfg.workers
+        cmd = ts["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert cmd[:3] == ["python", "-m", "jobs.teacher_scores"] and cmd[cmd.index("--round") + 1] == str(k)
+        assert ts["metadata"]["labels"]["sapd.io/round"] == str(k)
+        tr = jobs[f"{RELEASE}-train-r{k}"]
+        tcmd = tr["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert tcmd[tcmd.index("--round") + 1] == str(k)
+        assert f"--master-addr={RELEASE}-train-r{k}-0.{RELEASE}-train" in tcmd
+        assert tr["spec"]["completionMode"] == "Indexed"
+    for body in jobs.values():
+        assert body["metadata"]["annotations"] == {"sapd.io/attempt": "1", "sapd.io/run-root": env.root}
+        assert body["metadata"]["ownerReferences"][0]["uid"] == owner_uid
+        assert body["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "sapd-pipeline"
+        assert "__SAPD_ROUND__" not in json.dumps(body)
+    # nothing the chart renders was dropped by the typed client on the way out
+    from sapd.k8s_driver import StageTemplates
+    t = StageTemplates.from_dir(env.templates)
+    assert jobs[f"{RELEASE}-train-r1"]["spec"] == t.render("train", 1)["spec"]
+    assert [b["metadata"]["name"] for b in env.kube.posted if b["kind"] == "Service"] == [f"{RELEASE}-train"]
+    assert "job sapd-t-teacher-scores-r0: created (attempt 1/3, Indexed: 2 completions, parallelism 2)" in out
+    assert "round 1: committed 6 scored groups from 2 workers" in out
+    assert "pipeline done: checkpoints [0, 1, 2] committed" in out
+
+
+def test_rerun_of_a_finished_run_creates_nothing(env, capsys):
+    from jobs import pipeline
+    assert pipeline.main(env.argv()) == 0
+    n = len(env.kube.posted)
+    assert pipeline.main(env.argv()) == 0
+    assert len(env.kube.posted) == n
+    out = capsys.readouterr().out
+    assert "stage build-prefixes: prefixes and checkpoint 0 committed, skipping" in out
+    assert "round 1: checkpoint 2 committed, skipping" in out and "already evaluated, skipping" in out
+
+
+class Crash(Exception):
+    """The driver pod is killed."""
+
+
+def test_restart_skips_committed_stages_and_adopts_the_running_job(env):
+    env.kube.script[f"{RELEASE}-train-r1"] = ["run"]
+    sleeps = []
+
+    def dying_sleep(s):
+        sleeps.append(s)
+        if f"{RELEASE}-train-r1" in env.kube.jobs and len(sleeps) > 5:
+            raise Crash
+    with pytest.raises(Crash):
+        env.driver(sleep=dying_sleep).run()
+    assert env.kube.posted_jobs() == ORDER[:5]
+    assert not checkpoints.is_committed(env.root, 2)
+    # the new driver pod: train-r1 is still running; it finishes while being watched
+    env.kube.script[f"{RELEASE}-train-r1"] = ["complete"]
+    env.kube.reads[f"{RELEASE}-train-r1"] = 0
+    env.lines.clear()
+    result = env.driver().run()
+    assert env.kube.posted_jobs() == ORDER  # only evaluate is new: no duplicate train-r1
+    assert result["adopted"] == [f"{RELEASE}-train-r1"] and result["created"] == [f"{RELEASE}-evaluate-r2"]
+    assert result["skipped"] == ["build-prefixes", "round-0", "teacher-scores-r1"]
+    assert f"job {RELEASE}-train-r1: exists (running, attempt 1), adopting it" in env.lines
+    assert layout.committed_checkpoints(env.root) == [0, 1, 2]
+
+
+def test_restart_after_an_indexed_job_completed_commits_the_round(env):
+    # the driver died after teacher-scores-r0 completed but before it committed the round
+    from sapd.k8s_driver import StageTemplates
+    t = StageTemplates.from_dir(env.templates)
+    job_effect(env.root)(t.render("build-prefixes"))
+    ts = t.render("teacher-scores", 0)
+    env.effect(ts)
+    env.kube.add_job(ts, state="complete")
+    env.driver().run()
+    assert f"{RELEASE}-teacher-scores-r0" not in env.kube.posted_jobs()
+    assert shards.read_manifest(layout.scored_dir(env.root, 0))["workers"] == 2
+    assert env.kube.posted_jobs() == ORDER[2:]
+
+
+def test_a_409_on_create_adopts_the_job_instead_of_duplicating_it(env):
+    name = f"{RELEASE}-teacher-scores-r0"
+    env.kube.race_on_create.add(name)
+    result = env.driver().run()
+    assert name in result["adopted"] and name not in env.kube.posted_jobs()
+    assert env.kube.incarnations.get(name) is None and name in env.effect.log  # ran once: the other pod's
+    assert layout.committed_checkpoints(env.root) == [0, 1, 2]
+
+
+def test_a_failed_job_is_recreated_then_succeeds(env):
+    name = f"{RELEASE}-teacher-scores-r1"
+    env.kube.script[name] = ["fail"]
+    result = env.driver(retries=2).run()
+    assert result["retried"] == [name] and env.kube.incarnations[name] == 2
+    assert ("DELETE", f"/apis/batch/v1/namespaces/{NS}/jobs/{name}") in env.kube.calls
+    second = [b for b in env.kube.posted if b["metadata"]["name"] == name][-1]
+    assert second["metadata"]["annotations"]["sapd.io/attempt"] == "2"
+    assert any("attempt 1/3 failed: BackoffLimitExceeded" in ln for ln in env.lines)
+    assert any("CUDA out of memory" in ln for ln in env.lines)  # the failed pod's log tail
+    assert layout.committed_checkpoints(env.root) == [0, 1, 2]
+
+
+def test_a_stage_that_keeps_failing_stops_the_driver_with_exit_1(env, capsys):
+    from jobs import pipeline
+    name = f"{RELEASE}-train-r0"
+    env.kube.script[name] = ["fail"] * 5
+    assert pipeline.main(env.argv("--retries", "2")) == 1
+    captured = capsys.readouterr()
+    assert env.kube.incarnations[name] == 3 and env.kube.posted_jobs()[-1] == name  # nothing after it
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"stage train (round 0): Job {name} failed 3 time(s), giving up" in err
+    assert "BackoffLimitExceeded" in err and f"kubectl -n {NS} delete job {name}" in err
+    assert f"job {name}: attempt 3/3 failed" in captured.out
+    # a restarted driver keeps counting (the attempt annotation): it gives up at once, creating nothing
+    n = len(env.kube.posted)
+    assert pipeline.main(env.argv("--retries", "2")) == 1
+    assert len(env.kube.posted) == n and "adopting it" in capsys.readouterr().out
+
+
+def test_a_job_that_completes_without_committing_counts_as_a_failure(env, capsys):
+    from jobs import pipeline
+    env.kube.effect = job_effect(env.root, commit=False)
+    assert pipeline.main(env.argv("--retries", "1")) == 1
+    err = capsys.readouterr().err
+    assert f"Job {RELEASE}-build-prefixes failed 2 time(s)" in err
+    assert "the Job completed, but no prefix build committed" in err
+
+
+def test_transient_api_errors_are_retried(env):
+    env.kube.fail_next = [500, 503]
+    slept = []
+    env.driver(sleep=slept.append).run()
+    assert layout.committed_checkpoints(env.root) == [0, 1, 2]
+    assert slept[:2] == [1.0, 2.0] and any("500" in ln and "retrying" in ln for ln in env.lines)
+
+
+def test_a_job_that_never_finishes_hits_the_stage_timeout_exit_3(env):
+    from sapd.k8s_driver import KubeError
+    env.kube.script[f"{RELEASE}-build-prefixes"] = ["run"]
+    now = [0.0]
+    with pytest.raises(KubeError, match=r"not finished after 1h00m06s \(limit 1h00m00s\)") as e:
+        env.driver(stage_timeout_seconds=3600, sleep=lambda s: now.__setitem__(0, now[0] + 601),
+                   clock=lambda: now[0], log_every_seconds=1200).run()
+    assert e.value.exit_code == 3
+    running = [ln for ln in env.lines if "running" in ln]
+    assert 3 <= len(running) <= 5 and "1 active (0 ready), 0/1 succeeded" in running[0]
+
+
+def test_sft_runs_no_teacher_scores(tmp_path, monkeypatch):
+    e = Env(tmp_path, monkeypatch, {"config": {"variant": "sft", "train": {"rounds": 2}}})
+    e.lines = []
+    e.driver().run()
+    assert e.kube.posted_jobs() == [ORDER[0], ORDER[2], ORDER[4], ORDER[5]]
+
+
+def test_forbidden_is_a_clear_exit_3(env, capsys):
+    from jobs import pipeline
+    env.kube.fail_next = [403]
+    assert pipeline.main(env.argv("--owner-job", "")) == 3
+    assert "the driver's ServiceAccount may not do this" in capsys.readouterr().err
+
+
+def test_templates_are_checked(tmp_path):
+    from sapd.k8s_driver import DriverError, StageTemplates
+    with pytest.raises(DriverError, match="no stage templates folder"):
+        StageTemplates.from_dir(tmp_path / "missing")
+    (tmp_path / "trian.yaml").write_text("kind: Job\n")
+    with pytest.raises(DriverError, match="unknown stage template"):
+        StageTemplates.from_dir(tmp_path)
+    long = StageTemplates({"train": yaml.safe_dump({"kind": "Job", "metadata": {"name": "x" * 60 + "-r__SAPD_ROUND__"},
+                                                    "spec": {"completionMode": "Indexed", "completions": 2}})})
+    with pytest.raises(DriverError, match="at most 63 characters"):
+        long.render("train", 1)
+    with pytest.raises(DriverError, match="no template for stage 'evaluate'"):
+        long.render("evaluate", 1)
