@@ -66,6 +66,13 @@ def _jsonable(info: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in info.items() if isinstance(v, (str, int, float, bool, type(None)))}
 
 
+def step_env(env: Environment, response: str, action: str) -> StepResult:
+    """One decision: ``env.step_response(response, action)`` where the environment reads the raw response
+    itself (search QA: a search or the answer), else ``env.step(action)``."""
+    step_response = getattr(env, "step_response", None)
+    return step_response(response, action) if step_response is not None else env.step(action)
+
+
 class _Episode:
     def __init__(self, spec: EpisodeSpec, benchmark: BenchmarkSpec, opts: LoopOptions, policy: str) -> None:
         self.spec, self.bench, self.opts = spec, benchmark, opts
@@ -76,6 +83,7 @@ class _Episode:
         self.obs = ""
         self.admissible: list[str] | None = None
         self.executed: list[str] = []  # actions sent to the environment (for a restart's fast-forward)
+        self.responses: list[str] = []  # the response of each of them
         self.seen: list[str] = []  # the observation each of them returned
         self.finished = False
         self.final_observation: str | None = None
@@ -100,7 +108,7 @@ class _Episode:
         self.env = self.spec.make_env()
         first = self.env.reset(self.spec.seed)
         for i, action in enumerate(self.executed):  # fast-forward a rebuilt environment
-            res = self.env.step(action)
+            res = step_env(self.env, self.responses[i], action)
             if res.observation != self.seen[i]:
                 raise EpisodeFailed(f"restarted environment diverged at step {i + 1}: "
                                     f"{res.observation[:80]!r} != {self.seen[i][:80]!r}")
@@ -180,10 +188,12 @@ class _Episode:
             return
         self.turns.append(Turn(self.obs, response, action, self.admissible))
         self.meta["steps"] = len(self.turns)
-        res: StepResult | None = self._attempt(f"step {t + 1} ({action!r})", lambda env: env.step(action))
+        res: StepResult | None = self._attempt(f"step {t + 1} ({action!r})",
+                                               lambda env: step_env(env, response, action))
         if res is None:
             return
         self.executed.append(action)
+        self.responses.append(response)
         self.seen.append(res.observation)
         self.obs, self.admissible = res.observation, res.admissible_actions
         if res.score is not None:

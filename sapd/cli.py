@@ -178,6 +178,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     result = evaluate_checkpoint(args.run, args.checkpoint, args.benchmark, families=_families(args.families),
                                  games_per_family=args.games_per_family, seed=args.seed, horizon=args.horizon,
                                  max_new_tokens=args.max_new_tokens, device=args.device, cache_dir=args.cache,
+                                 rows=args.rows, retriever_url=args.retriever_url, limit=args.limit,
                                  log=lambda s: print(s, flush=True), show_progress=not args.no_progress,
                                  metrics=metrics)
     metrics.mark_success()
@@ -272,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--horizon", type=int, default=None, help="max steps per episode (default: the benchmark's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--rows", default=None, help="search QA: Search-R1 rows (JSONL/Parquet) to ask")
+    p.add_argument("--retriever-url", default=None, help="search QA: a Search-R1 /retrieve server")
+    p.add_argument("--limit", type=int, default=None, help="search QA: at most this many questions")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 
@@ -280,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="….jsonl (local or s3://)")
     p.add_argument("--successful-only", action="store_true", help="keep only the episodes the expert won")
     p.set_defaults(func=cmd_collect_expert)
+
+    # listed here for `sapd --help`; main() hands its arguments to sapd.retriever unparsed
+    sub.add_parser("retriever", help="serve a BM25 index over a JSONL corpus with the Search-R1 /retrieve API")
 
     p = sub.add_parser("report", help="render loss and timing curves of a run to PNG")
     p.add_argument("run", help="the run root")
@@ -302,6 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sapd.storage import StorageError
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["retriever"]:
+        from sapd.retriever import main as retriever_main
+        return retriever_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -33,12 +33,22 @@ def textworld_specs(families: list[str] | None, games_per_family: int, seed: int
 
 
 def episode_specs(benchmark: str, *, families: list[str] | None = None, games_per_family: int = 2,
-                  seed: int = 0, cache_dir: str | Path | None = None) -> list[EpisodeSpec]:
+                  seed: int = 0, cache_dir: str | Path | None = None, rows: str | None = None,
+                  retriever_url: str | None = None, limit: int | None = None,
+                  per_source: int | None = None) -> list[EpisodeSpec]:
+    """The fixed panel of one benchmark: TextWorld games, or search-QA questions (Search-R1 rows) asked
+    against a retriever speaking the Search-R1 ``/retrieve`` API."""
     if benchmark == "textworld":
         return textworld_specs(families, games_per_family, seed, cache_dir)
+    if benchmark == "searchqa":
+        from sapd.envs.searchqa import searchqa_specs
+        if not (rows and retriever_url):
+            raise ValueError("search QA needs --rows (Search-R1 rows) and --retriever-url "
+                             "(e.g. python -m sapd.retriever --corpus corpus.jsonl --port 8000)")
+        return searchqa_specs(rows, retriever_url, limit, per_source=per_source)
     raise ValueError(f"no environment for benchmark '{benchmark}' on this machine: the evaluation stage runs "
-                     "the embedded TextWorld panel here; ALFWorld, WebShop and search QA need their own "
-                     "servers/data (their adapters are not part of this release yet)")
+                     "the embedded TextWorld panel and search QA (with a retriever) here; the ALFWorld and "
+                     "WebShop adapters are not part of this release yet")
 
 
 def latest_checkpoint(root: str) -> int:
@@ -61,6 +71,7 @@ def _prompt_options(root: str) -> PrefixOptions:
 def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: list[str] | None = None,
                         games_per_family: int = 2, seed: int = 0, horizon: int | None = None,
                         max_new_tokens: int = 128, device: str = "cpu", cache_dir: str | Path | None = None,
+                        rows: str | None = None, retriever_url: str | None = None, limit: int | None = None,
                         log: Callable[[str], None] = print, show_progress: bool = True,
                         metrics=None) -> dict[str, Any]:
     """Evaluate checkpoint ``k`` ("latest" for the newest committed one) of the run at ``root``."""
@@ -77,7 +88,7 @@ def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: li
         return storage.read_json(dest)
     t0 = time.perf_counter()
     specs = episode_specs(benchmark, families=families, games_per_family=games_per_family, seed=seed,
-                          cache_dir=cache_dir)
+                          cache_dir=cache_dir, rows=rows, retriever_url=retriever_url, limit=limit)
     tokenizer = load_tokenizer(str(checkpoints.checkpoint_model_path(root, k)))
     model = checkpoints.load_checkpoint_model(root, k, device=device)
     spec = get_benchmark(benchmark)
@@ -91,6 +102,9 @@ def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: li
     result = {"checkpoint": k, "benchmark": benchmark, "seed": seed, "games_per_family": games_per_family,
               "families": sorted({s.category for s in specs if s.category}), "horizon": opts.horizon or spec.horizon,
               **summarize(trajs), "seconds": time.perf_counter() - t0}
+    if benchmark == "searchqa":  # exact match per data source and their average (SAPD.md §6)
+        from sapd.envs.searchqa import exact_match_by_source
+        result["exact_match"] = exact_match_by_source(trajs)
     lines = [json.dumps(t.to_dict(), sort_keys=True) for t in trajs]
     storage.write_text(storage.join(layout.evals_dir(root, k), f"{benchmark}.episodes.jsonl"), "\n".join(lines) + "\n")
     storage.write_json(dest, result)  # written last: its presence means "evaluated"

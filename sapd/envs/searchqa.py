@@ -163,8 +163,9 @@ def exact_match_by_source(trajectories: Sequence[Any]) -> dict[str, Any]:
 
     >>> from sapd.data.schema import Trajectory
     >>> t = lambda c, s: Trajectory(id=c + str(s), benchmark="searchqa", task="q", turns=[], category=c, success=s)
-    >>> exact_match_by_source([t("nq", True), t("nq", False), t("hotpotqa", True)])
-    {'by_source': {'hotpotqa': {'questions': 1, 'em': 1.0}, 'nq': {'questions': 2, 'em': 0.5}}, 'average': 0.75, 'overall': 0.6666666666666666, 'questions': 3}
+    >>> em = exact_match_by_source([t("nq", True), t("nq", False), t("hotpotqa", True)])
+    >>> em["by_source"], em["average"], round(em["overall"], 3), em["questions"]
+    ({'hotpotqa': {'questions': 1, 'em': 1.0}, 'nq': {'questions': 2, 'em': 0.5}}, 0.75, 0.667, 3)
     """
     by: dict[str, list[bool]] = {}
     for t in trajectories:
