@@ -204,6 +204,21 @@ def cmd_collect_expert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_online(args: argparse.Namespace) -> int:
+    """The online baselines (they need the environment, by design): rollouts of the current checkpoint
+    in the TextWorld panel, then the same training stage as SAPD."""
+    from sapd.config import load_config
+    from sapd.evaluate import textworld_specs
+    from sapd.online import cycling_games, run_online
+    cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+    panel = textworld_specs(_families(args.families), args.games_per_family, args.seed, args.cache)
+    result = run_online(cfg, cycling_games(panel, args.games_per_round or len(panel)), args.method,
+                        episodes_per_game=args.episodes_per_game, horizon=args.horizon, reward=args.reward,
+                        log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
+    print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, default=str))
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from sapd.report import write_report
     paths = write_report(args.run, args.out)
@@ -284,6 +299,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="….jsonl (local or s3://)")
     p.add_argument("--successful-only", action="store_true", help="keep only the episodes the expert won")
     p.set_defaults(func=cmd_collect_expert)
+
+    p = sub.add_parser("online", help="online baselines in the environment: online OPD or GRPO (resumable)")
+    p.add_argument("config", nargs="+", help="YAML overlays (model, sampling, train as for `sapd run`)")
+    p.add_argument("--method", choices=["online_opd", "grpo"], required=True)
+    panel_flags(p)
+    p.add_argument("--games-per-round", type=int, default=None, help="games played per round (default: the panel)")
+    p.add_argument("--episodes-per-game", type=int, default=None, help="GRPO group size (default sampling.group_size)")
+    p.add_argument("--horizon", type=int, default=None)
+    p.add_argument("--reward", choices=["won", "score"], default="won", help="GRPO reward: win, or score / max score")
+    p.add_argument("--run-root", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_online)
 
     # listed here for `sapd --help`; main() hands its arguments to sapd.retriever unparsed
     sub.add_parser("retriever", help="serve a BM25 index over a JSONL corpus with the Search-R1 /retrieve API")

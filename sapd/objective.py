@@ -178,7 +178,7 @@ def sft_loss(logp_B_T: torch.Tensor, target_mask_B_T: torch.Tensor,
 class LossConfig:
     """Knobs of the joint objective; defaults are the paper's (SAPD.md §3, §5)."""
 
-    objective: Literal["sapd", "sft"] = "sapd"  # "sft": cross-entropy on the recorded response
+    objective: Literal["sapd", "sft", "grpo"] = "sapd"  # sft: cross-entropy on recorded responses; grpo: online
     lambda_tok: float = 0.1  # λ_tok, token-level OPD weight (Eq. 13)
     lambda_step: float = 0.5  # λ_step, step-advantage weight (Eq. 13)
     lambda_rule: float = 0.1  # λ_rule, rule-reward weight (Eq. 13, following SDAR)

@@ -88,6 +88,8 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
     from sapd.train import run_train_stage
 
     root = cfg.run_root
+    if cfg.loss_config().objective == "grpo":
+        raise ConfigError("variant grpo needs the environment: run it with `sapd online --method grpo`")
     metrics = metrics or Metrics.from_env("pipeline")
     write_run_config(cfg)
     tokenizer = load_tokenizer(cfg.model.student)

@@ -34,7 +34,7 @@ import torch
 
 from sapd import checkpoints, layout, storage
 from sapd.config import RunConfig
-from sapd.objective import loss_from_config, sft_loss, token_logprobs
+from sapd.objective import loss_for, sft_loss, token_logprobs
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -240,7 +240,8 @@ def _micro_loss(model, cfg: RunConfig, chunk: list[Group], pad_id: int) -> tuple
     teacher = _stack(chunk, "teacher_logp", T, torch.float32).to(new.device)
     action = _stack(chunk, "action_mask", T, torch.bool).to(new.device)
     rules = torch.tensor([g.rule_scores for g in chunk], dtype=torch.float32, device=new.device)
-    return loss_from_config(cfg.loss_config(), new, old, teacher, response_mask, action, rules)
+    # loss_for dispatches the SAPD family and GRPO (whose per-response advantage rides in rule_scores)
+    return loss_for(cfg.loss_config(), new, old, teacher, response_mask, action, rules)
 
 
 def _restore_rng(state: dict[str, Any] | None) -> None:

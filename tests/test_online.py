@@ -120,14 +120,6 @@ def setup(tmp_path_factory):
     return tmp, student, teacher, games
 
 
-@pytest.fixture
-def grpo_dispatch(monkeypatch):
-    """The one-line dispatch train.py needs (``loss_from_config`` → ``loss_for`` in ``_micro_loss``);
-    harmless once train.py has it."""
-    import sapd.train
-    monkeypatch.setattr(sapd.train, "loss_from_config", loss_for)
-
-
 def _cfg(root, student, teacher):
     return config_from_dict(tiny_config(str(root), student, teacher, data={"benchmark": "textworld"},
                                         train={"rounds": 1}))
@@ -181,7 +173,7 @@ def test_online_opd_round_trains_the_next_checkpoint(setup):
 
 
 @pytest.mark.slow
-def test_grpo_round_with_equal_rewards_makes_no_update(setup, grpo_dispatch):
+def test_grpo_round_with_equal_rewards_makes_no_update(setup):
     tmp, student, teacher, games = setup
     cfg = _cfg(tmp / "grpo-equal", student, teacher)
     out = run_online(cfg, lambda k: games, "grpo", horizon=3, **QUIET)  # won = 1 / 0: a random model never wins
@@ -196,7 +188,7 @@ def test_grpo_round_with_equal_rewards_makes_no_update(setup, grpo_dispatch):
 
 
 @pytest.mark.slow
-def test_grpo_round_with_different_rewards_updates(setup, grpo_dispatch):
+def test_grpo_round_with_different_rewards_updates(setup):
     tmp, student, teacher, games = setup
     cfg = _cfg(tmp / "grpo", student, teacher)
     length = lambda t: float(sum(len(turn.response) for turn in t.turns))  # noqa: E731 - differs per episode
@@ -214,3 +206,30 @@ def test_grpo_round_with_different_rewards_updates(setup, grpo_dispatch):
     assert any(s["loss"] != 0.0 for s in steps)
     before, after = _weights(cfg.run_root, 0), _weights(cfg.run_root, 1)
     assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_offline_pipeline_refuses_grpo(tmp_path):
+    from sapd.config import ConfigError
+    from sapd.pipeline import run_pipeline
+    cfg = config_from_dict({"run_root": str(tmp_path / "r"), "variant": "grpo"})
+    with pytest.raises(ConfigError, match="needs the environment"):
+        run_pipeline(cfg, log=lambda s: None, show_progress=False)
+
+
+@pytest.mark.slow
+def test_sapd_online_command(setup, tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+    tmp, student, teacher, _ = setup
+    cfg = tmp_path / "online.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(str(tmp_path / "run"), student, teacher, data={"benchmark": "textworld"},
+                                              train={"rounds": 1})))
+    res = subprocess.run([sys.executable, "-m", "sapd.cli", "online", str(cfg), "--method", "online_opd",
+                          "--families", "simple", "--games-per-family", "1", "--horizon", "2",
+                          "--cache", str(tmp / "games"), "--no-progress"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert checkpoints.is_committed(str(tmp_path / "run"), 1)
+    assert '"method": "online_opd"' in res.stdout
