@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output folder (default: RUN/report)")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("demo", help="the embedded default on the shipped sample data")
+    p = sub.add_parser("demo", help="the embedded default: TextWorld games → expert pool → SFT teacher → SAPD → "
+                                    "evaluation, on this CPU")
     p.add_argument("--out", default="demo-out", help="output folder (default ./demo-out)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_demo)

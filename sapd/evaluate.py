@@ -84,8 +84,16 @@ def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: li
     k = latest_checkpoint(root) if k == "latest" else int(k)
     dest = storage.join(layout.evals_dir(root, k), f"{benchmark}.json")
     if storage.exists(dest):
+        done = storage.read_json(dest)
+        panel = {"seed": seed, "games_per_family": games_per_family}
+        if benchmark == "textworld" and families is not None:
+            panel["families"] = sorted(families)
+        differs = {key: (done.get(key), v) for key, v in panel.items() if done.get(key) != v}
+        if differs:
+            raise ValueError(f"{dest}: checkpoint {k} was evaluated on another panel ({differs}, as (then, now)); "
+                             "delete that file to re-evaluate, or evaluate into another run root")
         log(f"checkpoint {k}: {benchmark} already evaluated ({dest})")
-        return storage.read_json(dest)
+        return done
     t0 = time.perf_counter()
     specs = episode_specs(benchmark, families=families, games_per_family=games_per_family, seed=seed,
                           cache_dir=cache_dir, rows=rows, retriever_url=retriever_url, limit=limit)

@@ -4,6 +4,7 @@ trajectory replayed through the loop gives byte-identical prompts to its prefixe
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -132,3 +133,11 @@ def test_horizon_and_malformed_responses_in_a_real_game(games, tokenizer):
     assert got.metadata["invalid_reasons"] == {"missing <action>…</action>": 1}
     assert got.turns[1].action == "look" and len(got.turns) == n
     assert got.success is False and got.metadata["end_reason"] == "horizon"
+
+
+@pytest.mark.slow
+def test_a_relative_cache_folder_works(tmp_path, monkeypatch):
+    # tw-make runs inside the temporary generation folder: a relative path must not be resolved against it
+    monkeypatch.chdir(tmp_path)
+    path = ensure_game(GameSpec("simple", 3), Path("rel-cache"))
+    assert path.resolve() == (tmp_path / "rel-cache" / path.name).resolve() and path.is_file()

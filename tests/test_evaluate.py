@@ -42,6 +42,8 @@ def test_evaluation_is_deterministic_per_category_and_skips_done_checkpoints(run
     assert len(episodes) == 2
     again = evaluate_checkpoint(run_root, 1, "textworld", **kw)
     assert again == first  # skipped: the committed result is returned as it is
+    with pytest.raises(ValueError, match="evaluated on another panel"):
+        evaluate_checkpoint(run_root, 1, "textworld", **{**kw, "seed": 7})
     other = evaluate_checkpoint(run_root, 0, "textworld", **kw)  # same panel and seed, a fresh evaluation …
     storage.delete(storage.join(layout.evals_dir(run_root, 0), "textworld.json"))
     redo = evaluate_checkpoint(run_root, 0, "textworld", **kw)  # … repeated: the same numbers

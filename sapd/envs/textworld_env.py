@@ -95,6 +95,7 @@ def ensure_game(spec: GameSpec, cache_dir: str | Path = DEFAULT_CACHE, timeout_s
     if args[0] == "tw-cooking":
         args += ["--recipe-seed", str(spec.seed)]
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".gen-") as tmp:
+        tmp = str(Path(tmp).resolve())  # tw-make runs with cwd=tmp: a relative path would point elsewhere
         target = Path(tmp) / "game.z8"
         cmd = [sys.executable, _tw_make(), *args, "--seed", str(spec.seed), "--output", str(target), "-f", "--silent"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
