@@ -179,6 +179,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                                  games_per_family=args.games_per_family, seed=args.seed, horizon=args.horizon,
                                  max_new_tokens=args.max_new_tokens, device=args.device, cache_dir=args.cache,
                                  rows=args.rows, retriever_url=args.retriever_url, limit=args.limit,
+                                 tasks=_families(args.tasks), variations_per_task=args.variations_per_task,
+                                 split=args.split,
                                  log=lambda s: print(s, flush=True), show_progress=not args.no_progress,
                                  metrics=metrics)
     metrics.mark_success()
@@ -192,9 +194,12 @@ def cmd_collect_expert(args: argparse.Namespace) -> int:
     from sapd.agent_loop import collect_expert, summarize
     from sapd.data.loaders import write_native_jsonl
     from sapd.evaluate import episode_specs
+    from sapd.agent_loop import LoopOptions
     specs = episode_specs(args.benchmark, families=_families(args.families), games_per_family=args.games_per_family,
-                          seed=args.seed, cache_dir=args.cache)
-    trajs = collect_expert(specs, args.benchmark, successful_only=args.successful_only)
+                          seed=args.seed, cache_dir=args.cache, tasks=_families(args.tasks),
+                          variations_per_task=args.variations_per_task, split=args.split)
+    trajs = collect_expert(specs, args.benchmark, successful_only=args.successful_only,
+                           opts=LoopOptions(invalid_action="look around" if args.benchmark == "scienceworld" else "look"))
     write_native_jsonl(trajs, args.out)
     s = summarize(trajs)
     print(f"wrote {len(trajs)} expert trajectories to {args.out}; expert success {s['overall']['success']:.2f}, "
@@ -280,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--games-per-family", type=int, default=2)
         p.add_argument("--seed", type=int, default=0, help="panel seed: the same seed, the same games")
         p.add_argument("--cache", default=None, help="game cache folder (default .cache/textworld)")
+        p.add_argument("--tasks", default=None, help="ScienceWorld: comma-separated task names (default: all 30)")
+        p.add_argument("--variations-per-task", type=int, default=2, help="ScienceWorld: variations per task")
+        p.add_argument("--split", choices=["train", "dev", "test", "all"], default="test",
+                       help="ScienceWorld: which variations to draw from")
 
     p = sub.add_parser("evaluate", help="task success of a checkpoint on a fixed, seeded environment panel")
     p.add_argument("--run", required=True, help="the run root holding the checkpoints")

@@ -33,6 +33,7 @@ class DataConfig:
     split_seed: int = 0
     skip_invalid: bool = False
     action_wording: Literal["recorded", "put", "move"] = "recorded"
+    reopd_kappa: float | None = None  # ReOPD: draw each round's prefixes with p(t) ∝ κ^t (paper: 0.6); None = whole trajectories
 
 
 @dataclass
@@ -233,6 +234,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("train.minibatch_prefixes must be a multiple of train.micro_batch_prefixes")
     if cfg.workers < 1:
         raise ConfigError("workers: must be at least 1")
+    if cfg.data.reopd_kappa is not None and cfg.data.reopd_kappa <= 0:
+        raise ConfigError("data.reopd_kappa: must be positive")
 
 
 def dump_config(cfg: RunConfig) -> str:

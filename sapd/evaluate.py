@@ -35,11 +35,15 @@ def textworld_specs(families: list[str] | None, games_per_family: int, seed: int
 def episode_specs(benchmark: str, *, families: list[str] | None = None, games_per_family: int = 2,
                   seed: int = 0, cache_dir: str | Path | None = None, rows: str | None = None,
                   retriever_url: str | None = None, limit: int | None = None,
-                  per_source: int | None = None) -> list[EpisodeSpec]:
+                  per_source: int | None = None, tasks: list[str] | None = None,
+                  variations_per_task: int = 2, split: str = "test") -> list[EpisodeSpec]:
     """The fixed panel of one benchmark: TextWorld games, or search-QA questions (Search-R1 rows) asked
     against a retriever speaking the Search-R1 ``/retrieve`` API."""
     if benchmark == "textworld":
         return textworld_specs(families, games_per_family, seed, cache_dir)
+    if benchmark == "scienceworld":
+        from sapd.envs.scienceworld_env import scienceworld_specs
+        return scienceworld_specs(tasks, variations_per_task, seed, split)
     if benchmark == "searchqa":
         from sapd.envs.searchqa import searchqa_specs
         if not (rows and retriever_url):
@@ -47,7 +51,7 @@ def episode_specs(benchmark: str, *, families: list[str] | None = None, games_pe
                              "(e.g. python -m sapd.retriever --corpus corpus.jsonl --port 8000)")
         return searchqa_specs(rows, retriever_url, limit, per_source=per_source)
     raise ValueError(f"no environment for benchmark '{benchmark}' on this machine: the evaluation stage runs "
-                     "the embedded TextWorld panel and search QA (with a retriever) here; the ALFWorld and "
+                     "the embedded TextWorld and ScienceWorld panels and search QA (with a retriever) here; the ALFWorld and "
                      "WebShop adapters are not part of this release yet")
 
 
@@ -72,6 +76,7 @@ def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: li
                         games_per_family: int = 2, seed: int = 0, horizon: int | None = None,
                         max_new_tokens: int = 128, device: str = "cpu", cache_dir: str | Path | None = None,
                         rows: str | None = None, retriever_url: str | None = None, limit: int | None = None,
+                        tasks: list[str] | None = None, variations_per_task: int = 2, split: str = "test",
                         log: Callable[[str], None] = print, show_progress: bool = True,
                         metrics=None) -> dict[str, Any]:
     """Evaluate checkpoint ``k`` ("latest" for the newest committed one) of the run at ``root``."""
@@ -88,6 +93,8 @@ def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: li
         panel = {"seed": seed, "games_per_family": games_per_family}
         if benchmark == "textworld" and families is not None:
             panel["families"] = sorted(families)
+        if benchmark == "scienceworld":
+            panel.update(variations_per_task=variations_per_task, split=split)
         differs = {key: (done.get(key), v) for key, v in panel.items() if done.get(key) != v}
         if differs:
             raise ValueError(f"{dest}: checkpoint {k} was evaluated on another panel ({differs}, as (then, now)); "
@@ -96,18 +103,22 @@ def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: li
         return done
     t0 = time.perf_counter()
     specs = episode_specs(benchmark, families=families, games_per_family=games_per_family, seed=seed,
-                          cache_dir=cache_dir, rows=rows, retriever_url=retriever_url, limit=limit)
+                          cache_dir=cache_dir, rows=rows, retriever_url=retriever_url, limit=limit,
+                          tasks=tasks, variations_per_task=variations_per_task, split=split)
     tokenizer = load_tokenizer(str(checkpoints.checkpoint_model_path(root, k)))
     model = checkpoints.load_checkpoint_model(root, k, device=device)
     spec = get_benchmark(benchmark)
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision))
-    opts = LoopOptions(prompt=_prompt_options(root), horizon=horizon)
+    # the no-op sent for a malformed response ("look" is ambiguous in ScienceWorld)
+    opts = LoopOptions(prompt=_prompt_options(root), horizon=horizon,
+                       invalid_action="look around" if benchmark == "scienceworld" else "look")
     log(f"checkpoint {k}: {len(specs)} {benchmark} episodes (seed {seed})")
     with tqdm(desc=f"evaluating checkpoint {k}", unit="step", disable=None if show_progress else True,
               leave=False) as bar:
         trajs = run_episodes(specs, HFGenerator(model, tokenizer, device=device), tokenizer, spec, params, opts,
                              progress=bar.update)
     result = {"checkpoint": k, "benchmark": benchmark, "seed": seed, "games_per_family": games_per_family,
+              "variations_per_task": variations_per_task, "split": split,
               "families": sorted({s.category for s in specs if s.category}), "horizon": opts.horizon or spec.horizon,
               **summarize(trajs), "seconds": time.perf_counter() - t0}
     if benchmark == "searchqa":  # exact match per data source and their average (SAPD.md §6)

@@ -56,7 +56,11 @@ SCORED_SCHEMA = pa.schema([
 
 def round_batch(cfg: RunConfig, k: int) -> pa.Table:
     """Round k's prefixes: every prefix of a sample of ``trajectories_per_round`` train trajectories,
-    cycling through reshuffled epochs of the training split."""
+    cycling through reshuffled epochs of the training split. With ``data.reopd_kappa`` set (ReOPD), a
+    seeded draw of prefixes with p(t) ∝ κ^t instead (sapd.reopd)."""
+    if cfg.data.reopd_kappa is not None:
+        from sapd.reopd import reopd_round_batch
+        return reopd_round_batch(cfg, k)
     table = read_prefixes(layout.prefixes_dir(cfg.run_root), "train")
     n_traj = len(set(table.column("trajectory_id").to_pylist()))
     per_epoch = -(-n_traj // cfg.train.trajectories_per_round)

@@ -1,0 +1,166 @@
+"""Sequential training across benchmarks or environment families (issue 4, item 7; the paper's Table 3).
+
+Stage i trains on task i with :func:`sapd.pipeline.run_pipeline` in its own run root
+``<root>/stage-<i>-<name>``, starting from stage i−1's final checkpoint (its model folder becomes the
+stage's ``model.student``, i.e. checkpoint 0). After each stage its final checkpoint is evaluated on
+every task learned so far (greedy, each task's fixed panel), which fills the lower-triangular
+forgetting matrix ``matrix[stage][task]`` (task success; absent above the diagonal).
+
+Everything is committed piece by piece: a stage whose run is complete is not retrained (the pipeline
+resumes), an evaluation already written is reused, so an interrupted sequence resumes where it
+stopped. The matrix is written as ``<root>/sequential.json`` and ``<root>/forgetting.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from sapd import layout, storage
+from sapd.config import RunConfig, config_from_dict
+
+
+@dataclass
+class Stage:
+    """One task of the sequence: ``data`` overlays the base config's ``data`` section (the task's
+    trajectory pool, benchmark …), ``overlay`` any other section; ``eval_specs()`` returns the task's
+    evaluation panel (:class:`~sapd.agent_loop.EpisodeSpec` list) on ``eval_benchmark`` (default: the
+    stage's ``data.benchmark``)."""
+
+    name: str
+    data: dict[str, Any]
+    eval_specs: Callable[[], Sequence[Any]]
+    eval_benchmark: str | None = None
+    overlay: dict[str, Any] = field(default_factory=dict)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "loss":
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _slug(name: str) -> str:
+    s = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
+    if not s:
+        raise ValueError(f"stage name {name!r} has no usable characters")
+    return s
+
+
+def stage_root(root: str, i: int, name: str) -> str:
+    return storage.join(root, f"stage-{i}-{_slug(name)}")
+
+
+def stage_config(base: dict[str, Any] | RunConfig, stages: Sequence[Stage], i: int, root: str,
+                 variant: str | None = None) -> RunConfig:
+    """The resolved config of stage i (its student: stage i−1's final checkpoint)."""
+    base_d = base.to_dict() if isinstance(base, RunConfig) else base
+    st = stages[i]
+    d = _merge(base_d, st.overlay)
+    d = _merge(d, {"data": st.data, "run_root": stage_root(root, i, st.name)})
+    if variant is not None:
+        d["variant"] = variant
+    if i > 0:
+        prev = stage_root(root, i - 1, stages[i - 1].name)
+        committed = layout.committed_checkpoints(prev)
+        if not committed:
+            raise RuntimeError(f"{prev}: stage {i - 1} has no committed checkpoint to start stage {i} from")
+        d = _merge(d, {"model": {"student": layout.checkpoint_model_dir(prev, committed[-1])}})
+    return config_from_dict(d)
+
+
+def evaluate_task(run_root: str, k: int, task: str, specs: Sequence[Any], benchmark: str, *,
+                  horizon: int | None = None, max_new_tokens: int = 128, device: str = "cpu",
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Greedy evaluation of checkpoint k of ``run_root`` on one task's panel, written to
+    ``evals/NNNNNN/sequential-<task>.json`` (reused when there)."""
+    from sapd import checkpoints
+    from sapd.agent_loop import LoopOptions, run_episodes, summarize
+    from sapd.benchmarks import get_benchmark
+    from sapd.evaluate import _prompt_options
+    from sapd.models.generation import HFGenerator, SamplingParams, stops_for
+    from sapd.models.loading import load_tokenizer
+
+    dest = storage.join(layout.evals_dir(run_root, k), f"sequential-{_slug(task)}.json")
+    if storage.exists(dest):
+        return storage.read_json(dest)
+    t0 = time.perf_counter()
+    model_dir = str(checkpoints.checkpoint_model_path(run_root, k))
+    tokenizer = load_tokenizer(model_dir)
+    model = checkpoints.load_checkpoint_model(run_root, k, device=device)
+    spec = get_benchmark(benchmark)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision))
+    opts = LoopOptions(prompt=_prompt_options(run_root), horizon=horizon)
+    trajs = run_episodes(list(specs), HFGenerator(model, tokenizer, device=device), tokenizer, spec, params, opts)
+    result = {"checkpoint": k, "task": task, "benchmark": benchmark, "episodes_ids": [t.id for t in trajs],
+              "horizon": opts.horizon or spec.horizon, **summarize(trajs), "seconds": time.perf_counter() - t0}
+    storage.write_text(storage.join(layout.evals_dir(run_root, k), f"sequential-{_slug(task)}.episodes.jsonl"),
+                       "\n".join(json.dumps(t.to_dict(), sort_keys=True) for t in trajs) + "\n")
+    storage.write_json(dest, result)
+    log(f"{run_root} checkpoint {k}: {task} success {result['overall']['success']:.3f}")
+    return result
+
+
+def run_sequential(base_cfg: dict[str, Any] | RunConfig, stages: Sequence[Stage], root: str, *,
+                   variant: str | None = None, horizon: int | None = None, max_new_tokens: int = 128,
+                   device: str = "cpu", log: Callable[[str], None] = print, show_progress: bool = True,
+                   engine_factory: Callable | None = None) -> dict[str, Any]:
+    """Train the stages in order and fill the forgetting matrix. Returns
+    ``{"variant", "stages", "tasks", "matrix": {stage: {task: success}}, "runs": {stage: {...}}}``."""
+    from sapd.pipeline import run_pipeline
+
+    if not stages:
+        raise ValueError("run_sequential needs at least one stage")
+    names = [s.name for s in stages]
+    if len(set(names)) != len(names):
+        raise ValueError(f"stage names must be distinct: {names}")
+    matrix: dict[str, dict[str, float]] = {}
+    runs: dict[str, dict[str, Any]] = {}
+    panels: dict[str, Sequence[Any]] = {}
+    used_variant = None
+    for i, st in enumerate(stages):
+        cfg = stage_config(base_cfg, stages, i, root, variant)
+        used_variant = cfg.variant
+        log(f"stage {i} ({st.name}): {cfg.variant} from {cfg.model.student} → {cfg.run_root}")
+        t0 = time.perf_counter()
+        run_pipeline(cfg, log=log, show_progress=show_progress, engine_factory=engine_factory)
+        final = layout.committed_checkpoints(cfg.run_root)[-1]
+        runs[st.name] = {"run_root": cfg.run_root, "final_checkpoint": final, "student": cfg.model.student,
+                         "train_seconds": time.perf_counter() - t0}
+        matrix[st.name] = {}
+        for j in range(i + 1):
+            task = stages[j]
+            if task.name not in panels:
+                panels[task.name] = list(task.eval_specs())
+            bench = task.eval_benchmark or task.data.get("benchmark") or cfg.data.benchmark
+            res = evaluate_task(cfg.run_root, final, task.name, panels[task.name], bench, horizon=horizon,
+                                max_new_tokens=max_new_tokens, device=device, log=log)
+            matrix[st.name][task.name] = res["overall"]["success"]
+    out = {"variant": used_variant, "stages": names, "tasks": names, "matrix": matrix, "runs": runs}
+    storage.write_json(storage.join(root, "sequential.json"), out)
+    storage.write_text(storage.join(root, "forgetting.md"), forgetting_markdown(out))
+    return out
+
+
+def forgetting_markdown(result: dict[str, Any]) -> str:
+    """The lower-triangular matrix as a Markdown table (rows: after stage i; columns: tasks), plus each
+    task's forgetting (success right after learning it minus after the last stage)."""
+    tasks, stages, m = result["tasks"], result["stages"], result["matrix"]
+    head = f"| after stage ({result.get('variant') or '?'}) | " + " | ".join(tasks) + " |"
+    lines = [head, "|" + "---|" * (len(tasks) + 1)]
+    for s in stages:
+        cells = [f"{m[s][t]:.3f}" if t in m.get(s, {}) else "" for t in tasks]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    last = stages[-1]
+    forget = [f"{m[t][t] - m[last][t]:+.3f}" if t in m.get(t, {}) and t in m.get(last, {}) else ""
+              for t in tasks]
+    lines.append("| forgetting | " + " | ".join(forget) + " |")
+    return "\n".join(lines) + "\n"
