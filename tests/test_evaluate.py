@@ -75,3 +75,17 @@ def test_evaluate_job_reads_run_root_and_benchmark_from_the_config(tmp_path):
     cfg.write_text(json.dumps({"run_root": str(tmp_path / "empty-run"), "data": {"benchmark": "textworld"}}))
     from jobs.evaluate import main
     assert main(["--config", str(cfg)]) == 2  # no checkpoint yet: a clear error, exit code 2
+
+
+@pytest.mark.slow
+def test_evaluation_on_an_s3_run_root(s3_storage, tmp_path):
+    student, teacher = make_models(tmp_path / "models")
+    root = storage.join(s3_storage, "run")
+    run_pipeline(config_from_dict(tiny_config(root, student, teacher, train={"rounds": 1})), **QUIET)
+    kw = dict(families=["simple"], games_per_family=1, seed=0, horizon=2, max_new_tokens=16,
+              cache_dir=tmp_path / "games", **QUIET)
+    result = evaluate_checkpoint(root, "latest", "textworld", **kw)
+    dest = storage.join(layout.evals_dir(root, 1), "textworld.json")
+    assert storage.read_json(dest) == result and result["checkpoint"] == 1
+    assert storage.exists(storage.join(layout.evals_dir(root, 1), "textworld.episodes.jsonl"))
+    assert evaluate_checkpoint(root, 1, "textworld", **kw) == result  # skipped on S3 too

@@ -229,3 +229,39 @@ def test_killed_run_resumes_to_the_same_result(tmp_path, models, kill_when):
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
     ref_losses = [s["loss"] for s in read_step_log(ref_root)]
     assert [s["loss"] for s in read_step_log(str(root))] == pytest.approx(ref_losses, rel=1e-5, abs=1e-8)
+
+
+@pytest.mark.integration
+def test_s3_server_dying_mid_checkpoint_leaves_nothing_committed(private_s3_server, models, monkeypatch):
+    """The S3 server is SIGKILLed just as checkpoint 1's commit marker is written: the run stops with a
+    clear storage error, nothing reads checkpoint 1 as committed, and after a restart the same command
+    finishes the round."""
+    import dataclasses
+
+    from sapd.storage import StorageError
+    server = private_s3_server
+    previous = storage.configure_s3()
+    storage.configure_s3(server.endpoint_url, server.access_key, server.secret_key)
+    try:
+        server.client().create_bucket(Bucket="sapd-pipe")
+        server.wait_writable("sapd-pipe")
+        root = "s3://sapd-pipe/run"
+        cfg = config_from_dict(tiny_config(root, *models, train={"rounds": 1}))
+        real_write_json = storage.write_json
+
+        def dying_write_json(uri, obj):
+            if uri.endswith("checkpoints/000001/state/_COMMITTED"):
+                server.kill()
+            real_write_json(uri, obj)
+
+        monkeypatch.setattr(storage, "write_json", dying_write_json)
+        with pytest.raises(StorageError, match="unreachable"):
+            run_pipeline(cfg, **QUIET)
+        monkeypatch.setattr(storage, "write_json", real_write_json)
+        server.start()
+        server.wait_writable("sapd-pipe")  # a restarted SeaweedFS answers 500s until its volume is back
+        assert checkpoints.is_committed(root, 0) and not checkpoints.is_committed(root, 1)
+        assert storage.list_files(storage.join(root, "checkpoints", "000001"))  # the parts that did land…
+        assert run_pipeline(cfg, **QUIET)["checkpoints"] == [0, 1]  # …are redone, then committed
+    finally:
+        storage.configure_s3(**dataclasses.asdict(previous))
