@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Sequence
 
 from sapd.cli import main as sapd_main
@@ -27,12 +28,19 @@ def build_from_config(configs: list[str], run_root: str | None, show_progress: b
     from sapd.config import load_config
     from sapd.models.loading import load_tokenizer
     from sapd.pipeline import ensure_initial_checkpoint, ensure_prefixes, write_run_config
+    from sapd.metrics import Metrics
     cfg = load_config(*configs, overrides={"run_root": run_root} if run_root else None)
     write_run_config(cfg)
     log = lambda s: print(s, flush=True)  # noqa: E731
+    metrics = Metrics.from_env("build_prefixes")
+    t0 = time.perf_counter()
     result = ensure_prefixes(cfg, load_tokenizer(cfg.model.student), log, show_progress)
     print_build_summary(result)
     ensure_initial_checkpoint(cfg, log)
+    if not result.skipped:
+        metrics.observe_stage("build_prefixes", time.perf_counter() - t0)
+    metrics.mark_success()
+    metrics.push()
     return 0
 
 

@@ -51,6 +51,7 @@ def worker_index(flag: int | None, workers: int) -> int:
 def run(args: argparse.Namespace) -> int:
     from sapd import checkpoints
     from sapd.config import load_config
+    from sapd.metrics import Metrics
     from sapd.models.loading import check_same_tokenizer, load_tokenizer
     from sapd.pipeline import round_backends
     from sapd.precompute import commit_round, precompute_worker
@@ -60,9 +61,13 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
     k = args.round
+    metrics = Metrics.from_env("teacher_scores")
     if args.commit:
         manifest = commit_round(cfg, k)
         log(f"round {k}: committed {manifest['rows']} scored groups from {manifest['workers']} workers")
+        metrics.round.set(k)
+        metrics.mark_success()
+        metrics.push()
         return 0
     w = worker_index(args.worker, cfg.workers)
     if not checkpoints.is_committed(cfg.run_root, k):
@@ -72,6 +77,14 @@ def run(args: argparse.Namespace) -> int:
     generator, scorer, _ = round_backends(cfg, k, tokenizer)
     result = precompute_worker(cfg, k, w, generator, scorer, tokenizer, log=log, show_progress=not args.no_progress)
     log(f"round {k} worker {w}/{cfg.workers}: {'already done' if result.skipped else 'done'}, {result.rows} groups")
+    if not result.skipped:
+        for key, seconds in result.timings.items():
+            metrics.observe_stage(key.removesuffix("_seconds"), seconds)
+        metrics.add_tokens("sample", result.generated_tokens)
+        metrics.add_tokens("score", result.generated_tokens)
+    metrics.round.set(k)
+    metrics.mark_success()
+    metrics.push()
     return 0
 
 

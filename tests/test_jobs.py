@@ -9,6 +9,7 @@ from sapd import checkpoints
 from sapd.config import config_from_dict, load_config
 from sapd.precompute import read_scored, round_batch
 from tests.pipeline_util import make_models, tiny_config
+from tests.test_metrics import prometheus_stack  # noqa: F401  (a real Pushgateway + Prometheus)
 
 QUIET = dict(log=lambda s: None, show_progress=False)
 
@@ -80,3 +81,23 @@ def test_build_prefixes_then_scores_then_train_from_one_config(tmp_path, models)
     assert teacher_scores.main(["--config", str(config), "--round", "0", "--commit"]) == 0
     assert train.main(["--config", str(config), "--round", "0", "--no-progress"]) == 0
     assert checkpoints.is_committed(root, 1)
+
+
+@pytest.mark.integration
+def test_batch_jobs_push_their_outcome(tmp_path, models, monkeypatch, prometheus_stack):
+    """build_prefixes and teacher_scores push to a real Pushgateway; its /metrics shows each job's figures."""
+    import urllib.request
+
+    from jobs import build_prefixes, teacher_scores
+    monkeypatch.setenv("SAPD_PUSHGATEWAY_URL", prometheus_stack["pushgateway"])
+    monkeypatch.setenv("SAPD_RELEASE", "jobs-test")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(str(tmp_path / "run"), *models)))
+    assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 0
+    assert teacher_scores.main(["--config", str(config), "--round", "0", "--worker", "0", "--no-progress"]) == 0
+    with urllib.request.urlopen(prometheus_stack["pushgateway"] + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for job in ("build_prefixes", "teacher_scores"):
+        assert f'sapd_job_last_success_timestamp_seconds{{instance="",job="{job}",release="jobs-test"}}' in text, job
+    assert 'sapd_stage_duration_seconds_count{instance="",job="teacher_scores",release="jobs-test",stage="sample"} 1' in text
+    assert 'sapd_stage_duration_seconds_count{instance="",job="build_prefixes",release="jobs-test",stage="build_prefixes"} 1' in text
