@@ -180,7 +180,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                                  max_new_tokens=args.max_new_tokens, device=args.device, cache_dir=args.cache,
                                  rows=args.rows, retriever_url=args.retriever_url, limit=args.limit,
                                  tasks=_families(args.tasks), variations_per_task=args.variations_per_task,
-                                 split=args.split,
+                                 split=args.split, data_dir=args.data_dir, webshop_url=args.webshop_url,
                                  log=lambda s: print(s, flush=True), show_progress=not args.no_progress,
                                  metrics=metrics)
     metrics.mark_success()
@@ -299,7 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--rows", default=None, help="search QA: Search-R1 rows (JSONL/Parquet) to ask")
     p.add_argument("--retriever-url", default=None, help="search QA: a Search-R1 /retrieve server")
-    p.add_argument("--limit", type=int, default=None, help="search QA: at most this many questions")
+    p.add_argument("--limit", type=int, default=None, help="search QA / ALFWorld / WebShop: at most this many episodes")
+    p.add_argument("--data-dir", default=None, help="ALFWorld: the data folder (default $ALFWORLD_DATA)")
+    p.add_argument("--webshop-url", default=None, help="WebShop: the server (default http://127.0.0.1:3000)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 
@@ -358,6 +360,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(e, InvalidRecordError):
             print("(pass --skip-invalid to skip such records; each is counted and reported)", file=sys.stderr)
         return 2
+    finally:
+        # join Arrow's background threads while Arrow is still alive, not in the interpreter's final
+        # teardown, where they can abort the process after the work is done (apache/arrow#34314)
+        import gc
+        gc.collect()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ def episode_specs(benchmark: str, *, families: list[str] | None = None, games_pe
                   seed: int = 0, cache_dir: str | Path | None = None, rows: str | None = None,
                   retriever_url: str | None = None, limit: int | None = None,
                   per_source: int | None = None, tasks: list[str] | None = None,
-                  variations_per_task: int = 2, split: str = "test") -> list[EpisodeSpec]:
+                  variations_per_task: int = 2, split: str = "test", data_dir: str | None = None,
+                  webshop_url: str | None = None) -> list[EpisodeSpec]:
     """The fixed panel of one benchmark: TextWorld games, or search-QA questions (Search-R1 rows) asked
     against a retriever speaking the Search-R1 ``/retrieve`` API."""
     if benchmark == "textworld":
@@ -50,9 +51,14 @@ def episode_specs(benchmark: str, *, families: list[str] | None = None, games_pe
             raise ValueError("search QA needs --rows (Search-R1 rows) and --retriever-url "
                              "(e.g. python -m sapd.retriever --corpus corpus.jsonl --port 8000)")
         return searchqa_specs(rows, retriever_url, limit, per_source=per_source)
-    raise ValueError(f"no environment for benchmark '{benchmark}' on this machine: the evaluation stage runs "
-                     "the embedded TextWorld and ScienceWorld panels and search QA (with a retriever) here; the ALFWorld and "
-                     "WebShop adapters are not part of this release yet")
+    if benchmark == "alfworld":  # ALFWorld's game files: $ALFWORLD_DATA (alfworld-download) or --data-dir
+        from sapd.envs.alfworld_env import alfworld_specs
+        return alfworld_specs(data_dir, "valid_unseen" if split == "test" else split, limit, per_category=per_source)
+    if benchmark == "webshop":  # a running WebShop server
+        from sapd.envs.webshop_env import DEFAULT_URL, webshop_specs
+        return webshop_specs(webshop_url or DEFAULT_URL, limit, start=seed)
+    raise ValueError(f"no environment for benchmark '{benchmark}': expected one of textworld, scienceworld, "
+                     "searchqa, alfworld, webshop")
 
 
 def latest_checkpoint(root: str) -> int:
@@ -77,6 +83,7 @@ def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: li
                         max_new_tokens: int = 128, device: str = "cpu", cache_dir: str | Path | None = None,
                         rows: str | None = None, retriever_url: str | None = None, limit: int | None = None,
                         tasks: list[str] | None = None, variations_per_task: int = 2, split: str = "test",
+                        data_dir: str | None = None, webshop_url: str | None = None,
                         log: Callable[[str], None] = print, show_progress: bool = True,
                         metrics=None) -> dict[str, Any]:
     """Evaluate checkpoint ``k`` ("latest" for the newest committed one) of the run at ``root``."""
@@ -104,7 +111,8 @@ def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: li
     t0 = time.perf_counter()
     specs = episode_specs(benchmark, families=families, games_per_family=games_per_family, seed=seed,
                           cache_dir=cache_dir, rows=rows, retriever_url=retriever_url, limit=limit,
-                          tasks=tasks, variations_per_task=variations_per_task, split=split)
+                          tasks=tasks, variations_per_task=variations_per_task, split=split, data_dir=data_dir,
+                          webshop_url=webshop_url)
     tokenizer = load_tokenizer(str(checkpoints.checkpoint_model_path(root, k)))
     model = checkpoints.load_checkpoint_model(root, k, device=device)
     spec = get_benchmark(benchmark)

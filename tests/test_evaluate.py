@@ -51,8 +51,10 @@ def test_evaluation_is_deterministic_per_category_and_skips_done_checkpoints(run
 
 
 def test_unknown_environment_is_a_clear_error():
-    with pytest.raises(ValueError, match="no environment for benchmark 'alfworld' on this machine"):
-        episode_specs("alfworld")
+    with pytest.raises(FileNotFoundError, match="alfworld-download"):
+        episode_specs("alfworld", data_dir="/nonexistent/alfworld")
+    with pytest.raises(ValueError, match="search QA needs --rows"):
+        episode_specs("searchqa")
     with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
         latest_checkpoint("/nonexistent/run")
 

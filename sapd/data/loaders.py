@@ -170,7 +170,7 @@ def _json_records(path: str, text: str) -> Iterator[tuple[str, Any]]:
 def _parquet_records(path: str, data: bytes) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
     try:
-        table = pq.read_table(io.BytesIO(data))
+        table = pq.read_table(io.BytesIO(data), use_threads=False)  # see sapd.data.shards._read_part
     except Exception as e:  # pyarrow raises several types for a damaged file
         raise InvalidRecordError(path, "file", "", "malformed_parquet", f"cannot read Parquet: {e}") from None
     for n, rec in enumerate(table.to_pylist()):

@@ -93,7 +93,9 @@ def _read_part(folder: str, part: dict[str, Any]) -> pa.Table:
         raise ShardError(f"{uri}: listed in {MANIFEST_NAME} but missing") from None
     if hashlib.sha256(data).hexdigest() != part["sha256"]:
         raise ShardError(f"{uri}: content differs from the committed part (checksum mismatch)")
-    table = pq.read_table(io.BytesIO(data))
+    # one part in memory: no reader threads (Arrow's parquet threads can abort the interpreter at exit,
+    # apache/arrow#34314)
+    table = pq.read_table(io.BytesIO(data), use_threads=False)
     if table.num_rows != part["rows"]:
         raise ShardError(f"{uri}: {table.num_rows} rows, manifest says {part['rows']}")
     return table
