@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from sapd.config import load_config
     from sapd.metrics import Metrics
     from sapd.models.loading import check_same_tokenizer, load_tokenizer
-    from sapd.pipeline import round_backends
+    from sapd.pipeline import student_generator, teacher_scorer
     from sapd.precompute import commit_round, precompute_worker
 
     def log(line: str) -> None:
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"checkpoint {k} is not committed in {cfg.run_root}; train round {k - 1} first")
     tokenizer = load_tokenizer(cfg.model.student)
     check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.teacher))
-    generator, scorer, _ = round_backends(cfg, k, tokenizer)
+    generator, scorer = student_generator(cfg, k, tokenizer), teacher_scorer(cfg, tokenizer)
     result = precompute_worker(cfg, k, w, generator, scorer, tokenizer, log=log, show_progress=not args.no_progress)
     log(f"round {k} worker {w}/{cfg.workers}: {'already done' if result.skipped else 'done'}, {result.rows} groups")
     if not result.skipped:

@@ -51,6 +51,7 @@ from sapd.data import shards
 from sapd.data.prefixes import PrefixOptions
 from sapd.data.schema import Trajectory
 from sapd.models.generation import Sample, SamplingParams, stops_for
+from sapd.pipeline import student_generator
 from sapd.rules import RuleWeights, format_score, repetition_score
 
 Method = Literal["online_opd", "grpo"]
@@ -130,20 +131,6 @@ def _episode_specs(games: Sequence[EpisodeSpec], k: int, per_game: int) -> list[
             for g in games for j in range(per_game)]
 
 
-def _student_generator(cfg: RunConfig, k: int, tokenizer):
-    if cfg.sampling.backend == "vllm":
-        from sapd.models.vllm_backend import VLLMGenerator
-        return VLLMGenerator.from_path(checkpoints.checkpoint_model_path(cfg.run_root, k), dtype=cfg.model.dtype,
-                                       gpu_memory_utilization=cfg.sampling.gpu_memory_utilization)
-    from sapd.models.generation import HFGenerator
-    model = checkpoints.load_checkpoint_model(cfg.run_root, k, cfg.model.dtype, cfg.model.device)
-    return HFGenerator(model, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch, device=cfg.model.device)
-
-
-# ---------------------------------------------------------------------------------------------------
-# one round
-
-
 def _marker(k_dir: str) -> str:
     from sapd.precompute import _done_marker
     return _done_marker(k_dir, 0)
@@ -182,7 +169,7 @@ def online_round(cfg: RunConfig, k: int, games: Sequence[EpisodeSpec], method: s
     params = SamplingParams(n=1, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                             max_new_tokens=cfg.sampling.max_new_tokens, stop=stops_for(spec.decision),
                             seed=_seed(cfg.train.seed, k))
-    recorder = RecordingGenerator(generator if generator is not None else _student_generator(cfg, k, tokenizer))
+    recorder = RecordingGenerator(generator if generator is not None else student_generator(cfg, k, tokenizer))
     timings: dict[str, float] = {}
     log(f"online round {k} ({method}): {len(games)} games × {per_game} episodes")
     t0 = time.perf_counter()
@@ -288,9 +275,8 @@ def run_online(cfg: RunConfig, specs_factory: Callable[[int], Sequence[EpisodeSp
                show_progress: bool = True) -> dict[str, Any]:
     """Run (or resume) ``rounds`` (default ``train.rounds``) online rounds of rollout → train.
     ``specs_factory(k)`` gives the games of round k (e.g. a slice of the TextWorld panel)."""
-    from sapd.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer
-    from sapd.models.scoring import score_groups
-    from sapd.pipeline import ensure_initial_checkpoint, write_run_config
+    from sapd.models.loading import check_same_tokenizer, load_tokenizer
+    from sapd.pipeline import ensure_initial_checkpoint, teacher_scorer as make_teacher_scorer, write_run_config
     from sapd.train import run_train_stage
 
     cfg = online_config(cfg, method)
@@ -300,23 +286,14 @@ def run_online(cfg: RunConfig, specs_factory: Callable[[int], Sequence[EpisodeSp
     if method == "online_opd":
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.teacher))
     ensure_initial_checkpoint(cfg, log)
-    teacher = scorer = None
+    scorer = None
     summaries = []
     for k in range(cfg.train.rounds if rounds is None else rounds):
         if checkpoints.is_committed(root, k + 1):
             continue
         if shards.read_manifest(layout.scored_dir(root, k)) is None:
             if method == "online_opd" and scorer is None:
-                if cfg.sampling.backend == "vllm":
-                    from sapd.models.vllm_backend import VLLMScorer
-                    teacher = VLLMScorer.from_path(cfg.model.teacher, dtype=cfg.model.dtype,
-                                                   gpu_memory_utilization=cfg.sampling.gpu_memory_utilization)
-                    scorer = teacher.score_groups
-                else:
-                    teacher = load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=cfg.model.device)
-
-                    def scorer(groups, progress=None):
-                        return score_groups(teacher, groups, pad_id=tokenizer.pad_token_id, progress=progress)
+                scorer = make_teacher_scorer(cfg, tokenizer)
             summaries.append(online_round(cfg, k, list(specs_factory(k)), method, tokenizer, teacher_scorer=scorer,
                                           episodes_per_game=episodes_per_game, horizon=horizon, reward=reward,
                                           log=log, show_progress=show_progress))

@@ -50,33 +50,33 @@ def ensure_initial_checkpoint(cfg: RunConfig, log: Callable[[str], None]) -> Non
                                 {"source": cfg.model.student})
 
 
-def round_backends(cfg: RunConfig, k: int, tokenizer, teacher=None):
-    """(generator, teacher scorer, teacher) for round k's precompute: checkpoint k samples, the frozen
-    teacher scores. Pass the returned ``teacher`` back in for later rounds so it is loaded once."""
+def student_generator(cfg: RunConfig, k: int, tokenizer):
+    """The sampler of round k: checkpoint k behind ``sampling.backend``. vLLM engines are (re)built from
+    the committed checkpoint each round: simple and exact; a long-lived engine with in-place weight sync
+    is the faster path for big pools."""
+    if cfg.sampling.backend == "vllm":
+        from sapd.models.vllm_backend import VLLMGenerator
+        return VLLMGenerator.from_path(checkpoints.checkpoint_model_path(cfg.run_root, k), dtype=cfg.model.dtype,
+                                       gpu_memory_utilization=cfg.sampling.gpu_memory_utilization)
     from sapd.models.generation import HFGenerator
+    student = checkpoints.load_checkpoint_model(cfg.run_root, k, cfg.model.dtype, cfg.model.device)
+    return HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch, device=cfg.model.device)
+
+
+def teacher_scorer(cfg: RunConfig, tokenizer):
+    """``scorer(groups, progress=None)`` of the frozen teacher behind ``sampling.backend`` (load it once)."""
+    if cfg.sampling.backend == "vllm":
+        from sapd.models.vllm_backend import VLLMScorer
+        return VLLMScorer.from_path(cfg.model.teacher, dtype=cfg.model.dtype,
+                                    gpu_memory_utilization=cfg.sampling.gpu_memory_utilization).score_groups
     from sapd.models.loading import load_causal_lm
     from sapd.models.scoring import score_groups
-
-    if cfg.sampling.backend == "vllm":
-        # vLLM engines are (re)built from the committed checkpoint each round: simple and exact; a
-        # long-lived engine with in-place weight sync is the faster path for big pools
-        from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
-        mem = cfg.sampling.gpu_memory_utilization
-        if teacher is None:
-            teacher = VLLMScorer.from_path(cfg.model.teacher, dtype=cfg.model.dtype, gpu_memory_utilization=mem)
-        generator = VLLMGenerator.from_path(checkpoints.checkpoint_model_path(cfg.run_root, k), dtype=cfg.model.dtype,
-                                            gpu_memory_utilization=mem)
-        return generator, teacher.score_groups, teacher
-    if teacher is None:
-        teacher = load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=cfg.model.device)
-    student = checkpoints.load_checkpoint_model(cfg.run_root, k, cfg.model.dtype, cfg.model.device)
-    generator = HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch,
-                            device=cfg.model.device)
+    teacher = load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=cfg.model.device)
 
     def scorer(groups, progress=None):
         return score_groups(teacher, groups, pad_id=tokenizer.pad_token_id, progress=progress)
 
-    return generator, scorer, teacher
+    return scorer
 
 
 def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_progress: bool = True,
@@ -94,7 +94,7 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
     write_run_config(cfg)
     tokenizer = load_tokenizer(cfg.model.student)
     sft = cfg.loss_config().objective == "sft"
-    teacher = None
+    scorer = None
     if not sft:
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.teacher))
     t0 = time.perf_counter()
@@ -110,7 +110,8 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
             continue
         if not sft:
             if shards.read_manifest(layout.scored_dir(root, k)) is None:
-                generator, scorer, teacher = round_backends(cfg, k, tokenizer, teacher)
+                scorer = scorer or teacher_scorer(cfg, tokenizer)
+                generator = student_generator(cfg, k, tokenizer)
                 for w in range(cfg.workers):
                     res = precompute_worker(cfg, k, w, generator, scorer, tokenizer, log=log,
                                             show_progress=show_progress)
