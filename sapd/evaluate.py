@@ -78,6 +78,36 @@ def _prompt_options(root: str) -> PrefixOptions:
                          prompt_style=data.get("prompt_style", "step"))
 
 
+def run_checkpoint_episodes(root: str, k: int, specs: list[EpisodeSpec], benchmark: str, *,
+                            horizon: int | None = None, max_new_tokens: int = 128, device: str = "cpu",
+                            progress: Callable[[int], None] | None = None):
+    """Greedy episodes of committed checkpoint ``k`` on ``specs``, prompted as the run trained
+    (its resolved config). Returns (trajectories, the horizon used)."""
+    from sapd.benchmarks import get_benchmark
+    from sapd.models.generation import HFGenerator, SamplingParams, stops_for
+    from sapd.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(str(checkpoints.checkpoint_model_path(root, k)))
+    model = checkpoints.load_checkpoint_model(root, k, device=device)
+    spec = get_benchmark(benchmark)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision))
+    # the no-op sent for a malformed response ("look" is ambiguous in ScienceWorld)
+    opts = LoopOptions(prompt=_prompt_options(root), horizon=horizon,
+                       invalid_action="look around" if benchmark == "scienceworld" else "look")
+    trajs = run_episodes(specs, HFGenerator(model, tokenizer, device=device), tokenizer, spec, params, opts,
+                         progress=progress)
+    return trajs, opts.horizon or spec.horizon
+
+
+def write_eval(root: str, k: int, name: str, result: dict[str, Any], trajectories) -> str:
+    """``evals/NNNNNN/<name>.episodes.jsonl``, then ``<name>.json`` last: its presence means "evaluated"."""
+    lines = [json.dumps(t.to_dict(), sort_keys=True) for t in trajectories]
+    storage.write_text(storage.join(layout.evals_dir(root, k), f"{name}.episodes.jsonl"), "\n".join(lines) + "\n")
+    dest = storage.join(layout.evals_dir(root, k), f"{name}.json")
+    storage.write_json(dest, result)
+    return dest
+
+
 def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: list[str] | None = None,
                         games_per_family: int = 2, seed: int = 0, horizon: int | None = None,
                         max_new_tokens: int = 128, device: str = "cpu", cache_dir: str | Path | None = None,
@@ -88,10 +118,6 @@ def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: li
                         metrics=None) -> dict[str, Any]:
     """Evaluate checkpoint ``k`` ("latest" for the newest committed one) of the run at ``root``."""
     from tqdm import tqdm
-
-    from sapd.models.generation import HFGenerator, SamplingParams, stops_for
-    from sapd.benchmarks import get_benchmark
-    from sapd.models.loading import load_tokenizer
 
     k = latest_checkpoint(root) if k == "latest" else int(k)
     dest = storage.join(layout.evals_dir(root, k), f"{benchmark}.json")
@@ -113,28 +139,20 @@ def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: li
                           cache_dir=cache_dir, rows=rows, retriever_url=retriever_url, limit=limit,
                           tasks=tasks, variations_per_task=variations_per_task, split=split, data_dir=data_dir,
                           webshop_url=webshop_url)
-    tokenizer = load_tokenizer(str(checkpoints.checkpoint_model_path(root, k)))
-    model = checkpoints.load_checkpoint_model(root, k, device=device)
-    spec = get_benchmark(benchmark)
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision))
-    # the no-op sent for a malformed response ("look" is ambiguous in ScienceWorld)
-    opts = LoopOptions(prompt=_prompt_options(root), horizon=horizon,
-                       invalid_action="look around" if benchmark == "scienceworld" else "look")
     log(f"checkpoint {k}: {len(specs)} {benchmark} episodes (seed {seed})")
     with tqdm(desc=f"evaluating checkpoint {k}", unit="step", disable=None if show_progress else True,
               leave=False) as bar:
-        trajs = run_episodes(specs, HFGenerator(model, tokenizer, device=device), tokenizer, spec, params, opts,
-                             progress=bar.update)
+        trajs, used_horizon = run_checkpoint_episodes(root, k, specs, benchmark, horizon=horizon,
+                                                      max_new_tokens=max_new_tokens, device=device,
+                                                      progress=bar.update)
     result = {"checkpoint": k, "benchmark": benchmark, "seed": seed, "games_per_family": games_per_family,
               "variations_per_task": variations_per_task, "split": split,
-              "families": sorted({s.category for s in specs if s.category}), "horizon": opts.horizon or spec.horizon,
+              "families": sorted({s.category for s in specs if s.category}), "horizon": used_horizon,
               **summarize(trajs), "seconds": time.perf_counter() - t0}
     if benchmark == "searchqa":  # exact match per data source and their average (SAPD.md §6)
         from sapd.envs.searchqa import exact_match_by_source
         result["exact_match"] = exact_match_by_source(trajs)
-    lines = [json.dumps(t.to_dict(), sort_keys=True) for t in trajs]
-    storage.write_text(storage.join(layout.evals_dir(root, k), f"{benchmark}.episodes.jsonl"), "\n".join(lines) + "\n")
-    storage.write_json(dest, result)  # written last: its presence means "evaluated"
+    write_eval(root, k, benchmark, result, trajs)
     log(f"checkpoint {k}: {benchmark} success {result['overall']['success']:.3f} "
         + " ".join(f"{c}={v['success']:.2f}" for c, v in result["by_category"].items()))
     if metrics is not None:

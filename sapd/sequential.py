@@ -14,7 +14,6 @@ stopped. The matrix is written as ``<root>/sequential.json`` and ``<root>/forget
 from __future__ import annotations
 
 import copy
-import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -82,29 +81,19 @@ def evaluate_task(run_root: str, k: int, task: str, specs: Sequence[Any], benchm
                   log: Callable[[str], None] = print) -> dict[str, Any]:
     """Greedy evaluation of checkpoint k of ``run_root`` on one task's panel, written to
     ``evals/NNNNNN/sequential-<task>.json`` (reused when there)."""
-    from sapd import checkpoints
-    from sapd.agent_loop import LoopOptions, run_episodes, summarize
-    from sapd.benchmarks import get_benchmark
-    from sapd.evaluate import _prompt_options
-    from sapd.models.generation import HFGenerator, SamplingParams, stops_for
-    from sapd.models.loading import load_tokenizer
+    from sapd.agent_loop import summarize
+    from sapd.evaluate import run_checkpoint_episodes, write_eval
 
-    dest = storage.join(layout.evals_dir(run_root, k), f"sequential-{_slug(task)}.json")
+    name = f"sequential-{_slug(task)}"
+    dest = storage.join(layout.evals_dir(run_root, k), f"{name}.json")
     if storage.exists(dest):
         return storage.read_json(dest)
     t0 = time.perf_counter()
-    model_dir = str(checkpoints.checkpoint_model_path(run_root, k))
-    tokenizer = load_tokenizer(model_dir)
-    model = checkpoints.load_checkpoint_model(run_root, k, device=device)
-    spec = get_benchmark(benchmark)
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision))
-    opts = LoopOptions(prompt=_prompt_options(run_root), horizon=horizon)
-    trajs = run_episodes(list(specs), HFGenerator(model, tokenizer, device=device), tokenizer, spec, params, opts)
+    trajs, used_horizon = run_checkpoint_episodes(run_root, k, list(specs), benchmark, horizon=horizon,
+                                                  max_new_tokens=max_new_tokens, device=device)
     result = {"checkpoint": k, "task": task, "benchmark": benchmark, "episodes_ids": [t.id for t in trajs],
-              "horizon": opts.horizon or spec.horizon, **summarize(trajs), "seconds": time.perf_counter() - t0}
-    storage.write_text(storage.join(layout.evals_dir(run_root, k), f"sequential-{_slug(task)}.episodes.jsonl"),
-                       "\n".join(json.dumps(t.to_dict(), sort_keys=True) for t in trajs) + "\n")
-    storage.write_json(dest, result)
+              "horizon": used_horizon, **summarize(trajs), "seconds": time.perf_counter() - t0}
+    write_eval(run_root, k, name, result, trajs)
     log(f"{run_root} checkpoint {k}: {task} success {result['overall']['success']:.3f}")
     return result
 
