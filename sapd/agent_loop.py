@@ -14,7 +14,9 @@ prefixes its prompts were.
 step (counted, by reason; the environment gets ``invalid_action``, "look" by default), never a crash.
 An environment that raises is rebuilt from its factory, reset and fast-forwarded through the actions
 taken so far (checking it reproduces the recorded observations), at most ``max_env_retries`` times
-per episode; past that the episode ends, recorded as failed with the reason.
+per episode; past that the episode ends, recorded as failed with the reason. With
+``LoopOptions.env_timeout_s`` each environment runs in a child process and a call that hangs past
+the deadline is killed and handled the same way (:mod:`sapd.envs.isolated`).
 
 :func:`collect_expert` runs the same loop with the environment's expert choosing each action and a
 short templated thought: responses ``<think>…</think>\\n<action>…</action>``, the offline pools the rest
@@ -56,6 +58,13 @@ class LoopOptions:
     horizon: int | None = None  # max decisions per episode; None = the benchmark's
     invalid_action: str | None = "look"  # sent for an invalid response; None = the environment is not stepped
     max_env_retries: int = 2  # environment rebuilds per episode before it is recorded as failed
+    # seconds any one environment call may take; set, each episode's environment runs in its own
+    # process (sapd.envs.isolated), so a hanging one is killed and rebuilt like a crashed one
+    env_timeout_s: float | None = None
+    # episodes played at once (their environments alive, their prompts one generate batch); a finished
+    # episode's place goes to the next. Bounds memory: each live environment (a process, a JVM …) costs
+    # some. None = all at once.
+    max_live_episodes: int | None = 32
 
 
 class EpisodeFailed(RuntimeError):
@@ -105,7 +114,11 @@ class _Episode:
 
     def _fresh_env(self) -> StepInfo:
         self._close()
-        self.env = self.spec.make_env()
+        if self.opts.env_timeout_s is not None:
+            from sapd.envs.isolated import IsolatedEnv
+            self.env = IsolatedEnv(self.spec.make_env, self.opts.env_timeout_s)
+        else:
+            self.env = self.spec.make_env()
         first = self.env.reset(self.spec.seed)
         for i, action in enumerate(self.executed):  # fast-forward a rebuilt environment
             res = step_env(self.env, self.responses[i], action)
@@ -218,12 +231,23 @@ def _run(specs: Sequence[EpisodeSpec], benchmark: BenchmarkSpec, opts: LoopOptio
          decide: Callable[[list[_Episode], int], list[tuple[str, str | None, str | None]]],
          progress: Callable[[int], None] | None) -> list[Trajectory]:
     episodes = [_Episode(s, benchmark, opts, policy) for s in specs]
-    for ep in episodes:
-        ep.start()
-        if ep.finished and progress:
-            progress(1)
+    waiting = iter(episodes)
+    window = opts.max_live_episodes or len(episodes)
+    live: list[_Episode] = []
+
+    def refill() -> None:
+        # a finished episode's place goes to the next one in spec order (its environment starts now)
+        while len(live) < window and (ep := next(waiting, None)) is not None:
+            ep.start()
+            if ep.finished:
+                if progress:
+                    progress(1)
+            else:
+                live.append(ep)
+
+    refill()
     step = 0
-    while live := [ep for ep in episodes if not ep.finished]:
+    while live:
         decisions = decide(live, step)
         if len(decisions) != len(live):
             raise RuntimeError(f"policy returned {len(decisions)} decisions for {len(live)} live episodes")
@@ -232,6 +256,8 @@ def _run(specs: Sequence[EpisodeSpec], benchmark: BenchmarkSpec, opts: LoopOptio
                 ep.act(response, action, reason)
             if ep.finished and progress:
                 progress(1)
+        live = [ep for ep in live if not ep.finished]
+        refill()
         step += 1
     return [ep.trajectory() for ep in episodes]
 

@@ -10,12 +10,6 @@ from typing import Sequence
 
 from sapd import __version__
 
-SAMPLE_DATA = Path(__file__).parent / "sample_data"
-
-# (file, format, benchmark) of the shipped samples, used by the demo
-SAMPLES = [("alfworld_eto.json", "eto", "alfworld"), ("webshop_eto.json", "eto", "webshop"),
-           ("alfworld_skillrl.jsonl", "skillrl", "alfworld"), ("searchqa_searchr1.jsonl", "searchr1", "searchqa")]
-
 
 def _history(value: str) -> int | str:
     if value == "all":
@@ -118,7 +112,7 @@ def cmd_show_prefixes(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The embedded default: the whole offline method on the shipped samples, on this CPU (sapd.demo)."""
+    """The embedded default: TextWorld games → expert pool → teacher/student → SAPD → evaluation (sapd.demo)."""
     from sapd.demo import run_demo
     run_demo(Path(args.out), log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
     return 0
@@ -167,6 +161,10 @@ def cmd_train_round(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env_timeout(args: argparse.Namespace) -> float | None:
+    return args.env_timeout if args.env_timeout and args.env_timeout > 0 else None
+
+
 def _families(value: str | None) -> list[str] | None:
     return [f.strip() for f in value.split(",") if f.strip()] if value else None
 
@@ -181,8 +179,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                                  rows=args.rows, retriever_url=args.retriever_url, limit=args.limit,
                                  tasks=_families(args.tasks), variations_per_task=args.variations_per_task,
                                  split=args.split, data_dir=args.data_dir, webshop_url=args.webshop_url,
-                                 log=lambda s: print(s, flush=True), show_progress=not args.no_progress,
-                                 metrics=metrics)
+                                 env_timeout_s=_env_timeout(args), log=lambda s: print(s, flush=True),
+                                 show_progress=not args.no_progress, metrics=metrics)
     metrics.mark_success()
     metrics.push()
     print(json.dumps({"checkpoint": result["checkpoint"], "overall": result["overall"]["success"],
@@ -191,15 +189,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_collect_expert(args: argparse.Namespace) -> int:
-    from sapd.agent_loop import collect_expert, summarize
+    from sapd.agent_loop import LoopOptions, collect_expert, summarize
     from sapd.data.loaders import write_native_jsonl
-    from sapd.evaluate import episode_specs
-    from sapd.agent_loop import LoopOptions
+    from sapd.evaluate import episode_specs, noop_action
     specs = episode_specs(args.benchmark, families=_families(args.families), games_per_family=args.games_per_family,
                           seed=args.seed, cache_dir=args.cache, tasks=_families(args.tasks),
                           variations_per_task=args.variations_per_task, split=args.split)
     trajs = collect_expert(specs, args.benchmark, successful_only=args.successful_only,
-                           opts=LoopOptions(invalid_action="look around" if args.benchmark == "scienceworld" else "look"))
+                           opts=LoopOptions(invalid_action=noop_action(args.benchmark),
+                                            env_timeout_s=_env_timeout(args)))
     write_native_jsonl(trajs, args.out)
     s = summarize(trajs)
     print(f"wrote {len(trajs)} expert trajectories to {args.out}; expert success {s['overall']['success']:.2f}, "
@@ -219,8 +217,62 @@ def cmd_online(args: argparse.Namespace) -> int:
     panel = textworld_specs(_families(args.families), args.games_per_family, args.seed, args.cache)
     result = run_online(cfg, cycling_games(panel, args.games_per_round or len(panel)), args.method,
                         episodes_per_game=args.episodes_per_game, horizon=args.horizon, reward=args.reward,
-                        log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
+                        env_timeout_s=_env_timeout(args), log=lambda s: print(s, flush=True),
+                        show_progress=not args.no_progress)
     print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, default=str))
+    return 0
+
+
+def cmd_teacher_pool(args: argparse.Namespace) -> int:
+    """A teacher plays the panel with sampling: a teacher-generated pool (ReOPD's input)."""
+    from sapd.agent_loop import summarize
+    from sapd.evaluate import episode_specs, latest_checkpoint
+    from sapd.reopd import teacher_pool
+    if bool(args.model) == bool(args.run):
+        raise ValueError("give exactly one of --model (an HF folder) or --run (a run root, with --checkpoint)")
+    k = None
+    if args.run:
+        k = latest_checkpoint(args.run) if args.checkpoint == "latest" else int(args.checkpoint)
+    specs = episode_specs(args.benchmark, families=_families(args.families), games_per_family=args.games_per_family,
+                          seed=args.seed, cache_dir=args.cache, tasks=_families(args.tasks),
+                          variations_per_task=args.variations_per_task, split=args.split)
+    from tqdm import tqdm
+    with tqdm(total=len(specs) * args.samples_per_game, desc="teacher episodes", unit="episode",
+              disable=True if args.no_progress else None) as bar:
+        trajs = teacher_pool(args.run or args.model, specs, args.out, k=k, benchmark=args.benchmark,
+                             samples_per_spec=args.samples_per_game, temperature=args.temperature, top_p=args.top_p,
+                             seed=args.sampling_seed, max_new_tokens=args.max_new_tokens, horizon=args.horizon,
+                             device=args.device, env_timeout_s=_env_timeout(args), progress=bar.update)
+    s = summarize(trajs)
+    print(f"wrote {len(trajs)} teacher trajectories to {args.out}; success {s['overall']['success']:.2f}, "
+          f"{s['overall']['mean_steps']:.1f} steps and {s['overall']['invalid_step_rate']:.2f} invalid steps on average")
+    return 0
+
+
+def cmd_sequential(args: argparse.Namespace) -> int:
+    """Train stage after stage, evaluating every earlier task after each: the forgetting matrix."""
+    from sapd.sequential import forgetting_markdown, load_sequence, run_sequential
+    seq = load_sequence(args.spec)
+    root = args.root or seq["root"]
+    file_variant = seq["variant"] or seq["base"].get("variant", "sapd")
+    if args.variant and args.variant != file_variant and args.root is None:
+        raise ValueError(f"--variant {args.variant} differs from the file's variant {file_variant}: give --root too, "
+                         "so the two sequences do not share run roots")
+    res = run_sequential(seq["base"], seq["stages"], root, variant=args.variant or seq["variant"],
+                         horizon=seq["horizon"], max_new_tokens=seq["max_new_tokens"], device=args.device,
+                         env_timeout_s=seq["env_timeout_s"], log=lambda s: print(s, flush=True),
+                         show_progress=not args.no_progress)
+    print(forgetting_markdown(res), end="")
+    print(f"wrote {root}/sequential.json and {root}/forgetting.md")
+    return 0
+
+
+def cmd_study(args: argparse.Namespace) -> int:
+    """The reproduction study (sapd.study): Tables 1–3, Figure 2 and Appendix A.5 on TextWorld."""
+    from sapd.study import load_study_config, run_study
+    cfg = load_study_config(args.config)
+    run_study(cfg, args.out, args.results, worker=args.worker, workers=args.workers,
+              log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
     return 0
 
 
@@ -289,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--variations-per-task", type=int, default=2, help="ScienceWorld: variations per task")
         p.add_argument("--split", choices=["train", "dev", "test", "all"], default="test",
                        help="ScienceWorld: which variations to draw from")
+        p.add_argument("--env-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="each episode's environment runs in its own process; a call that takes longer is "
+                            "killed and the environment rebuilt (default 300; 0 = in-process, no deadline)")
 
     p = sub.add_parser("evaluate", help="task success of a checkpoint on a fixed, seeded environment panel")
     p.add_argument("--run", required=True, help="the run root holding the checkpoints")
@@ -322,6 +377,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-root", default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_online)
+
+    p = sub.add_parser("teacher-pool", help="a teacher model plays a panel with sampling: a teacher-generated "
+                                            "trajectory pool (native JSONL; ReOPD's input)")
+    p.add_argument("--model", default=None, help="the teacher: an HF model folder (or s3:// prefix)")
+    p.add_argument("--run", default=None, help="… or a run root whose checkpoint plays")
+    p.add_argument("--checkpoint", default="latest", help="with --run: checkpoint index or 'latest'")
+    panel_flags(p)
+    p.add_argument("--samples-per-game", type=int, default=1, help="sampled episodes per panel episode")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=0, help="the same seed, the same pool")
+    p.add_argument("--horizon", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", required=True, help="….jsonl (local or s3://)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_teacher_pool)
+
+    p = sub.add_parser("sequential", help="train on task A, then B, then C …; evaluate every earlier task after "
+                                          "each stage (the forgetting matrix)")
+    p.add_argument("spec", help="the sequence file (YAML: root, base, stages; see sapd.sequential.load_sequence)")
+    p.add_argument("--variant", default=None, help="override the file's variant (e.g. sft), with --root")
+    p.add_argument("--root", default=None, help="override the file's root")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_sequential)
+
+    p = sub.add_parser("study", help="the reproduction study on TextWorld: Tables 1-3, Figure 2, Appendix A.5 "
+                                     "(hours on a CPU; resumable)")
+    p.add_argument("config", nargs="?", default=None, help="study YAML (e.g. experiments/study.yaml; every key "
+                                                            "is a field of sapd.study.StudyConfig)")
+    p.add_argument("--out", default="study-out", help="working folder: games, pools, models, runs (resumable)")
+    p.add_argument("--results", default="study-out/results", help="where STUDY.md, study.json and the PNGs go")
+    p.add_argument("--worker", type=int, default=0, help="with --workers N: this process's share of the runs")
+    p.add_argument("--workers", type=int, default=1,
+                   help="split the independent runs over N processes (then run once more with N = 1 to report)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_study)
 
     # listed here for `sapd --help`; main() hands its arguments to sapd.retriever unparsed
     sub.add_parser("retriever", help="serve a BM25 index over a JSONL corpus with the Search-R1 /retrieve API")

@@ -128,6 +128,11 @@ def _check_type(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, (list, tuple)) or len(value) != len(typing.get_args(tp)):
             raise ConfigError(f"{path}: expected a list of {len(typing.get_args(tp))} values, got {value!r}")
         return tuple(_check_type(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, typing.get_args(tp))))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (arg,) = typing.get_args(tp) or (Any,)
+        return [_check_type(v, arg, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
@@ -151,7 +156,9 @@ def _check_type(value: Any, tp: Any, path: str) -> Any:
     return value
 
 
-def _apply(obj: Any, overlay: dict[str, Any], path: str) -> None:
+def apply_overlay(obj: Any, overlay: dict[str, Any], path: str = "") -> None:
+    """Set the fields of dataclass ``obj`` from ``overlay`` (nested dataclasses recursively), checking
+    each value's type; an unknown key is a :class:`ConfigError` naming its dotted path."""
     hints = typing.get_type_hints(type(obj))
     names = [f.name for f in fields(obj)]
     for key, value in overlay.items():
@@ -164,7 +171,7 @@ def _apply(obj: Any, overlay: dict[str, Any], path: str) -> None:
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: expected a mapping of {type(current).__name__} keys, got {value!r}")
-            _apply(current, value, where + ".")
+            apply_overlay(current, value, where + ".")
         elif key == "loss" and isinstance(obj, RunConfig):
             merged = {**current, **_check_type(value, dict, where)}
             setattr(obj, key, merged)
@@ -200,18 +207,18 @@ def load_config(*paths: str | Path, overrides: dict[str, Any] | None = None) -> 
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping")
         try:
-            _apply(cfg, data, "")
+            apply_overlay(cfg, data, "")
         except ConfigError as e:
             raise ConfigError(f"{p}: {e}") from None
     if overrides:
-        _apply(cfg, overrides, "")
+        apply_overlay(cfg, overrides, "")
     validate(cfg)
     return cfg
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
     cfg = RunConfig()
-    _apply(cfg, data, "")
+    apply_overlay(cfg, data, "")
     validate(cfg)
     return cfg
 

@@ -61,6 +61,11 @@ def episode_specs(benchmark: str, *, families: list[str] | None = None, games_pe
                      "searchqa, alfworld, webshop")
 
 
+def noop_action(benchmark: str) -> str:
+    """What is sent for a malformed response: a harmless look ("look" is ambiguous in ScienceWorld)."""
+    return "look around" if benchmark == "scienceworld" else "look"
+
+
 def latest_checkpoint(root: str) -> int:
     committed = layout.committed_checkpoints(root)
     if not committed:
@@ -68,7 +73,7 @@ def latest_checkpoint(root: str) -> int:
     return committed[-1]
 
 
-def _prompt_options(root: str) -> PrefixOptions:
+def run_prompt_options(root: str) -> PrefixOptions:
     """The prompt layout the run trained on (its resolved config), so evaluation prompts match its prefixes."""
     uri = layout.config_uri(root)
     if not storage.exists(uri):
@@ -80,9 +85,10 @@ def _prompt_options(root: str) -> PrefixOptions:
 
 def run_checkpoint_episodes(root: str, k: int, specs: list[EpisodeSpec], benchmark: str, *,
                             horizon: int | None = None, max_new_tokens: int = 128, device: str = "cpu",
-                            progress: Callable[[int], None] | None = None):
+                            env_timeout_s: float | None = None, progress: Callable[[int], None] | None = None):
     """Greedy episodes of committed checkpoint ``k`` on ``specs``, prompted as the run trained
-    (its resolved config). Returns (trajectories, the horizon used)."""
+    (its resolved config). ``env_timeout_s``: each environment in its own process, a call that hangs
+    longer is killed and retried (:mod:`sapd.envs.isolated`). Returns (trajectories, the horizon used)."""
     from sapd.benchmarks import get_benchmark
     from sapd.models.generation import HFGenerator, SamplingParams, stops_for
     from sapd.models.loading import load_tokenizer
@@ -92,8 +98,8 @@ def run_checkpoint_episodes(root: str, k: int, specs: list[EpisodeSpec], benchma
     spec = get_benchmark(benchmark)
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision))
     # the no-op sent for a malformed response ("look" is ambiguous in ScienceWorld)
-    opts = LoopOptions(prompt=_prompt_options(root), horizon=horizon,
-                       invalid_action="look around" if benchmark == "scienceworld" else "look")
+    opts = LoopOptions(prompt=run_prompt_options(root), horizon=horizon, invalid_action=noop_action(benchmark),
+                       env_timeout_s=env_timeout_s)
     trajs = run_episodes(specs, HFGenerator(model, tokenizer, device=device), tokenizer, spec, params, opts,
                          progress=progress)
     return trajs, opts.horizon or spec.horizon
@@ -114,8 +120,8 @@ def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: li
                         rows: str | None = None, retriever_url: str | None = None, limit: int | None = None,
                         tasks: list[str] | None = None, variations_per_task: int = 2, split: str = "test",
                         data_dir: str | None = None, webshop_url: str | None = None,
-                        log: Callable[[str], None] = print, show_progress: bool = True,
-                        metrics=None) -> dict[str, Any]:
+                        env_timeout_s: float | None = None, log: Callable[[str], None] = print,
+                        show_progress: bool = True, metrics=None) -> dict[str, Any]:
     """Evaluate checkpoint ``k`` ("latest" for the newest committed one) of the run at ``root``."""
     from tqdm import tqdm
 
@@ -144,7 +150,7 @@ def evaluate_checkpoint(root: str, k: int | str, benchmark: str, *, families: li
               leave=False) as bar:
         trajs, used_horizon = run_checkpoint_episodes(root, k, specs, benchmark, horizon=horizon,
                                                       max_new_tokens=max_new_tokens, device=device,
-                                                      progress=bar.update)
+                                                      env_timeout_s=env_timeout_s, progress=bar.update)
     result = {"checkpoint": k, "benchmark": benchmark, "seed": seed, "games_per_family": games_per_family,
               "variations_per_task": variations_per_task, "split": split,
               "families": sorted({s.category for s in specs if s.category}), "horizon": used_horizon,

@@ -51,6 +51,7 @@ from sapd.data import shards
 from sapd.data.prefixes import PrefixOptions
 from sapd.data.schema import Trajectory
 from sapd.models.generation import Sample, SamplingParams, stops_for
+from sapd.evaluate import noop_action
 from sapd.pipeline import student_generator
 from sapd.rules import RuleWeights, format_score, repetition_score
 
@@ -132,14 +133,14 @@ def _episode_specs(games: Sequence[EpisodeSpec], k: int, per_game: int) -> list[
 
 
 def _marker(k_dir: str) -> str:
-    from sapd.precompute import _done_marker
-    return _done_marker(k_dir, 0)
+    from sapd.precompute import worker_done_marker
+    return worker_done_marker(k_dir, 0)
 
 
 def online_round(cfg: RunConfig, k: int, games: Sequence[EpisodeSpec], method: str, tokenizer, *,
                  generator=None, teacher_scorer: Callable | None = None, episodes_per_game: int | None = None,
-                 horizon: int | None = None, reward: Reward = "won", log: Callable[[str], None] = print,
-                 show_progress: bool = True) -> dict[str, Any]:
+                 horizon: int | None = None, reward: Reward = "won", env_timeout_s: float | None = None,
+                 log: Callable[[str], None] = print, show_progress: bool = True) -> dict[str, Any]:
     """Roll out checkpoint k on ``games``, turn every decision into a scored row, commit round k.
     ``cfg`` is the :func:`online_config` one. Returns the round's summary (also ``rounds/k/online.json``)."""
     from tqdm import tqdm
@@ -165,7 +166,9 @@ def online_round(cfg: RunConfig, k: int, games: Sequence[EpisodeSpec], method: s
     episode_specs = _episode_specs(games, k, per_game)
     d = cfg.data
     opts = LoopOptions(prompt=PrefixOptions(history_length=d.history_length, full_history=d.full_history,
-                                            prompt_style=d.prompt_style), horizon=horizon)
+                                            prompt_style=d.prompt_style), horizon=horizon,
+                       invalid_action=noop_action(spec.name), env_timeout_s=env_timeout_s,
+                       max_live_episodes=None)  # all at once: samples_per_turn relies on it
     params = SamplingParams(n=1, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                             max_new_tokens=cfg.sampling.max_new_tokens, stop=stops_for(spec.decision),
                             seed=_seed(cfg.train.seed, k))
@@ -271,8 +274,8 @@ def cycling_games(panel: Sequence[EpisodeSpec], games_per_round: int) -> Callabl
 
 def run_online(cfg: RunConfig, specs_factory: Callable[[int], Sequence[EpisodeSpec]], method: str,
                rounds: int | None = None, *, episodes_per_game: int | None = None, horizon: int | None = None,
-               reward: Reward = "won", engine_factory: Callable | None = None, log: Callable[[str], None] = print,
-               show_progress: bool = True) -> dict[str, Any]:
+               reward: Reward = "won", engine_factory: Callable | None = None, env_timeout_s: float | None = None,
+               log: Callable[[str], None] = print, show_progress: bool = True) -> dict[str, Any]:
     """Run (or resume) ``rounds`` (default ``train.rounds``) online rounds of rollout → train.
     ``specs_factory(k)`` gives the games of round k (e.g. a slice of the TextWorld panel)."""
     from sapd.models.loading import check_same_tokenizer, load_tokenizer
@@ -296,7 +299,7 @@ def run_online(cfg: RunConfig, specs_factory: Callable[[int], Sequence[EpisodeSp
                 scorer = make_teacher_scorer(cfg, tokenizer)
             summaries.append(online_round(cfg, k, list(specs_factory(k)), method, tokenizer, teacher_scorer=scorer,
                                           episodes_per_game=episodes_per_game, horizon=horizon, reward=reward,
-                                          log=log, show_progress=show_progress))
+                                          env_timeout_s=env_timeout_s, log=log, show_progress=show_progress))
         run_train_stage(cfg, k, engine_factory=engine_factory, log=log, show_progress=show_progress)
         log(f"online round {k}: checkpoint {k + 1} committed")
     return {"run_root": root, "method": method, "checkpoints": layout.committed_checkpoints(root),

@@ -77,7 +77,7 @@ def part_name(worker: int) -> str:
     return f"part-{worker:05d}.parquet"
 
 
-def _done_marker(k_dir: str, worker: int) -> str:
+def worker_done_marker(k_dir: str, worker: int) -> str:
     return storage.join(k_dir, f"_worker-{worker:05d}.json")
 
 
@@ -99,7 +99,7 @@ def precompute_worker(cfg: RunConfig, k: int, worker: int, generator: Generator,
     from tqdm import tqdm
 
     out_dir = layout.scored_dir(cfg.run_root, k)
-    marker = _done_marker(out_dir, worker)
+    marker = worker_done_marker(out_dir, worker)
     if shards.read_manifest(out_dir) is not None or storage.exists(marker):
         log(f"round {k} worker {worker}: already done")
         done = storage.read_json(marker) if storage.exists(marker) else {"rows": -1, "timings": {}}
@@ -167,7 +167,7 @@ def commit_round(cfg: RunConfig, k: int) -> dict[str, Any]:
         return existing
     parts, timings, tokens = [], {}, 0
     for w in range(cfg.workers):
-        marker = _done_marker(out_dir, w)
+        marker = worker_done_marker(out_dir, w)
         if not storage.exists(marker):
             raise shards.ShardError(f"{out_dir}: worker {w} has not finished; cannot commit round {k}")
         done = storage.read_json(marker)

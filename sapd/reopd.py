@@ -124,12 +124,12 @@ def _round_seed(seed: int, k: int) -> int:
 def teacher_pool(source: str, specs: Sequence[Any], out: str | None = None, *, k: int | None = None,
                  benchmark: str = "textworld", samples_per_spec: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0, max_new_tokens: int = 128, horizon: int | None = None,
-                 prompt=None, device: str = "cpu", dtype: str = "float32",
+                 prompt=None, device: str = "cpu", dtype: str = "float32", env_timeout_s: float | None = None,
                  progress: Callable[[int], None] | None = None) -> list:
     """Trajectories of a teacher model on ``specs`` (:class:`~sapd.agent_loop.EpisodeSpec`), sampled.
 
     ``source`` is an HF model folder (or s3:// prefix), or — with ``k`` — a run root whose committed
-    checkpoint k plays. Each spec is played ``samples_per_spec`` times (ids ``<spec id>/sample-j`` when
+    checkpoint k plays (prompted as that run trained, unless ``prompt`` is given). Each spec is played ``samples_per_spec`` times (ids ``<spec id>/sample-j`` when
     more than one). Sampling is seeded (the agent loop advances the seed by the step index), so the
     same source, specs and seed give the same pool. With ``out`` the pool is written as native JSONL."""
     import dataclasses
@@ -139,6 +139,7 @@ def teacher_pool(source: str, specs: Sequence[Any], out: str | None = None, *, k
     from sapd.benchmarks import get_benchmark
     from sapd.data.loaders import write_native_jsonl
     from sapd.data.prefixes import PrefixOptions
+    from sapd.evaluate import noop_action
     from sapd.models.generation import HFGenerator, SamplingParams, stops_for
     from sapd.models.loading import load_causal_lm, load_tokenizer
 
@@ -146,6 +147,9 @@ def teacher_pool(source: str, specs: Sequence[Any], out: str | None = None, *, k
         raise ValueError("samples_per_spec must be at least 1")
     if k is not None:
         model_dir = str(checkpoints.checkpoint_model_path(source, k))
+        if prompt is None:
+            from sapd.evaluate import run_prompt_options
+            prompt = run_prompt_options(source)
     else:
         model_dir = source
     tokenizer = load_tokenizer(model_dir)
@@ -155,7 +159,8 @@ def teacher_pool(source: str, specs: Sequence[Any], out: str | None = None, *, k
         specs = [dataclasses.replace(s, id=f"{s.id}/sample-{j}") for j in range(samples_per_spec) for s in specs]
     params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                             stop=stops_for(spec.decision), seed=seed)
-    opts = LoopOptions(prompt=prompt or PrefixOptions(), horizon=horizon)
+    opts = LoopOptions(prompt=prompt or PrefixOptions(), horizon=horizon, invalid_action=noop_action(benchmark),
+                       env_timeout_s=env_timeout_s)
     trajs = run_episodes(specs, HFGenerator(model, tokenizer, device=device), tokenizer, spec, params, opts,
                          progress=progress)
     for t in trajs:

@@ -78,7 +78,7 @@ def stage_config(base: dict[str, Any] | RunConfig, stages: Sequence[Stage], i: i
 
 def evaluate_task(run_root: str, k: int, task: str, specs: Sequence[Any], benchmark: str, *,
                   horizon: int | None = None, max_new_tokens: int = 128, device: str = "cpu",
-                  log: Callable[[str], None] = print) -> dict[str, Any]:
+                  env_timeout_s: float | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Greedy evaluation of checkpoint k of ``run_root`` on one task's panel, written to
     ``evals/NNNNNN/sequential-<task>.json`` (reused when there)."""
     from sapd.agent_loop import summarize
@@ -90,7 +90,8 @@ def evaluate_task(run_root: str, k: int, task: str, specs: Sequence[Any], benchm
         return storage.read_json(dest)
     t0 = time.perf_counter()
     trajs, used_horizon = run_checkpoint_episodes(run_root, k, list(specs), benchmark, horizon=horizon,
-                                                  max_new_tokens=max_new_tokens, device=device)
+                                                  max_new_tokens=max_new_tokens, device=device,
+                                                  env_timeout_s=env_timeout_s)
     result = {"checkpoint": k, "task": task, "benchmark": benchmark, "episodes_ids": [t.id for t in trajs],
               "horizon": used_horizon, **summarize(trajs), "seconds": time.perf_counter() - t0}
     write_eval(run_root, k, name, result, trajs)
@@ -100,8 +101,8 @@ def evaluate_task(run_root: str, k: int, task: str, specs: Sequence[Any], benchm
 
 def run_sequential(base_cfg: dict[str, Any] | RunConfig, stages: Sequence[Stage], root: str, *,
                    variant: str | None = None, horizon: int | None = None, max_new_tokens: int = 128,
-                   device: str = "cpu", log: Callable[[str], None] = print, show_progress: bool = True,
-                   engine_factory: Callable | None = None) -> dict[str, Any]:
+                   device: str = "cpu", env_timeout_s: float | None = None, log: Callable[[str], None] = print,
+                   show_progress: bool = True, engine_factory: Callable | None = None) -> dict[str, Any]:
     """Train the stages in order and fill the forgetting matrix. Returns
     ``{"variant", "stages", "tasks", "matrix": {stage: {task: success}}, "runs": {stage: {...}}}``."""
     from sapd.pipeline import run_pipeline
@@ -131,7 +132,8 @@ def run_sequential(base_cfg: dict[str, Any] | RunConfig, stages: Sequence[Stage]
                 panels[task.name] = list(task.eval_specs())
             bench = task.eval_benchmark or task.data.get("benchmark") or cfg.data.benchmark
             res = evaluate_task(cfg.run_root, final, task.name, panels[task.name], bench, horizon=horizon,
-                                max_new_tokens=max_new_tokens, device=device, log=log)
+                                max_new_tokens=max_new_tokens, device=device, env_timeout_s=env_timeout_s,
+                                log=log)
             matrix[st.name][task.name] = res["overall"]["success"]
     out = {"variant": used_variant, "stages": names, "tasks": names, "matrix": matrix, "runs": runs}
     storage.write_json(storage.join(root, "sequential.json"), out)
@@ -153,3 +155,88 @@ def forgetting_markdown(result: dict[str, Any]) -> str:
               for t in tasks]
     lines.append("| forgetting | " + " | ".join(forget) + " |")
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# a sequence described in YAML (`sapd sequential SPEC.yaml`)
+
+_SPEC_KEYS = {"root", "base", "variant", "horizon", "max_new_tokens", "env_timeout_s", "stages"}
+_STAGE_KEYS = {"name", "data", "overlay", "eval"}
+
+
+def load_sequence(path: str) -> dict[str, Any]:
+    """Read a sequence file::
+
+        root: runs/seq                    # stage runs, sequential.json and forgetting.md go here
+        base: [base.yaml]                 # config overlays every stage starts from (or a mapping)
+        variant: sapd                     # optional: the variant of every stage (sapd, sft, …)
+        horizon: 20                       # optional: evaluation horizon (default: the benchmark's)
+        max_new_tokens: 64                # optional: evaluation response cap
+        env_timeout_s: 300                # optional: environment calls that hang longer are killed
+        stages:
+          - name: coin
+            data: {input: pools/coin.jsonl, format: native, benchmark: textworld}
+            overlay: {model: {teacher: teachers/coin}}      # optional: any other config section
+            eval: {benchmark: textworld, families: [coin_near], games_per_family: 8, seed: 1000}
+
+    Relative paths in ``base`` are read from the file's folder. ``eval`` takes the keyword arguments of
+    :func:`sapd.evaluate.episode_specs`. Every unknown key is an error naming the file and the key.
+    Returns ``{"base": dict, "stages": [Stage], "root", "variant", "horizon", "max_new_tokens",
+    "env_timeout_s"}``."""
+    import inspect
+    from pathlib import Path
+
+    import yaml
+
+    from sapd.config import ConfigError, load_config
+    from sapd.evaluate import episode_specs
+
+    p = Path(path)
+    try:
+        spec = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping")
+    unknown = set(spec) - _SPEC_KEYS
+    if unknown:
+        raise ConfigError(f"{p}: unknown key(s) {sorted(unknown)}; expected some of {sorted(_SPEC_KEYS)}")
+    for key in ("root", "stages"):
+        if key not in spec:
+            raise ConfigError(f"{p}: missing '{key}'")
+    base = spec.get("base") or {}
+    if isinstance(base, str):
+        base = [base]
+    if isinstance(base, list):
+        paths = [str(p.parent / b) if (p.parent / b).is_file() else b for b in base]
+        try:
+            base = load_config(*paths).to_dict()
+        except ConfigError as e:
+            raise ConfigError(f"{p}: base: {e}") from None
+    elif not isinstance(base, dict):
+        raise ConfigError(f"{p}: base: expected a list of config files or a mapping")
+    eval_keys = set(inspect.signature(episode_specs).parameters) - {"benchmark"}
+    stages = []
+    if not isinstance(spec["stages"], list) or not spec["stages"]:
+        raise ConfigError(f"{p}: stages: expected a non-empty list")
+    for i, st in enumerate(spec["stages"]):
+        where = f"{p}: stages[{i}]"
+        if not isinstance(st, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        if set(st) - _STAGE_KEYS:
+            raise ConfigError(f"{where}: unknown key(s) {sorted(set(st) - _STAGE_KEYS)}; expected some of "
+                              f"{sorted(_STAGE_KEYS)}")
+        for key in ("name", "data", "eval"):
+            if key not in st:
+                raise ConfigError(f"{where}: missing '{key}'")
+        ev = dict(st["eval"])
+        bench = ev.pop("benchmark", None) or st["data"].get("benchmark") or base.get("data", {}).get("benchmark")
+        bad = set(ev) - eval_keys
+        if bad:
+            raise ConfigError(f"{where}.eval: unknown key(s) {sorted(bad)}; expected some of {sorted(eval_keys)}")
+        stages.append(Stage(str(st["name"]), dict(st["data"]),
+                            eval_specs=lambda bench=bench, ev=ev: episode_specs(bench, **ev),
+                            eval_benchmark=bench, overlay=dict(st.get("overlay") or {})))
+    return {"base": base, "stages": stages, "root": str(spec["root"]), "variant": spec.get("variant"),
+            "horizon": spec.get("horizon"), "max_new_tokens": int(spec.get("max_new_tokens", 128)),
+            "env_timeout_s": spec.get("env_timeout_s")}

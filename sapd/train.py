@@ -393,7 +393,8 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: Callable | None =
     tokenizer = load_tokenizer(str(ckpt_path))
     model = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, cfg.model.device, trainable=True)
     if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # transformers ≥ 5.x names it activation checkpointing (the old name warns, then goes in v6)
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     engine = (engine_factory or engine_factory_for(cfg))(model, cfg)
     state = checkpoints.load_trainer_state(root, k)
     if state and "optimizer" in state:

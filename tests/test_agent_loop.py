@@ -278,3 +278,41 @@ def test_sampling_params_are_one_sample_per_episode_with_the_step_seed(tokenizer
     run_episodes(_replay_specs([traj]), Gen([traj]), tokenizer, "alfworld",
                  params=SamplingParams(n=8, seed=10, temperature=0.7))
     assert seen == [(1, 10 + k, 0.7) for k in range(len(traj.turns))]
+
+
+def test_at_most_max_live_episodes_environments_are_open_and_nothing_changes(tokenizer):
+    trajs = [dataclasses.replace(t, success=True) for t in _load("alfworld_eto.json", "alfworld")]
+    trajs = trajs + [dataclasses.replace(t, id=t.id + "-again") for t in trajs]
+    open_now, most = [0], [0]
+
+    class Counted(ReplayEnv):
+        def __init__(self, traj):
+            super().__init__(traj)
+            open_now[0] += 1
+            most[0] = max(most[0], open_now[0])
+
+        def close(self):
+            open_now[0] -= 1
+
+    class ByPrompt:
+        """Answers each prompt with its trajectory's recorded response at the prompt's own step (with a
+        window, live episodes are at different steps)."""
+
+        def generate(self, prompts, params, progress=None):
+            import re
+            out = []
+            for p in prompts:
+                traj = next(t for t in trajs if f"Your task is to: {t.task}\n" in p)
+                k = int(re.search(r"You are now at step (\d+)", p).group(1)) - 1
+                out.append([Sample(token_ids=[], logprobs=[], text=traj.turns[k].response, finish_reason="stop")])
+            return out
+
+    specs = [EpisodeSpec(t.id, (lambda t=t: Counted(t))) for t in trajs]
+    done = []
+    got = run_episodes(specs, ByPrompt(), tokenizer, "alfworld", opts=LoopOptions(max_live_episodes=2),
+                       progress=done.append)
+    assert most[0] == 2 and open_now[0] == 0 and len(done) == len(trajs)
+    assert all(t.success and t.metadata["end_reason"] == "done" for t in got)
+    every = run_episodes(specs, ByPrompt(), tokenizer, "alfworld", opts=LoopOptions(max_live_episodes=None))
+    assert most[0] == len(trajs)
+    assert [t.to_dict() for t in got] == [t.to_dict() for t in every]

@@ -1,4 +1,4 @@
-"""The embedded demo end to end at a very small size: games, expert pool, SFT teacher/student, SAPD,
+"""The embedded demo end to end at a very small size: games, expert pool, SFT teacher and student, SAPD,
 held-out evaluation and the reports."""
 
 from __future__ import annotations
@@ -9,24 +9,30 @@ import pytest
 
 pytest.importorskip("textworld")
 
+TOY = {"train_games": 2, "heldout_games": 1, "student_epochs": 1.0, "teacher_epochs": 2.0,
+       "sft_trajectories_per_round": 2, "rounds": 1, "trajectories_per_round": 2, "group_size": 2,
+       "max_new_tokens": 12, "horizon": 3, "tokenizer_vocab": 600,
+       "student_shape": {"hidden_size": 32, "layers": 2, "heads": 2, "kv_heads": 1, "intermediate_size": 64},
+       "teacher_shape": {"hidden_size": 48, "layers": 2, "heads": 2, "kv_heads": 1, "intermediate_size": 96}}
+
 
 @pytest.mark.slow
 def test_demo_small(tmp_path):
     from sapd.demo import MODELS, run_demo
 
     out = tmp_path / "demo-out"
-    summary = run_demo(out, log=lambda s: None, show_progress=False, families=["simple", "coin"],
-                       train_games_per_family=2, heldout_games_per_family=1, teacher_rounds=2, student_rounds=1,
-                       sapd_rounds=1, horizon=3, max_new_tokens=16)
-    for name in ("REPORT.md", "success.png", "evaluation.json", "demo-summary.json", "sapd/report/training.png",
-                 "pool/textworld_expert.jsonl"):
+    summary = run_demo(out, log=lambda s: None, show_progress=False, overrides=TOY)
+    for name in ("REPORT.md", "success.png", "evaluation.json", "demo-summary.json", "runs/sapd/report/training.png",
+                 "pools/train.jsonl"):
         assert (out / name).is_file(), name
     evaluation = json.loads((out / "evaluation.json").read_text())
     assert set(evaluation["models"]) == set(MODELS)
     for name, e in evaluation["models"].items():
-        assert set(e["by_category"]) == {"simple", "coin"}, name
-        assert all(0.0 <= c["success"] <= 1.0 and c["episodes"] == 1 for c in e["by_category"].values())
-        assert e["overall"]["episodes"] == 2
+        assert set(e["by_family"]) == {"coin_near", "kitchen"}, name
+        assert all(0.0 <= v <= 1.0 for v in e["by_family"].values()) and 0.0 <= e["action_match"] <= 1.0
     report = (out / "REPORT.md").read_text()
     assert all(name in report for name in MODELS) and "Stage timings" in report
     assert summary["seconds"] > 0
+    # the SAPD run trained from the student with the teacher frozen: its checkpoint 0 is the student
+    from sapd import layout
+    assert layout.committed_checkpoints(str(out / "runs" / "sapd")) == [0, 1]

@@ -73,6 +73,19 @@ def test_eto_webshop_sample():
     assert t.turns[1].observation.startswith("[Back to Search]")
 
 
+def test_eto_success_from_reward_is_a_perfect_episode_everywhere(tmp_path):
+    """WebShop counts a purchase scored 1.0 as a success, as its environment adapter does; a partial
+    reward is kept in metadata, not read as success."""
+    import json
+    recs = json.loads((SAMPLE_DATA / "webshop_eto.json").read_text())
+    recs[0]["reward"], recs[1]["reward"] = 1.0, 0.75
+    path = tmp_path / "ws.json"
+    path.write_text(json.dumps(recs))
+    got = load(path, "eto", "webshop").trajectories
+    assert [t.success for t in got] == [True, False, None]
+    assert got[1].metadata["reward"] == 0.75
+
+
 @pytest.mark.parametrize("convs,field,reason", [
     (ALF_OK[:3] + [("robot", "x")], "conversations[3].from", "unknown_role"),
     (ALF_OK[:3] + [("gpt", "Thought: hmm, no action here")] + ALF_OK[4:5], "conversations[3].value", "empty_action"),

@@ -177,7 +177,9 @@ def _parquet_records(path: str, data: bytes) -> Iterator[tuple[str, Any]]:
         yield f"row {n}", rec
 
 
-def _records(path: str) -> Iterator[tuple[str, Any]]:
+def read_records(path: str) -> Iterator[tuple[str, Any]]:
+    """(location, record) of every record of a JSON / JSONL / Parquet file, the location naming the line
+    or record for error messages."""
     data = storage.read_bytes(path)
     if path.endswith(".parquet"):
         yield from _parquet_records(path, data)
@@ -204,7 +206,8 @@ def _require(rec: Any, key: str, path: str, loc: str, kind: type | tuple[type, .
     return value
 
 
-def _with_id(loc: str, rec: Any) -> str:
+def record_location(loc: str, rec: Any) -> str:
+    """The location with the record's id appended, when it has one."""
     if isinstance(rec, dict) and rec.get("id") is not None:
         return f"{loc} (id={rec['id']})"
     return loc
@@ -215,7 +218,7 @@ def _with_id(loc: str, rec: Any) -> str:
 
 
 def parse_native(rec: Any, path: str, loc: str, opts: LoadOptions) -> Trajectory:
-    loc = _with_id(loc, rec)
+    loc = record_location(loc, rec)
     tid = _require(rec, "id", path, loc, (str, int))
     task = _require(rec, "task", path, loc)
     raw_turns = _require(rec, "turns", path, loc, list)
@@ -268,7 +271,7 @@ def _split_thought_action(text: str) -> tuple[str, str] | None:
 
 
 def parse_eto(rec: Any, path: str, loc: str, opts: LoadOptions) -> Trajectory:
-    loc = _with_id(loc, rec)
+    loc = record_location(loc, rec)
     tid = _require(rec, "id", path, loc, (str, int))
     convs = _require(rec, "conversations", path, loc, list)
     roles = []
@@ -318,7 +321,9 @@ def parse_eto(rec: Any, path: str, loc: str, opts: LoadOptions) -> Trajectory:
     game_file = rec.get("game_file")
     success = rec.get("success")
     if success is None and isinstance(rec.get("reward"), (int, float)):
-        success = rec["reward"] >= 1.0 if opts.benchmark != "webshop" else rec["reward"] > 0
+        # one definition everywhere, the environments' too: success is a perfect episode (WebShop: a
+        # purchase scored 1.0, what its success rate counts); a partial reward stays in metadata
+        success = rec["reward"] >= 1.0
     meta = {"source_format": "eto", "instruction": convs[0]["value"] if start == 2 else None}
     if game_file:
         meta["game_file"] = game_file
@@ -406,7 +411,8 @@ def _skillrl_trajectory(steps: list[_Step], path: str, opts: LoadOptions) -> Tra
 _INFO = re.compile(r"<information>(.*?)</information>", re.S)
 
 
-def _question(rec: dict, path: str, loc: str) -> str:
+def searchr1_question(rec: dict, path: str, loc: str) -> str:
+    """The question of a Search-R1 row (``question``, or the user prompt); an error names path and field."""
     if isinstance(rec.get("question"), str):
         return rec["question"].strip()
     prompt = _require(rec, "prompt", path, loc, (list, str))
@@ -418,7 +424,8 @@ def _question(rec: dict, path: str, loc: str) -> str:
     return content[idx + len("Question:"):].strip()
 
 
-def _golden(rec: dict, path: str, loc: str) -> list[str]:
+def searchr1_golden_answers(rec: dict, path: str, loc: str) -> list[str]:
+    """The golden answers of a Search-R1 row (``golden_answers`` or ``reward_model.ground_truth.target``)."""
     g = rec.get("golden_answers")
     if g is None:
         try:
@@ -452,11 +459,11 @@ def _search_turns(rec: dict, path: str, loc: str) -> tuple[list[tuple[str, str]]
 
 
 def parse_searchr1(rec: Any, path: str, loc: str, opts: LoadOptions) -> Trajectory:
-    loc = _with_id(loc, rec)
+    loc = record_location(loc, rec)
     if not isinstance(rec, dict):
         raise InvalidRecordError(path, loc, "", "bad_type", f"expected an object, found {type(rec).__name__}")
-    question = _question(rec, path, loc)
-    golden = _golden(rec, path, loc)
+    question = searchr1_question(rec, path, loc)
+    golden = searchr1_golden_answers(rec, path, loc)
     raw, fld = _search_turns(rec, path, loc)
     if not raw:
         raise InvalidRecordError(path, loc, fld, "missing_turns", "no recorded model turns")
@@ -511,7 +518,7 @@ def load_trajectories(input_uri: str, fmt: str, opts: LoadOptions,
             result.report.add(e)
 
     for path in result.files:
-        records = _records(path)
+        records = read_records(path)
         if fmt == "skillrl":
             group: list[_Step] = []
             for loc, rec in _safe(records, path, opts, result):
@@ -536,7 +543,7 @@ def load_trajectories(input_uri: str, fmt: str, opts: LoadOptions,
             parser = _PARSERS[fmt]
             for loc, rec in _safe(records, path, opts, result):
                 result.records_read += 1
-                keep(lambda rec=rec, loc=loc: parser(rec, path, loc, opts), path, _with_id(loc, rec))
+                keep(lambda rec=rec, loc=loc: parser(rec, path, loc, opts), path, record_location(loc, rec))
                 if progress:
                     progress(1)
     return result

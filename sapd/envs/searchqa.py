@@ -113,16 +113,17 @@ def read_questions(rows_path: str | Path, limit: int | None = None, per_source: 
     overall and the first ``per_source`` of each data source. A bad row raises
     :class:`~sapd.data.errors.InvalidRecordError` naming file, row and field."""
     from sapd.data.errors import InvalidRecordError
-    from sapd.data.loaders import _golden, _question, _records, _with_id, input_files
+    from sapd.data.loaders import (input_files, read_records, record_location, searchr1_golden_answers,
+                                   searchr1_question)
 
     out: list[Question] = []
     per: dict[str | None, int] = {}
     seen: set[str] = set()
     for path in input_files(str(rows_path), "searchr1"):
-        for loc, rec in _records(path):
+        for loc, rec in read_records(path):
             if isinstance(rec, InvalidRecordError):
                 raise rec
-            loc = _with_id(loc, rec)
+            loc = record_location(loc, rec)
             if not isinstance(rec, dict):
                 raise InvalidRecordError(path, loc, "", "bad_type", f"expected an object, found {type(rec).__name__}")
             source = rec.get("data_source")
@@ -136,7 +137,7 @@ def read_questions(rows_path: str | Path, limit: int | None = None, per_source: 
             if qid in seen:
                 raise InvalidRecordError(path, loc, "id", "duplicate_id", f"question id '{qid}' appears twice")
             seen.add(qid)
-            out.append(Question(qid, _question(rec, path, loc), _golden(rec, path, loc),
+            out.append(Question(qid, searchr1_question(rec, path, loc), searchr1_golden_answers(rec, path, loc),
                                 None if source is None else str(source)))
             per[source] = per.get(source, 0) + 1
             if limit is not None and len(out) >= limit:

@@ -12,7 +12,10 @@ Families (each one a category), mirroring ALFWorld's skill categories:
 - ``coin``: ``tw-coin_collector`` — navigate to a coin and take it;
 - ``treasure``: ``tw-treasure_hunter`` — find an object across rooms, with distractors;
 - ``cook_take``, ``cook_open``, ``cook_cut``, ``cook_cook``: ``tw-cooking`` with one more skill each
-  (find ingredients; open containers and doors; cut with a knife; cook on a stove or oven).
+  (find ingredients; open containers and doors; cut with a knife; cook on a stove or oven);
+- short families for small models (the reproduction study): ``coin_near`` (the coin three rooms
+  away, the route spelled out in the task) and ``kitchen``, ``kitchen_open``, ``kitchen_cut``,
+  ``kitchen_cook`` (a one-ingredient recipe in a single kitchen, plus one skill each).
 
 The task is the game's objective; observations are cleaned of the ASCII banner, the objective (already
 the task) and the end-of-game restart prompt, with runs of blank lines collapsed.
@@ -43,6 +46,12 @@ FAMILIES: dict[str, list[str]] = {
     "cook_open": ["tw-cooking", "--recipe", "2", "--take", "2", "--go", "6", "--open"],
     "cook_cut": ["tw-cooking", "--recipe", "2", "--take", "1", "--go", "1", "--cut"],
     "cook_cook": ["tw-cooking", "--recipe", "2", "--take", "1", "--go", "1", "--cook"],
+    # short families a small model can learn from a few dozen games (the reproduction study's panel)
+    "coin_near": ["tw-coin_collector", "--level", "3"],
+    "kitchen": ["tw-cooking", "--recipe", "1", "--take", "1", "--go", "1"],
+    "kitchen_open": ["tw-cooking", "--recipe", "1", "--take", "1", "--go", "1", "--open"],
+    "kitchen_cut": ["tw-cooking", "--recipe", "1", "--take", "1", "--go", "1", "--cut"],
+    "kitchen_cook": ["tw-cooking", "--recipe", "1", "--take", "1", "--go", "1", "--cook"],
 }
 GENERATOR_VERSION = 1  # part of the cache file name: a changed recipe never reuses stale games
 DEFAULT_CACHE = Path(os.environ.get("SAPD_TEXTWORLD_CACHE", ".cache/textworld"))

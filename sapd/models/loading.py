@@ -48,8 +48,20 @@ def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cac
     return root
 
 
+def quiet_progress_off_terminal() -> None:
+    """transformers' own bars (loading weights, writing shards) print a line per update where stderr is
+    no terminal (``kubectl logs``, CI, a log file), burying the job's log lines: keep them to terminals,
+    as our own tqdm bars do (``disable=None``)."""
+    import sys
+
+    from transformers.utils import logging as hf_logging
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+
+
 def load_tokenizer(path_or_uri: str, cache_dir: str | Path | None = None):
     from transformers import AutoTokenizer
+    quiet_progress_off_terminal()
     p = resolve_model_dir(path_or_uri, cache_dir)
     if not (p / "tokenizer_config.json").is_file() and not (p / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path_or_uri}: not a Hugging Face tokenizer folder (no tokenizer.json or "
@@ -65,6 +77,7 @@ def load_tokenizer(path_or_uri: str, cache_dir: str | Path | None = None):
 def load_causal_lm(path_or_uri: str, dtype: DType = "float32", device: str = "cpu",
                    cache_dir: str | Path | None = None, trainable: bool = False):
     from transformers import AutoModelForCausalLM
+    quiet_progress_off_terminal()
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}")
     p = resolve_model_dir(path_or_uri, cache_dir)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The GPU proof, one short run (~10 min on one GPU, no network): installs sapd (and DeepSpeed, pure
+# Python with DS_BUILD_OPS=0) into the machine's Python if missing, then runs bench/gpu_check.py and
+# leaves its table in bench/results/gpu_check.{md,json}. Pass --dry-run for the CPU check, --size 1.5b
+# for the larger shape. vLLM is used when the image has it (its wheel is too large to carry).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! $PY -c "import sapd" 2>/dev/null; then
+  # --no-deps: the image's torch/transformers stay as they are; the few pure-Python needs are listed
+  $PY -m pip install -q --no-deps -e . || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ! $PY -c "import deepspeed" 2>/dev/null; then
+  DS_BUILD_OPS=0 $PY -m pip install -q --no-deps deepspeed 2>/dev/null || echo "DeepSpeed not installable here: its section will say skipped"
+fi
+export PYTHONUNBUFFERED=1
+exec $PY bench/gpu_check.py "$@"
