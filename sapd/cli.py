@@ -271,7 +271,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     """The reproduction study (sapd.study): Tables 1–3, Figure 2 and Appendix A.5 on TextWorld."""
     from sapd.study import load_study_config, run_study
     cfg = load_study_config(args.config)
-    run_study(cfg, args.out, args.results, worker=args.worker, workers=args.workers,
+    run_study(cfg, args.out, args.results, worker=args.worker, workers=args.workers, report_only=args.report_only,
               log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
     return 0
 
@@ -413,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", type=int, default=0, help="with --workers N: this process's share of the runs")
     p.add_argument("--workers", type=int, default=1,
                    help="split the independent runs over N processes (then run once more with N = 1 to report)")
+    p.add_argument("--report-only", action="store_true", help="train nothing: report what is finished so far")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_study)
 

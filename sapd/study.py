@@ -393,22 +393,28 @@ class Study:
         return res
 
     def table_runs(self) -> list[tuple[str, str, str | None, int]]:
-        """(run name, variant, teacher, seed) of Tables 1 and 2, in the order they are run."""
+        """(run name, variant, teacher, seed) of Tables 1 and 2, seed by seed: the first seed's runs
+        (every method and ablation once) come first, so a partial study already has every row."""
         c = self.cfg
         runs: list[tuple[str, str, str | None, int]] = []
-        if "table1" in c.tables or "figure2" in c.tables or "a5" in c.tables:
-            for seed in c.seeds:
+        t1 = "table1" in c.tables or "figure2" in c.tables or "a5" in c.tables
+        for seed in dict.fromkeys([*c.seeds, *c.ablation_seeds]):
+            if t1 and seed in c.seeds:
                 runs.append((f"sft-s{seed}", "sft", None, seed))
                 for teacher in TEACHERS:
                     for m in TABLE1_METHODS[1:]:
                         runs.append((f"{m}-{teacher}-s{seed}", m, teacher, seed))
-        if "table2" in c.tables:
-            for seed in c.ablation_seeds:
+            if "table2" in c.tables and seed in c.ablation_seeds:
                 for v in TABLE2_VARIANTS:
                     runs.append((f"{v}-strong_teacher-s{seed}", v, "strong_teacher", seed))
         if "table1" not in c.tables:  # figure 2 and A.5 need only the strong-teacher SAPD run of seed 0
             runs = [r for r in runs if r[0] == f"sapd-strong_teacher-s{c.seeds[0]}" or r[1] in TABLE2_VARIANTS]
         return runs
+
+    def finished_run(self, name: str) -> dict[str, Any] | None:
+        """The evaluation of a compared run, if it has been trained and evaluated."""
+        dest = self.runs / name / "evals" / f"{self.cfg.rounds:06d}" / "study-heldout.json"
+        return json.loads(dest.read_text()) if dest.is_file() else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -429,36 +435,51 @@ def fmt_ms(values: list[float], scale: float = 100.0) -> str:
 
 
 def run_study(cfg: StudyConfig, out: str | Path, results: str | Path, *, worker: int = 0, workers: int = 1,
-              log: Callable[[str], None] = print, show_progress: bool = False) -> dict[str, Any] | None:
-    """Run (or resume) the whole study; with ``workers`` > 1 this process takes every ``workers``-th of
-    the independent runs (start one process per worker, then one more with ``workers`` = 1 to finish
-    the rest and write the report). Returns the results (None for a partial worker)."""
+              report_only: bool = False, log: Callable[[str], None] = print,
+              show_progress: bool = False) -> dict[str, Any] | None:
+    """Run (or resume) the whole study and write the report. Order: the models, the first seed's runs,
+    then Appendix A.5, Figure 2 and Table 3, then the other seeds — so an interrupted study already has
+    every row. ``report_only``: train nothing, report what is finished. With ``workers`` > 1 this
+    process only trains every ``workers``-th of the independent runs (start one process per worker,
+    then one more with ``workers`` = 1 to finish the rest and write the report); returns None then."""
     study = Study(cfg, out, log=log, show_progress=show_progress)
     models = study.ensure_models()
     runs = study.table_runs()
-    for i, (name, variant, teacher, seed) in enumerate(runs):
-        if i % workers == worker:
-            study.run_method(name, variant, teacher, seed, models)
     if workers > 1:
+        for i, (name, variant, teacher, seed) in enumerate(runs):
+            if i % workers == worker:
+                study.run_method(name, variant, teacher, seed, models)
         return None
-    t_start = time.perf_counter()
     out_d: dict[str, Any] = {"config": asdict(cfg), "pools": study.ensure_pools()}
     out_d["reference"] = {who: study.evaluate_model_dir(who, path) for who, path in models.items()}
-    out_d["runs"] = {name: study.run_method(name, v, t, s, models) for name, v, t, s in runs}
-    if "table3" in cfg.tables:
-        out_d["table3"] = sequential_tables(study, models)
-    if "figure2" in cfg.tables:
-        out_d["figure2"] = efficiency(study, models)
-    if "a5" in cfg.tables:
+    first = [r for r in runs if r[3] == cfg.seeds[0]]
+    if not report_only:
+        for name, variant, teacher, seed in first:
+            study.run_method(name, variant, teacher, seed, models)
+    sapd_first = f"sapd-strong_teacher-s{cfg.seeds[0]}"
+    if "a5" in cfg.tables and study.finished_run(sapd_first):
         from sapd.study_a5 import a5_experiments
         out_d["a5"] = a5_experiments(study, models)
-    out_d["seconds_report"] = time.perf_counter() - t_start
+    if "figure2" in cfg.tables and study.finished_run(sapd_first):
+        if not report_only or checkpoints.is_committed(str(study.runs / f"online_opd-strong_teacher-s{cfg.seeds[0]}"),
+                                                       cfg.rounds):
+            out_d["figure2"] = efficiency(study, models)
+    if "table3" in cfg.tables:
+        out_d["table3"] = sequential_tables(study, models, report_only=report_only)
+    out_d["runs"], out_d["runs_planned"] = {}, [r[0] for r in runs]
+    for name, variant, teacher, seed in runs:
+        done = study.finished_run(name)
+        if done is None and not report_only:
+            done = study.run_method(name, variant, teacher, seed, models)
+        if done is not None:
+            out_d["runs"][name] = done
     write_results(study, out_d, Path(results))
     return out_d
 
 
-def sequential_tables(study: Study, models: dict[str, str]) -> dict[str, Any]:
-    """Table 3: each family's pool in turn, SAPD (strong teacher) and SFT, the forgetting matrix."""
+def sequential_tables(study: Study, models: dict[str, str], report_only: bool = False) -> dict[str, Any]:
+    """Table 3: each family's pool in turn, SAPD (strong teacher) and SFT, the forgetting matrix
+    (``report_only``: the sequences already finished)."""
     from sapd.evaluate import textworld_specs
     from sapd.sequential import Stage, run_sequential
     c = study.cfg
@@ -473,6 +494,10 @@ def sequential_tables(study: Study, models: dict[str, str]) -> dict[str, Any]:
                             eval_benchmark="textworld")
                       for f in fams]
             root = study.out / "sequential" / f"{variant}-s{seed}"
+            if report_only:
+                if (root / "sequential.json").is_file():
+                    res[f"{variant}-s{seed}"] = json.loads((root / "sequential.json").read_text())
+                continue
             study.log(f"table 3: sequential {variant}, seed {seed}: {' → '.join(fams)}")
             res[f"{variant}-s{seed}"] = run_sequential(base, stages, str(root), variant=variant, horizon=c.horizon,
                                                        max_new_tokens=c.max_new_tokens,

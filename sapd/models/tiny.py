@@ -17,6 +17,9 @@ def build_tiny_model(tokenizer, out_dir: str | Path, *, arch: Literal["qwen2", "
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    from sapd.models.loading import quiet_progress_off_terminal
+    quiet_progress_off_terminal()
+
     cfg_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
     config = cfg_cls(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
