@@ -10,7 +10,7 @@ It is the reproduction study's machinery (:mod:`sapd.study`) at demo size, one m
    offline pool (``OUT/pools/train.jsonl``, native JSONL with ``<think>…</think><action>…</action>``).
 3. A byte-level BPE **tokenizer** trained on the pool's text; two small Qwen2 models from random
    weights: a **teacher** (hidden 256, 4 layers) SFT'd on the pool for several epochs, and a weaker
-   **student** (hidden 128, 4 layers) SFT'd for two — it knows the format, not yet the games.
+   **student** (hidden 128, 4 layers) SFT'd for a few — it knows the format, not yet the games.
 4. **SAPD** rounds: the student samples G responses per recorded prefix, the frozen teacher scores
    them, the student is updated — no environment.
 5. **Evaluation** of the student before, the student after SAPD and the teacher: greedy episodes on
@@ -36,10 +36,10 @@ from typing import Any, Callable
 MODELS = ("student before", "student after SAPD", "teacher")
 
 DEMO_CONFIG: dict[str, Any] = {
-    "families": ["coin_near", "kitchen"], "train_games": 40, "extra_games": 0, "heldout_games": 8,
+    "families": ["coin_near", "kitchen"], "train_games": 30, "extra_games": 0, "heldout_games": 8,
     "student_shape": {"hidden_size": 128, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate_size": 256},
     "teacher_shape": {"hidden_size": 256, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate_size": 512},
-    "student_epochs": 2.0, "teacher_epochs": 8.0, "sft_trajectories_per_round": 20,
+    "student_epochs": 4.0, "teacher_epochs": 8.0, "sft_trajectories_per_round": 20,
     "rounds": 10, "trajectories_per_round": 4, "group_size": 4, "lr": 3e-4, "horizon": 12, "tables": [],
 }
 

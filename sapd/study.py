@@ -136,6 +136,12 @@ def load_study_config(path: str | None, overrides: dict[str, Any] | None = None)
 # set-up: games, pools, tokenizer, models
 
 
+def read_pool(path: str | Path) -> list:
+    """A native JSONL pool's trajectories."""
+    from sapd.data.loaders import LoadOptions, load_trajectories
+    return load_trajectories(str(path), "native", LoadOptions("textworld")).trajectories
+
+
 def pool_texts(trajectories, history_length: int | None = None) -> list[str]:
     """The text the models will see, to train their tokenizer on: every step prompt of the pool (as the
     prefix builder renders it) and every expert response."""
@@ -216,8 +222,7 @@ class Study:
             write_native_jsonl(won, str(self.pool_path(name)))
             summary[name] = {"games": len(panel), "won": len(won), "decisions": sum(len(t.turns) for t in won)}
             self.log(f"expert pool '{name}': won {len(won)}/{len(panel)} games, {summary[name]['decisions']} decisions")
-        from sapd.data.schema import Trajectory
-        train = [Trajectory.from_dict(json.loads(line)) for line in self.pool_path("train").read_text().splitlines()]
+        train = read_pool(self.pool_path("train"))
         for fam in self.cfg.families:
             d = self.family_pool_dir(fam)
             d.mkdir(parents=True, exist_ok=True)
@@ -236,13 +241,12 @@ class Study:
         return self.models / "tokenizer"
 
     def ensure_tokenizer(self):
-        from sapd.data.schema import Trajectory
         from sapd.demo_tokenizer import build_tokenizer
         from sapd.models.loading import load_tokenizer
         if (self.tokenizer_dir() / "tokenizer.json").is_file():
             return load_tokenizer(str(self.tokenizer_dir()))
-        trajs = [Trajectory.from_dict(json.loads(line)) for name in ("train", "extra") if self.pool_path(name).is_file()
-                 for line in self.pool_path(name).read_text().splitlines() if line.strip()]
+        trajs = [t for name in ("train", "extra") if self.pool_path(name).is_file()
+                 for t in read_pool(self.pool_path(name))]
         return build_tokenizer(pool_texts(trajs, self.cfg.history_length), self.tokenizer_dir(),
                                vocab_size=self.cfg.tokenizer_vocab)
 
@@ -272,8 +276,7 @@ class Study:
     @staticmethod
     def _count_trajectories(data_input: str) -> int:
         p = Path(data_input)
-        files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
-        return sum(1 for f in files for line in f.read_text().splitlines() if line.strip())
+        return sum(len(read_pool(f)) for f in (sorted(p.glob("*.jsonl")) if p.is_dir() else [p]))
 
     def _data(self, data_input: str) -> dict[str, Any]:
         return {"input": data_input, "format": "native", "benchmark": "textworld", "val_fraction": 0.0,
