@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 Reduction = Literal["seq_mean_token_mean", "token_mean"]
+NoActionStep = Literal["zero", "exclude"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -59,12 +60,23 @@ def step_scores(d_P_G_T: torch.Tensor, action_mask_P_G_T: torch.Tensor) -> torch
     return torch.where(action_mask_P_G_T.bool(), d_P_G_T, torch.zeros_like(d_P_G_T)).sum(-1)
 
 
-def step_advantages(r_P_G: torch.Tensor, std_normalize: bool = False, eps: float = 1e-6) -> torch.Tensor:
+def step_advantages(r_P_G: torch.Tensor, std_normalize: bool = False, eps: float = 1e-6,
+                    scored_P_G: torch.Tensor | None = None) -> torch.Tensor:
     """Eq. 9: Aᵢ = rᵢ − r̄ (group-centred, no std division). With ``std_normalize`` (the Appendix A.4
-    variant) divide by the group's population std + eps. → adv_P_G."""
-    adv = r_P_G - r_P_G.mean(dim=-1, keepdim=True)
+    variant) divide by the group's population std + eps. With ``scored_P_G`` (bool), only those responses
+    form the group: r̄ (and the std) are taken over them and the others get Aᵢ = 0. → adv_P_G."""
+    if scored_P_G is None:
+        adv = r_P_G - r_P_G.mean(dim=-1, keepdim=True)
+        if std_normalize:
+            adv = adv / (r_P_G.std(dim=-1, unbiased=False, keepdim=True) + eps)
+        return adv
+    w = scored_P_G.to(r_P_G.dtype)
+    n = w.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    mean = (r_P_G * w).sum(dim=-1, keepdim=True) / n
+    adv = (r_P_G - mean) * w
     if std_normalize:
-        adv = adv / (r_P_G.std(dim=-1, unbiased=False, keepdim=True) + eps)
+        std = ((adv ** 2).sum(dim=-1, keepdim=True) / n).sqrt()
+        adv = adv / (std + eps)
     return adv
 
 
@@ -109,7 +121,8 @@ def sapd_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
               lambda_tok: float = 0.1, lambda_step: float = 0.5, lambda_rule: float = 0.1,
               token_scale: float = 0.15, clip_eps: float = 0.2, full_token_scoring: bool = False,
               std_normalize_step: bool = False, eps: float = 1e-6,
-              reduction: Reduction = "seq_mean_token_mean") -> tuple[torch.Tensor, dict[str, float]]:
+              reduction: Reduction = "seq_mean_token_mean",
+              no_action_step: NoActionStep = "zero") -> tuple[torch.Tensor, dict[str, float]]:
     """Eq. 13: L = λ_tok L_tok + λ_step L_step + λ_rule L_rule.
 
     L_tok  = −E_h[1/G Σᵢ 1/Lᵢ Σ_k C_ε(ρ_{i,k}, β_tok·d_{i,k})]                       (Eq. 5)
@@ -117,16 +130,22 @@ def sapd_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
     L_rule = same form with Aᵢ^rule, the standardised rule advantage               (Eq. 12)
 
     The step score rᵢ sums d over the action mask (over the whole response when
-    ``full_token_scoring``); its advantage is then applied to every response token. The action mask is
+    ``full_token_scoring``); its advantage is then applied to every response token. A response with
+    no action tokens (malformed) scores rᵢ = 0 as Eq. 6 has it (``no_action_step="zero"``), or
+    ``"exclude"``: it gets no step advantage and the group mean is over the responses with an action. The action mask is
     intersected with the response mask, so a stray action bit on padding can never count.
 
     Returns the scalar loss (gradient flows through ``new_logp`` only) and detached float metrics.
     """
+    if no_action_step not in ("zero", "exclude"):
+        raise ValueError(f"no_action_step must be 'zero' or 'exclude', not {no_action_step!r}")
     response_mask = response_mask_P_G_T.bool()
     action_mask = action_mask_P_G_T.bool() & response_mask
     d_P_G_T = token_signal(teacher_logp_P_G_T, old_logp_P_G_T, response_mask)
     r_P_G = step_scores(d_P_G_T, response_mask if full_token_scoring else action_mask)
-    step_adv_P_G = step_advantages(r_P_G, std_normalize=std_normalize_step, eps=eps)
+    has_action_P_G = action_mask.any(dim=-1)
+    scored = has_action_P_G if no_action_step == "exclude" and not full_token_scoring else None
+    step_adv_P_G = step_advantages(r_P_G, std_normalize=std_normalize_step, eps=eps, scored_P_G=scored)
     rule_adv_P_G = rule_advantages(rule_scores_P_G.to(d_P_G_T.dtype), eps=eps)
     ratio_P_G_T = importance_ratio(new_logp_P_G_T, old_logp_P_G_T, response_mask)
 
@@ -150,6 +169,7 @@ def sapd_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
             # teacher–student gap: mean log-ratio per response token (≥ 0 when the teacher likes the samples more)
             "teacher_student_gap": float(d_P_G_T.sum() / n_tok),
             "step_score_mean": float(r_P_G.mean()),
+            "no_action_fraction": float((~has_action_P_G).float().mean()),
             "step_adv_abs_mean": float(step_adv_P_G.abs().mean()),
             "step_adv_std": float(step_adv_P_G.std(dim=-1, unbiased=False).mean()),
             "rule_score_mean": float(rule_scores_P_G.float().mean()),
@@ -186,6 +206,10 @@ class LossConfig:
     clip_eps: float = 0.2  # ε of the clipped surrogate
     full_token_scoring: bool = False  # Table 7: sum d over all response tokens for rᵢ
     std_normalize_step: bool = False  # Appendix A.4: divide Aᵢ^step by the group std + η
+    # a response with no action tokens: "zero" = rᵢ = 0 in the group (Eq. 6 as written; when the student
+    # is more confident than the teacher, d < 0 and malformed responses then get the highest step
+    # advantage — see docs/results/STUDY.md); "exclude" = no step advantage, not in the group mean
+    no_action_step: NoActionStep = "zero"
     eps: float = 1e-6  # η
     reduction: Reduction = "seq_mean_token_mean"
 
@@ -198,6 +222,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "wo_rule": {"lambda_rule": 0.0},
     "full_token": {"full_token_scoring": True},
     "std_norm": {"std_normalize_step": True},
+    "sapd_exclude": {"no_action_step": "exclude"},
     "sft": {"objective": "sft"},
 }
 
@@ -225,7 +250,8 @@ def loss_from_config(cfg: LossConfig, new_logp_P_G_T: torch.Tensor, old_logp_P_G
                      lambda_step=cfg.lambda_step, lambda_rule=cfg.lambda_rule,
                      token_scale=cfg.token_scale, clip_eps=cfg.clip_eps,
                      full_token_scoring=cfg.full_token_scoring,
-                     std_normalize_step=cfg.std_normalize_step, eps=cfg.eps, reduction=cfg.reduction)
+                     std_normalize_step=cfg.std_normalize_step, eps=cfg.eps, reduction=cfg.reduction,
+                     no_action_step=cfg.no_action_step)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import shutil
 import statistics
 import time
@@ -56,10 +57,11 @@ from typing import Any, Callable
 from sapd import checkpoints, layout
 
 TABLE1_METHODS = ("sft", "opd", "opd_rule", "sapd")
-TABLE2_VARIANTS = ("wo_opd", "wo_rule", "full_token", "std_norm")
+TABLE2_VARIANTS = ("wo_opd", "wo_rule", "full_token", "std_norm", "sapd_exclude")
 TEACHERS = ("sft_teacher", "strong_teacher")
 LABELS = {"sft": "SFT", "opd": "OPD", "opd_rule": "OPD+Rule", "sapd": "SAPD", "wo_opd": "w/o OPD",
           "wo_rule": "w/o Rule", "full_token": "full-token scoring", "std_norm": "std-normalised step adv.",
+          "sapd_exclude": "SAPD, no-action responses out of the step group",
           "online_opd": "online OPD", "sft_teacher": "SFT teacher", "strong_teacher": "strong teacher"}
 
 
@@ -106,6 +108,7 @@ class StudyConfig:
     curve_every: int = 5  # Figure 2: evaluate every this many rounds
     tables: list[str] = field(default_factory=lambda: ["table1", "table2", "table3", "figure2", "a5"])
     env_timeout_s: float = 120.0
+    notes: str = ""  # Markdown the study's author adds to the report ("Notes" section): scale, caveats
     game_cache: str | None = None  # generated games (default OUT/textworld); shareable between studies
 
 
@@ -268,10 +271,20 @@ class Study:
             self.log(f"{name}: SFT {epochs:g} epoch(s) = {rounds} rounds of {c.sft_trajectories_per_round} "
                      f"trajectories from {Path(init).name}")
         t0 = time.perf_counter()
-        run_pipeline(cfg, log=lambda s: None, show_progress=self.show_progress)
+        run_pipeline(cfg, log=self._round_log(name, rounds), show_progress=self.show_progress)
         if time.perf_counter() - t0 > 1:
             self.log(f"{name}: done in {time.perf_counter() - t0:.0f} s")
         return layout.checkpoint_model_dir(str(root), rounds)
+
+    def _round_log(self, name: str, rounds: int) -> Callable[[str], None]:
+        """Without progress bars, a pipeline's round lines at about every quarter of its rounds."""
+        every = max(1, rounds // 4)
+
+        def log(line: str) -> None:
+            m = re.match(r"round (\d+):", line)
+            if not self.show_progress and m and ((int(m.group(1)) + 1) % every == 0 or int(m.group(1)) + 1 == rounds):
+                self.log(f"{name}: {int(m.group(1)) + 1}/{rounds} rounds")
+        return log
 
     @staticmethod
     def _count_trajectories(data_input: str) -> int:
@@ -387,7 +400,7 @@ class Study:
             self.log(f"run {name}: {LABELS.get(variant, variant)}"
                      + (f" with the {LABELS[teacher]}" if teacher else "") + f", seed {seed}, {cfg.train.rounds} rounds")
             t0 = time.perf_counter()
-            run_pipeline(cfg, log=lambda s: None, show_progress=self.show_progress)
+            run_pipeline(cfg, log=self._round_log(f"run {name}", cfg.train.rounds), show_progress=self.show_progress)
             self.log(f"run {name}: trained in {time.perf_counter() - t0:.0f} s")
         if not evaluate:
             return None
@@ -510,16 +523,20 @@ def sequential_tables(study: Study, models: dict[str, str], report_only: bool = 
 
 
 def efficiency(study: Study, models: dict[str, str]) -> dict[str, Any]:
-    """Figure 2: SAPD (the Table 1 run, strong teacher, first seed) and online OPD from the same student
-    and teacher with the same rounds; per-round times from the round manifests / online summaries and
-    the step logs; held-out success every ``curve_every`` rounds."""
+    """Figure 2: SAPD (the Table 1 configuration: strong teacher, first seed) and online OPD from the same
+    student and teacher with the same rounds, trained one after the other in this process — so both are
+    timed on the same machine under the same load (the Table 1 runs may have shared the CPU with other
+    workers); per-round times from the round manifests / online summaries and the step logs; held-out
+    success every ``curve_every`` rounds."""
     from sapd.config import config_from_dict
     from sapd.evaluate import textworld_specs
     from sapd.online import cycling_games, run_online
     from sapd.report import read_step_log, round_timings
     c = study.cfg
     seed = c.seeds[0]
-    sapd_root = str(study.runs / f"sapd-strong_teacher-s{seed}")
+    sapd_name = f"figure2-sapd-strong_teacher-s{seed}"
+    sapd_root = str(study.runs / sapd_name)
+    study.run_method(sapd_name, "sapd", "strong_teacher", seed, models, evaluate=False)
     online_cfg = config_from_dict(study.method_config(f"online_opd-strong_teacher-s{seed}", "opd", "strong_teacher",
                                                       seed, models))
     panel = textworld_specs(c.families, c.train_games, c.train_seed, study.cache)

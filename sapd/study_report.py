@@ -133,7 +133,9 @@ def figure2(res: dict[str, Any], dest: Path) -> str:
     for method in ("sapd", "online_opd"):
         rows.append([LABELS[method], *(f"{part(method, k):.1f}" for k in ("rollout", "score", "train", "total")),
                      f"{100 * f2[method]['curve'][-1]['success']:.1f}"])
-    return (f"Per-round time excludes evaluation and checkpoint saving. Median per-round speedup of SAPD "
+    return ("Both trained one after the other in one process on the same machine, from the same student "
+            "and teacher with the same rounds (the SAPD run repeats the Table 1 configuration for this). "
+            f"Per-round time excludes evaluation and checkpoint saving. Median per-round speedup of SAPD "
             f"over online OPD: **{f2['per_step_speedup_median']:.1f}×**; cumulative: "
             f"**{f2['cumulative_speedup']:.1f}×**.\n\n" + _md(rows) + "\n\n![efficiency](figure2_efficiency.png)")
 
@@ -293,4 +295,6 @@ def render_report(res: dict[str, Any], dest: Path) -> None:
     if "a5" in res:
         parts += ["## Appendix A.5 predictions", "", a5(res), ""]
     parts += ["## The paper's claims against these numbers", "", claims(res, t1, t2, t3), ""]
+    if cfg.get("notes"):
+        parts += ["## Notes", "", cfg["notes"].strip(), ""]
     (dest / "STUDY.md").write_text("\n".join(parts))

@@ -28,7 +28,7 @@ def test_demo_small(tmp_path):
     evaluation = json.loads((out / "evaluation.json").read_text())
     assert set(evaluation["models"]) == set(MODELS)
     for name, e in evaluation["models"].items():
-        assert set(e["by_family"]) == {"coin_near", "kitchen"}, name
+        assert set(e["by_family"]) == {"coin_near", "coin_mid"}, name
         assert all(0.0 <= v <= 1.0 for v in e["by_family"].values()) and 0.0 <= e["action_match"] <= 1.0
     report = (out / "REPORT.md").read_text()
     assert all(name in report for name in MODELS) and "Stage timings" in report

@@ -349,3 +349,43 @@ def test_opd_variant_gradient_ignores_step_and_rule_signals():
     loss_from_config(cfg, n1, old, teacher, resp, action, rules)[0].backward()
     loss_from_config(cfg, n2, old, teacher, resp, ~action & resp, rules * 0 - 5)[0].backward()
     torch.testing.assert_close(n1.grad, n2.grad, atol=1e-12, rtol=0)
+
+
+# ------------------------------------------------------------------- responses without an action
+
+
+def test_a_response_without_action_tokens_outscores_the_group_as_eq6_is_written():
+    """Eq. 6 gives an empty action mask rᵢ = 0; when the student is more confident than the teacher on its
+    own samples (d < 0, the usual case: E[d] = −KL), the malformed response gets the best advantage."""
+    r = step_scores(torch.tensor([[[-1.0, -2.0], [-0.5, -0.5], [-3.0, -3.0]]], dtype=DT),
+                    torch.tensor([[[1, 1], [1, 0], [0, 0]]], dtype=torch.bool))
+    assert r.tolist() == [[-3.0, -0.5, 0.0]]
+    adv = step_advantages(r)
+    assert int(adv.argmax()) == 2 and float(adv[0, 2]) == pytest.approx(3.5 / 3)
+
+
+def test_exclude_takes_no_action_responses_out_of_the_step_group():
+    r = torch.tensor([[-3.0, -0.5, 0.0, 7.0]], dtype=DT)
+    scored = torch.tensor([[True, True, False, False]])
+    adv = step_advantages(r, scored_P_G=scored)
+    assert adv[0].tolist() == pytest.approx([-1.25, 1.25, 0.0, 0.0])
+    std = step_advantages(r, std_normalize=True, scored_P_G=scored)
+    assert std[0].tolist() == pytest.approx([-1.0, 1.0, 0.0, 0.0], abs=1e-5)
+    # a group with no scored response has no step advantage at all
+    assert step_advantages(r, scored_P_G=torch.zeros_like(scored)).abs().sum() == 0
+
+
+def test_exclude_equals_zero_when_every_response_has_an_action_and_changes_it_otherwise():
+    new, old, teacher, resp, action, rules = _random_batch(seed=21)
+    action = action.clone()
+    action[..., 0] = resp[..., 0]  # every response has at least one action token
+    a, ma = sapd_loss(new, old, teacher, resp, action, rules)
+    b, mb = sapd_loss(new, old, teacher, resp, action, rules, no_action_step="exclude")
+    assert float(a) == pytest.approx(float(b), abs=1e-12) and ma["no_action_fraction"] == 0.0
+    action[0, 1] = False  # one malformed response
+    a, ma = sapd_loss(new, old, teacher, resp, action, rules)
+    b, _ = sapd_loss(new, old, teacher, resp, action, rules, no_action_step="exclude")
+    assert float(a) != pytest.approx(float(b), abs=1e-9) and ma["no_action_fraction"] == pytest.approx(1 / 12)
+    assert loss_config_for("sapd_exclude").no_action_step == "exclude"
+    with pytest.raises(ValueError, match="no_action_step"):
+        sapd_loss(new, old, teacher, resp, action, rules, no_action_step="drop")

@@ -104,6 +104,7 @@ def test_the_whole_study_at_toy_size_and_resumed(tmp_path):
     for heading in ("## Table 1 analogue", "## Table 2 analogue", "## Table 3 analogue", "## Figure 2 analogue",
                     "## Appendix A.5 predictions", "## The paper's claims against these numbers"):
         assert heading in md
+    assert "## Notes\n\nToy size, to test the machinery" in md  # the author's notes from the config
     assert (results / "table1_success.png").stat().st_size > 1000
     assert (results / "figure2_efficiency.png").stat().st_size > 1000
 

@@ -13,8 +13,8 @@ Families (each one a category), mirroring ALFWorld's skill categories:
 - ``treasure``: ``tw-treasure_hunter`` — find an object across rooms, with distractors;
 - ``cook_take``, ``cook_open``, ``cook_cut``, ``cook_cook``: ``tw-cooking`` with one more skill each
   (find ingredients; open containers and doors; cut with a knife; cook on a stove or oven);
-- short families for small models (the reproduction study): ``coin_near`` (the coin three rooms
-  away, the route spelled out in the task) and ``kitchen``, ``kitchen_open``, ``kitchen_cut``,
+- short families for small models (the reproduction study): ``coin_near`` and ``coin_mid`` (the coin
+  two or three rooms away; like ``coin``, four, the route is spelled out in the task) and ``kitchen``, ``kitchen_open``, ``kitchen_cut``,
   ``kitchen_cook`` (a one-ingredient recipe in a single kitchen, plus one skill each).
 
 The task is the game's objective; observations are cleaned of the ASCII banner, the objective (already
@@ -48,6 +48,7 @@ FAMILIES: dict[str, list[str]] = {
     "cook_cook": ["tw-cooking", "--recipe", "2", "--take", "1", "--go", "1", "--cook"],
     # short families a small model can learn from a few dozen games (the reproduction study's panel)
     "coin_near": ["tw-coin_collector", "--level", "3"],
+    "coin_mid": ["tw-coin_collector", "--level", "4"],
     "kitchen": ["tw-cooking", "--recipe", "1", "--take", "1", "--go", "1"],
     "kitchen_open": ["tw-cooking", "--recipe", "1", "--take", "1", "--go", "1", "--open"],
     "kitchen_cut": ["tw-cooking", "--recipe", "1", "--take", "1", "--go", "1", "--cut"],
