@@ -1,5 +1,5 @@
 """The embedded default (``sapd demo`` / ``make demo``): the whole method on a 2-core CPU in about
-15–25 minutes, with the embedded TextWorld environment at both ends and none in the training loop.
+six minutes, with the embedded TextWorld environment at both ends and none in the training loop.
 
 It is the reproduction study's machinery (:mod:`sapd.study`) at demo size, one method, one seed:
 
