@@ -4,7 +4,8 @@ six minutes, with the embedded TextWorld environment at both ends and none in th
 It is the reproduction study's machinery (:mod:`sapd.study`) at demo size, one method, one seed:
 
 1. **Games**: a seeded panel of training games in two short families (``coin_near``, ``coin_mid``:
-   walk the route the task spells out, two or three rooms, and take the coin) and a disjoint held-out panel, generated once into ``OUT/textworld/``.
+   walk the route the task spells out, two or three rooms, and take the coin) and a disjoint held-out
+   panel, generated once into ``OUT/textworld/``.
 2. **Expert pool**: the environment's expert plays every training game; its won episodes are the
    offline pool (``OUT/pools/train.jsonl``, native JSONL with ``<think>…</think><action>…</action>``).
 3. A byte-level BPE **tokenizer** trained on the pool's text; two small Qwen2 models from random
@@ -138,7 +139,8 @@ def run_demo(out: Path, *, log: Callable[[str], None] = print, show_progress: bo
           f"({pools['train']['decisions']} decisions) on {len(panels['train'])} training games; evaluation: greedy "
           f"episodes on {len(panels['heldout'])} held-out games (horizon {cfg.horizon}), and the offline action match "
           "on the expert's held-out decisions. Teacher and student are small Qwen2 models trained here from random "
-          f"weights; SAPD (variant `{DEMO_VARIANT}`) ran {cfg.rounds} rounds from the student with the frozen teacher, no environment.", "",
+          f"weights; SAPD (variant `{DEMO_VARIANT}`) ran {cfg.rounds} rounds from the student with the frozen "
+          "teacher, no environment.", "",
           "## Held-out results", "", _markdown(rows), "", "![success by family](success.png)", "",
           "## Stage timings", "", _markdown([["stage", "seconds"], *([s, f"{v:.1f}"] for s, v in timings.items()),
                                              ["total", f"{seconds:.1f}"]]), "",

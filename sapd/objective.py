@@ -65,18 +65,11 @@ def step_advantages(r_P_G: torch.Tensor, std_normalize: bool = False, eps: float
     """Eq. 9: Aᵢ = rᵢ − r̄ (group-centred, no std division). With ``std_normalize`` (the Appendix A.4
     variant) divide by the group's population std + eps. With ``scored_P_G`` (bool), only those responses
     form the group: r̄ (and the std) are taken over them and the others get Aᵢ = 0. → adv_P_G."""
-    if scored_P_G is None:
-        adv = r_P_G - r_P_G.mean(dim=-1, keepdim=True)
-        if std_normalize:
-            adv = adv / (r_P_G.std(dim=-1, unbiased=False, keepdim=True) + eps)
-        return adv
-    w = scored_P_G.to(r_P_G.dtype)
+    w = torch.ones_like(r_P_G) if scored_P_G is None else scored_P_G.to(r_P_G.dtype)
     n = w.sum(dim=-1, keepdim=True).clamp(min=1.0)
-    mean = (r_P_G * w).sum(dim=-1, keepdim=True) / n
-    adv = (r_P_G - mean) * w
+    adv = (r_P_G - (r_P_G * w).sum(dim=-1, keepdim=True) / n) * w
     if std_normalize:
-        std = ((adv ** 2).sum(dim=-1, keepdim=True) / n).sqrt()
-        adv = adv / (std + eps)
+        adv = adv / ((adv ** 2).sum(dim=-1, keepdim=True) / n).sqrt().add(eps)
     return adv
 
 
@@ -132,13 +125,13 @@ def sapd_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
     The step score rᵢ sums d over the action mask (over the whole response when
     ``full_token_scoring``); its advantage is then applied to every response token. A response with
     no action tokens (malformed) scores rᵢ = 0 as Eq. 6 has it (``no_action_step="zero"``), or
-    ``"exclude"``: it gets no step advantage and the group mean is over the responses with an action. The action mask is
-    intersected with the response mask, so a stray action bit on padding can never count.
+    ``"exclude"``: it gets no step advantage and the group mean is over the responses with an action.
+    The action mask is intersected with the response mask, so a stray action bit on padding can never
+    count.
 
     Returns the scalar loss (gradient flows through ``new_logp`` only) and detached float metrics.
     """
-    if no_action_step not in ("zero", "exclude"):
-        raise ValueError(f"no_action_step must be 'zero' or 'exclude', not {no_action_step!r}")
+    _check_no_action_step(no_action_step)
     response_mask = response_mask_P_G_T.bool()
     action_mask = action_mask_P_G_T.bool() & response_mask
     d_P_G_T = token_signal(teacher_logp_P_G_T, old_logp_P_G_T, response_mask)
@@ -212,6 +205,14 @@ class LossConfig:
     no_action_step: NoActionStep = "zero"
     eps: float = 1e-6  # η
     reduction: Reduction = "seq_mean_token_mean"
+
+    def __post_init__(self) -> None:
+        _check_no_action_step(self.no_action_step)
+
+
+def _check_no_action_step(value: object) -> None:
+    if value not in ("zero", "exclude"):
+        raise ValueError(f"no_action_step must be 'zero' or 'exclude', not {value!r}")
 
 
 VARIANTS: dict[str, dict[str, object]] = {

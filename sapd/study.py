@@ -282,8 +282,9 @@ class Study:
 
         def log(line: str) -> None:
             m = re.match(r"round (\d+):", line)
-            if not self.show_progress and m and ((int(m.group(1)) + 1) % every == 0 or int(m.group(1)) + 1 == rounds):
-                self.log(f"{name}: {int(m.group(1)) + 1}/{rounds} rounds")
+            done = int(m.group(1)) + 1 if m else 0
+            if not self.show_progress and done and (done % every == 0 or done == rounds):
+                self.log(f"{name}: {done}/{rounds} rounds")
         return log
 
     @staticmethod

@@ -65,6 +65,9 @@ def test_overlays_stack_and_unknown_keys_are_errors(tmp_path):
     bad.write_text("loss:\n  lambda_kl: 1\n")
     with pytest.raises(ConfigError, match="unknown loss option"):
         load_config(bad)
+    bad.write_text("loss:\n  no_action_step: drop\n")
+    with pytest.raises(ConfigError, match="variant/loss: no_action_step must be 'zero' or 'exclude', not 'drop'"):
+        load_config(bad)
     with pytest.raises(ConfigError, match="no such config file"):
         load_config("variants/nope")
 

@@ -59,6 +59,19 @@ def _groups(P=6, G=4, T=9, seed=0):
             "response": response, "action": action, "rule": torch.zeros((P, G), dtype=torch.float64)}
 
 
+def test_round_lines_are_logged_about_every_quarter_when_progress_bars_are_off(tmp_path):
+    lines = []
+    study = Study(load_study_config(str(SMOKE)), tmp_path, log=lines.append, show_progress=False)
+    log = study._round_log("student", 10)
+    for k in range(10):
+        log(f"round {k}: checkpoint {k + 1} committed")
+    log("prefixes: 12 train / 0 val")
+    assert lines == [f"student: {k}/10 rounds" for k in (2, 4, 6, 8, 10)]
+    bars = Study(load_study_config(str(SMOKE)), tmp_path, log=lines.append, show_progress=True)
+    bars._round_log("student", 10)("round 9: checkpoint 10 committed")
+    assert len(lines) == 5  # the progress bar shows it instead
+
+
 def test_a5_checks_on_hand_made_groups():
     g = _groups()
     inv = offset_invariance(g)
