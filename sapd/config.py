@@ -81,6 +81,8 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30 % more time
     engine: Literal["torch", "deepspeed"] = "torch"
     zero_stage: int = 2  # DeepSpeed ZeRO stage (engine: deepspeed)
+    # largest safetensors shard of a checkpoint; shards are gathered (ZeRO-3) and written one at a time
+    checkpoint_shard_mb: float = 2048.0
     seed: int = 0
 
 

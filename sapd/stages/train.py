@@ -28,9 +28,9 @@ import math
 import os
 import random
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 from tqdm import tqdm
@@ -77,8 +77,14 @@ class Engine(Protocol):
 
     def all_reduce_sum(self, values: list[float]) -> list[float]: ...
 
-    def gathered_model(self) -> ContextManager[Any]:
-        """The model with full weights, to save (ZeRO-3 gathers its partitions here)."""
+    @property
+    def module(self) -> Any:
+        """The HF model inside (what gets saved)."""
+        ...
+
+    def gather(self, params: list[torch.Tensor]) -> ContextManager[Any]:
+        """Makes ``params`` whole on every rank for the block (ZeRO-3 gathers those partitions; a
+        collective), so a checkpoint is written a shard at a time."""
         ...
 
 
@@ -126,9 +132,12 @@ class TorchEngine:
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         return list(values)
 
-    @contextmanager
-    def gathered_model(self) -> Iterator[Any]:
-        yield self.model
+    @property
+    def module(self) -> Any:
+        return self.model
+
+    def gather(self, params: list[torch.Tensor]) -> ContextManager[Any]:
+        return nullcontext()
 
 
 def make_torch_engine(model, cfg: RunConfig) -> TorchEngine:
@@ -376,11 +385,12 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
                                          show_progress=show_progress, on_step=on_step)
     # several ranks: rank 0 writes the log and checkpoint k+1, once every rank is done reading round k
     engine.barrier()
-    with engine.gathered_model() as full_model:
-        if engine.is_main:
-            write_round_log(root, k, records, {"variant": cfg.variant})
-            checkpoints.save_checkpoint(root, k + 1, full_model, tokenizer, new_state,
-                                        {"round": k, "steps": len(records)})
+    if engine.is_main:
+        write_round_log(root, k, records, {"variant": cfg.variant})
+    # every rank takes part (ZeRO-3 gathers one shard's parameters at a time); rank 0 writes and commits
+    checkpoints.save_checkpoint(root, k + 1, engine.module, tokenizer, new_state, {"round": k, "steps": len(records)},
+                                gather=engine.gather, is_main=engine.is_main,
+                                max_shard_bytes=int(cfg.train.checkpoint_shard_mb * 2**20))
     engine.barrier()
     return checkpoints.read_marker(root, k + 1)
 

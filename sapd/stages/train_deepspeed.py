@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from typing import Any, Iterator
+from typing import Any, ContextManager
 
 import torch
 
@@ -177,16 +177,14 @@ class DeepSpeedEngine:
     def barrier(self) -> None:
         torch.distributed.barrier()
 
-    @contextlib.contextmanager
-    def gathered_model(self) -> Iterator[Any]:
-        """The HF model with full weights, for ``save_pretrained`` on rank 0. ZeRO 1/2 keep full module
-        weights on every rank already; ZeRO-3 gathers them for the block (a collective: every rank enters)."""
+    def gather(self, params: list[torch.Tensor]) -> ContextManager[Any]:
+        """``params`` whole for the block: ZeRO 1/2 keep full module weights on every rank already; ZeRO-3
+        gathers just these partitions (a collective: every rank enters), so saving a checkpoint holds one
+        shard at a time, never the whole model."""
         if self.cfg.train.zero_stage == 3:
             import deepspeed
-            with deepspeed.zero.GatheredParameters(self._params(), modifier_rank=None):
-                yield self.module
-        else:
-            yield self.module
+            return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        return contextlib.nullcontext()
 
 
 def make_deepspeed_engine(model, cfg: RunConfig) -> DeepSpeedEngine:

@@ -1,0 +1,83 @@
+"""Checkpoints are written shard by shard: every shard's parameters are gathered on their own (what
+ZeRO-3 needs to never hold the whole model), the folder is what ``save_pretrained`` would write (same
+tensor names and values, the tokenizer with its chat template), and plain transformers loads it."""
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from sapd import checkpoints
+from sapd.models.loading import load_tokenizer
+from sapd.models.tiny import build_tiny_model
+from tests.tokenizer_util import build_test_tokenizer
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                out[key] = st.get_tensor(key)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_sharded_checkpoint_matches_save_pretrained_and_loads(tmp_path, arch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = build_test_tokenizer(tmp_path / "tok")
+    model = build_tiny_model(tok, tmp_path / "src", arch=arch, seed=3)
+    tokenizer = load_tokenizer(str(tmp_path / "src"))
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    max_shard = max(sizes)  # several shards, none forced over the limit by a single tensor
+    gathered: list[int] = []
+
+    def gather(params):
+        gathered.append(sum(p.numel() * p.element_size() for p in params))
+        return nullcontext()
+
+    root = str(tmp_path / "run")
+    marker = checkpoints.save_checkpoint(root, 1, model, tokenizer, {"round": 0}, {"round": 0},
+                                         gather=gather, max_shard_bytes=max_shard)
+    assert marker is not None and checkpoints.is_committed(root, 1)
+    folder = checkpoints.checkpoint_model_path(root, 1)
+    shards = sorted(f.name for f in folder.glob("*.safetensors"))
+    assert len(shards) == len(gathered) >= 3, (shards, gathered)
+    assert all(b <= max_shard for b in gathered), gathered
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert index["metadata"]["total_size"] == sum(gathered)
+
+    # the same tensors as save_pretrained writes (the tied head once, under the embedding's name)
+    model.save_pretrained(str(tmp_path / "reference"))
+    ref, ours = _tensors(tmp_path / "reference"), _tensors(folder)
+    assert ours.keys() == ref.keys() and set(index["weight_map"]) == set(ref)
+    for name in ref:
+        torch.testing.assert_close(ours[name], ref[name], rtol=0, atol=0, msg=name)
+
+    # self-contained: plain transformers loads model and tokenizer (chat template included) from it
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder))
+    ids = torch.tensor([tokenizer.encode("look around")])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert AutoTokenizer.from_pretrained(str(folder)).chat_template == tokenizer.chat_template
+    assert checkpoints.load_trainer_state(root, 1) == {"round": 0}
+
+
+def test_other_ranks_only_take_part_in_the_gathers(tmp_path):
+    tok = build_test_tokenizer(tmp_path / "tok")
+    model = build_tiny_model(tok, tmp_path / "src")
+    calls: list[int] = []
+
+    def gather(params):
+        calls.append(len(params))
+        return nullcontext()
+
+    root = str(tmp_path / "run")
+    assert checkpoints.save_checkpoint(root, 1, model, load_tokenizer(str(tmp_path / "src")), None,
+                                       gather=gather, is_main=False, max_shard_bytes=10_000) is None
+    assert len(calls) > 1 and sum(calls) == len(list(model.parameters()))  # same collectives as rank 0
+    assert not Path(root).exists()  # and nothing written
