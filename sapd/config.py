@@ -280,14 +280,36 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(plain(cfg.to_dict()), sort_keys=False)
 
 
+# may change between rounds of one run (the scoring workers of a round record their own count)
+_RESUMABLE_CHANGES = ("workers",)
+
+
+def config_differences(a: RunConfig, b: RunConfig) -> list[str]:
+    """Dotted keys whose values differ between two resolved configs (ignoring what a run may change)."""
+    def flat(d: dict[str, Any], pre: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{pre}{k}.") if isinstance(v, dict) and k != "loss" else {f"{pre}{k}": v})
+        return out
+    fa, fb = flat(yaml.safe_load(dump_config(a))), flat(yaml.safe_load(dump_config(b)))
+    return sorted(k for k in fa.keys() | fb.keys() if k not in _RESUMABLE_CHANGES and fa.get(k) != fb.get(k))
+
+
 def write_run_config(cfg: RunConfig) -> None:
     """The resolved config goes into the run root (``config.yaml``); a run root already holding a
-    *different* config is refused (resuming must not silently change the experiment)."""
+    *different* config is refused (resuming must not silently change the experiment). Compared as
+    resolved configs, so a key added by a newer sapd (at its default) is not a difference."""
     uri = layout.config_uri(cfg.run_root)
     text = dump_config(cfg)
     if storage.exists(uri):
-        if storage.read_text(uri) != text:
-            raise ConfigError(f"{uri} holds a different resolved config; resume with the same config, or "
-                              "choose a new run_root")
+        try:
+            stored = config_from_dict(yaml.safe_load(storage.read_text(uri)) or {})
+        except ConfigError as e:
+            raise ConfigError(f"{uri}: the committed config does not load ({e}); resume with the sapd that "
+                              "wrote it, or choose a new run_root") from e
+        diff = config_differences(stored, cfg)
+        if diff:
+            raise ConfigError(f"{uri} holds a different resolved config (differs in: {', '.join(diff)}); resume "
+                              "with the same config, or choose a new run_root")
         return
     storage.write_text(uri, text)

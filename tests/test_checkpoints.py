@@ -81,3 +81,22 @@ def test_other_ranks_only_take_part_in_the_gathers(tmp_path):
                                        gather=gather, is_main=False, max_shard_bytes=10_000) is None
     assert len(calls) > 1 and sum(calls) == len(list(model.parameters()))  # same collectives as rank 0
     assert not Path(root).exists()  # and nothing written
+
+
+def test_run_root_config_compared_as_resolved_config(tmp_path):
+    """A committed config written before a key existed (the key at its default) resumes; a changed
+    worker count resumes; a changed learning rate is refused, naming the key."""
+    import yaml
+
+    from sapd import layout
+    from sapd.config import ConfigError, config_from_dict, dump_config, write_run_config
+    root = str(tmp_path / "run")
+    cfg = config_from_dict({"run_root": root, "train": {"lr": 1e-4}})
+    old = yaml.safe_load(dump_config(cfg))
+    del old["train"]["checkpoint_shard_mb"]  # as an older sapd wrote it
+    Path(layout.config_uri(root)).parent.mkdir(parents=True)
+    Path(layout.config_uri(root)).write_text(yaml.safe_dump(old))
+    write_run_config(cfg)
+    write_run_config(config_from_dict({"run_root": root, "train": {"lr": 1e-4}, "workers": 4}))
+    with pytest.raises(ConfigError, match=r"differs in: train\.lr"):
+        write_run_config(config_from_dict({"run_root": root, "train": {"lr": 3e-4}}))
