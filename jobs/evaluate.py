@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="torch device (default: the config's model.device)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="response budget (default: the config's sampling.max_new_tokens)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples, seeded by --seed (SDAR validates at 0.4)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -47,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         panel = panel_from_args(args, benchmark=args.benchmark or cfg.data.benchmark)
         evaluate.run(cfg, args.checkpoint, panel, horizon=args.horizon, env_timeout_s=env_timeout(args),
                      device=args.device, max_new_tokens=args.max_new_tokens, log=log_line,
-                     show_progress=not args.no_progress, metrics=metrics)
+                     show_progress=not args.no_progress, metrics=metrics, temperature=args.temperature)
         metrics.mark_success()
         metrics.push()
 

@@ -131,7 +131,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     result = evaluate_checkpoint(args.run, args.checkpoint, panel_from_args(args), horizon=args.horizon,
                                  max_new_tokens=args.max_new_tokens, device=args.device,
                                  env_timeout_s=env_timeout(args), log=log_line, show_progress=not args.no_progress,
-                                 metrics=metrics)
+                                 metrics=metrics, temperature=args.temperature)
     metrics.mark_success()
     metrics.push()
     print(json.dumps({"checkpoint": result["checkpoint"], "overall": result["overall"]["success"],
@@ -295,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--horizon", type=int, default=None, help="max steps per episode (default: the benchmark's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples, seeded by --seed (SDAR validates at 0.4)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 

@@ -315,3 +315,60 @@ def test_at_most_max_live_episodes_environments_are_open_and_nothing_changes(tok
     every = run_episodes(specs, ByPrompt(), tokenizer, "alfworld", opts=LoopOptions(max_live_episodes=None))
     assert most[0] == len(trajs)
     assert [t.to_dict() for t in got] == [t.to_dict() for t in every]
+
+
+class Corridor:
+    """Rooms 0..n on a line; the goal is room n. The expert always re-plans ("go east" until there);
+    admissible actions are both directions and "look"."""
+
+    def __init__(self, n: int = 4) -> None:
+        self.n, self.pos = n, 0
+
+    def _obs(self) -> str:
+        return f"-= Room {self.pos} =-\nA corridor."
+
+    def _admissible(self) -> list[str]:
+        return ["go east", "go west", "look"]
+
+    def reset(self, seed=None):
+        self.pos = 0
+        return StepInfo(self._obs(), "reach the last room", self._admissible())
+
+    def step(self, action: str):
+        self.pos = max(0, self.pos + {"go east": 1, "go west": -1}.get(action, 0))
+        done = self.pos == self.n
+        return StepResult(self._obs(), done=done, won=done, admissible_actions=self._admissible())
+
+    def expert_action(self) -> str:
+        return "go east"
+
+    def close(self) -> None:
+        pass
+
+
+def test_observe_thought_never_names_the_action():
+    from sapd.envs.loop import observation_thought
+    r = expert_response("go east", thought="observe", observation="-= Dark Kitchen =-\nYou see a door.")
+    assert r == "<think>I am in the dark kitchen.</think>\n<action>go east</action>"
+    assert observation_thought("no header here") == "I take stock of where I am."
+    with pytest.raises(ValueError, match="thought"):
+        expert_response("go east", thought="shout")  # type: ignore[arg-type]
+
+
+def test_noisy_expert_takes_random_other_actions_at_rate_epsilon_and_is_reproducible():
+    specs = [EpisodeSpec(f"c{i}", lambda: Corridor(4)) for i in range(40)]
+    opts = LoopOptions(horizon=60)
+    clean = collect_expert(specs, "textworld", opts, thought="observe")
+    assert all(t.success and len(t.turns) == 4 and "noisy_turns" not in t.metadata for t in clean)
+    assert all("go east" not in u.response.split("</think>")[0] for t in clean for u in t.turns)
+    noisy = collect_expert(specs, "textworld", opts, thought="observe", noise=0.25, noise_seed=3)
+    again = collect_expert(specs, "textworld", opts, thought="observe", noise=0.25, noise_seed=3)
+    assert [[u.action for u in t.turns] for t in noisy] == [[u.action for u in t.turns] for t in again]
+    turns = [u for t in noisy for u in t.turns]
+    off = [u for u in turns if u.action != "go east"]
+    noisy_turns = sum(len(t.metadata.get("noisy_turns", [])) for t in noisy)
+    assert noisy_turns == len(off) and 0.15 < len(off) / len(turns) < 0.35  # ε = 0.25, about 200 draws
+    assert {u.action for u in off} == {"go west", "look"}
+    assert all(t.success for t in noisy)  # the expert re-plans after every detour
+    with pytest.raises(ValueError, match="noise"):
+        collect_expert(specs, "textworld", opts, noise=1.0)

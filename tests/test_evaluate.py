@@ -98,3 +98,37 @@ def test_evaluation_on_an_s3_run_root(s3_storage, tmp_path):
     assert storage.read_json(dest) == result and result["checkpoint"] == 1
     assert storage.exists(storage.join(layout.evals_dir(root, 1), "textworld.episodes.jsonl"))
     assert evaluate_checkpoint(root, 1, panel, **kw) == result  # skipped on S3 too
+
+
+@pytest.mark.slow
+def test_sampled_evaluation_at_a_temperature_is_seeded_and_kept_apart_from_greedy(run_root, tmp_path):
+    """SDAR validates at T = 0.4: a sampled evaluation is its own result file, reproducible by seed."""
+    panel = PanelSpec("textworld", families=("coin",), games_per_family=2, seed=3, cache_dir=str(tmp_path / "g"))
+    kw = dict(horizon=3, max_new_tokens=24, **QUIET)
+    sampled = evaluate_checkpoint(run_root, 0, panel, temperature=0.4, **kw)
+    assert sampled["temperature"] == 0.4
+    folder = layout.evals_dir(run_root, 0)
+    assert storage.exists(storage.join(folder, "textworld@T0.4.json"))
+    texts = storage.read_text(storage.join(folder, "textworld@T0.4.episodes.jsonl"))
+    storage.delete(storage.join(folder, "textworld@T0.4.json"))
+    again = evaluate_checkpoint(run_root, 0, panel, temperature=0.4, **kw)
+    assert storage.read_text(storage.join(folder, "textworld@T0.4.episodes.jsonl")) == texts  # same seed
+    assert again["overall"] == sampled["overall"]
+    greedy = evaluate_checkpoint(run_root, 0, panel, **kw)
+    assert greedy["temperature"] == 0.0 and storage.exists(storage.join(folder, "textworld.json"))
+    with pytest.raises(ValueError, match="temperature"):
+        evaluate_checkpoint(run_root, 0, panel, temperature=-1.0, **kw)
+
+
+def test_offline_eval_samples_at_a_temperature_reproducibly(run_root):
+    from sapd import checkpoints
+    from sapd.data import shards
+    from sapd.models.loading import load_tokenizer
+    from sapd.stages.evaluate import offline_eval
+    rows = shards.read_shards(storage.join(layout.prefixes_dir(run_root), "train"))
+    rows = rows.slice(0, 6)
+    tok = load_tokenizer(str(checkpoints.checkpoint_model_path(run_root, 0)))
+    model = checkpoints.load_checkpoint_model(run_root, 0)
+    a = offline_eval(model, tok, rows, "alfworld", max_new_tokens=12, temperature=0.4, seed=1)
+    b = offline_eval(model, tok, rows, "alfworld", max_new_tokens=12, temperature=0.4, seed=1)
+    assert a == b and a["prefixes"] == 6

@@ -1,6 +1,7 @@
 """The SAPD objective: hand-computed values, the properties of docs/SAPD.md §8, loop-vs-vectorised."""
 
 import math
+from dataclasses import fields
 
 import pytest
 import torch
@@ -8,14 +9,17 @@ import torch
 from sapd.method.objective import (
     LossConfig,
     clipped_surrogate,
+    kl_penalty,
     loss_config_for,
     loss_for,
+    no_action_step_scores,
     reduce_loss,
     rule_advantages,
     sapd_loss,
     sft_loss,
     step_advantages,
     step_scores,
+    token_entropy,
     token_logprobs,
     token_signal,
 )
@@ -276,58 +280,88 @@ def test_zero_loss_when_student_equals_teacher_and_rules_are_uniform():
 
 def _loop_reference(new, old, teacher, resp, action, rules, *, lambda_tok=0.1, lambda_step=0.5,
                     lambda_rule=0.1, token_scale=0.15, clip_eps=0.2, full_token_scoring=False,
-                    std_normalize_step=False, eps=1e-6):
+                    std_normalize_step=False, eps=1e-6, no_action_step="zero", no_action_penalty=1.0,
+                    dual_clip=None, reduction="seq_mean_token_mean", **_):
     """docs/SAPD.md §3 written as plain Python loops over prefixes, responses and tokens."""
     P, G, T = resp.shape
 
     def clip_obj(rho, a):
-        return min(rho * a, min(max(rho, 1 - clip_eps), 1 + clip_eps) * a)
+        obj = min(rho * a, min(max(rho, 1 - clip_eps), 1 + clip_eps) * a)
+        return max(obj, dual_clip * a) if dual_clip is not None and a < 0 else obj
 
     def pop_std(xs):
         mu = sum(xs) / len(xs)
         return math.sqrt(sum((x - mu) ** 2 for x in xs) / len(xs))
 
-    tot_tok = tot_step = tot_rule = 0.0
+    tot = {"tok": 0.0, "step": 0.0, "rule": 0.0}
+    n_tokens = sum(1 for p in range(P) for i in range(G) for k in range(T) if resp[p, i, k])
     for p in range(P):
         d = [[float(teacher[p, i, k] - old[p, i, k]) if resp[p, i, k] else 0.0 for k in range(T)]
              for i in range(G)]
-        r = [sum(d[i][k] for k in range(T) if (resp[p, i, k] if full_token_scoring else
-                                                 (action[p, i, k] and resp[p, i, k]))) for i in range(G)]
-        rbar = sum(r) / G
-        a_step = [x - rbar for x in r]
+        has_action = [any(action[p, i, k] and resp[p, i, k] for k in range(T)) for i in range(G)]
+        r, in_group = [], []
+        for i in range(G):
+            whole = sum(d[i][k] for k in range(T) if resp[p, i, k])
+            acted = sum(d[i][k] for k in range(T) if action[p, i, k] and resp[p, i, k])
+            if full_token_scoring:
+                r.append(whole)
+            elif has_action[i] or no_action_step in ("zero", "exclude"):
+                r.append(acted)
+            elif no_action_step == "penalty":
+                r.append(-no_action_penalty)
+            else:  # whole_response
+                r.append(whole)
+            in_group.append(full_token_scoring or no_action_step != "exclude" or has_action[i])
+        members = [r[i] for i in range(G) if in_group[i]]
+        rbar = sum(members) / len(members) if members else 0.0
+        a_step = [r[i] - rbar if in_group[i] else 0.0 for i in range(G)]
         if std_normalize_step:
-            s = pop_std(r)
+            s = math.sqrt(sum(a * a for a in a_step) / max(len(members), 1))
             a_step = [a / (s + eps) for a in a_step]
         rule = [float(x) for x in rules[p]]
         rule_bar, rule_std = sum(rule) / G, pop_std(rule)
         a_rule = [(x - rule_bar) / (rule_std + eps) for x in rule]
-        g_tok = g_step = g_rule = 0.0
         for i in range(G):
             ks = [k for k in range(T) if resp[p, i, k]]
-            L = max(len(ks), 1)
+            # seq_mean_token_mean: 1/Lᵢ per response, mean over P·G; token_mean: 1/(all tokens of the batch)
+            w = 1 / (max(len(ks), 1) * P * G) if reduction == "seq_mean_token_mean" else 1 / n_tokens
             rhos = {k: math.exp(float(new[p, i, k] - old[p, i, k])) for k in ks}
-            g_tok += sum(clip_obj(rhos[k], token_scale * d[i][k]) for k in ks) / L
-            g_step += sum(clip_obj(rhos[k], a_step[i]) for k in ks) / L
-            g_rule += sum(clip_obj(rhos[k], a_rule[i]) for k in ks) / L
-        tot_tok += g_tok / G
-        tot_step += g_step / G
-        tot_rule += g_rule / G
-    l_tok, l_step, l_rule = -tot_tok / P, -tot_step / P, -tot_rule / P
+            tot["tok"] += w * sum(clip_obj(rhos[k], token_scale * d[i][k]) for k in ks)
+            tot["step"] += w * sum(clip_obj(rhos[k], a_step[i]) for k in ks)
+            tot["rule"] += w * sum(clip_obj(rhos[k], a_rule[i]) for k in ks)
+    l_tok, l_step, l_rule = -tot["tok"], -tot["step"], -tot["rule"]
     return lambda_tok * l_tok + lambda_step * l_step + lambda_rule * l_rule, (l_tok, l_step, l_rule)
 
 
-@pytest.mark.parametrize("variant", ["sapd", "opd", "opd_rule", "wo_opd", "wo_rule", "full_token", "std_norm"])
+@pytest.mark.parametrize("variant", ["sapd", "opd", "opd_rule", "wo_opd", "wo_rule", "full_token", "std_norm",
+                                     "sapd_exclude", "sapd_penalty", "sapd_whole", "sapd_paper"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_loop_equals_vectorised(variant, seed):
     new, old, teacher, resp, action, rules = _random_batch(P=3, G=4, T=6, seed=seed)
+    new = old + 1.5 * (new - old)  # ratios well outside [0.8, 1.2], so clipping and dual-clip both bind
     cfg = loss_config_for(variant)
     loss, m = loss_for(cfg, new, old, teacher, resp, action, rules)
-    ref, (l_tok, l_step, l_rule) = _loop_reference(
-        new, old, teacher, resp, action, rules, lambda_tok=cfg.lambda_tok, lambda_step=cfg.lambda_step,
-        lambda_rule=cfg.lambda_rule, token_scale=cfg.token_scale, clip_eps=cfg.clip_eps,
-        full_token_scoring=cfg.full_token_scoring, std_normalize_step=cfg.std_normalize_step)
+    ref, (l_tok, l_step, l_rule) = _loop_reference(new, old, teacher, resp, action, rules,
+                                                   **{f.name: getattr(cfg, f.name) for f in fields(cfg)})
     assert float(loss) == pytest.approx(ref, abs=1e-10)
     assert (m["loss_tok"], m["loss_step"], m["loss_rule"]) == pytest.approx((l_tok, l_step, l_rule), abs=1e-10)
+
+
+@pytest.mark.parametrize("options", [{"dual_clip": 3.0}, {"reduction": "token_mean"},
+                                     {"dual_clip": 1.5, "reduction": "token_mean", "no_action_step": "penalty",
+                                      "no_action_penalty": 0.3}])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_loop_equals_vectorised_with_sdar_options(options, seed):
+    new, old, teacher, resp, action, rules = _random_batch(P=3, G=4, T=6, seed=seed)
+    new = old + 4.0 * (new - old)
+    cfg = loss_config_for("sapd", **options)
+    loss, m = loss_for(cfg, new, old, teacher, resp, action, rules)
+    ref, parts = _loop_reference(new, old, teacher, resp, action, rules,
+                                 **{f.name: getattr(cfg, f.name) for f in fields(cfg)})
+    assert float(loss) == pytest.approx(ref, abs=1e-10)
+    assert (m["loss_tok"], m["loss_step"], m["loss_rule"]) == pytest.approx(parts, abs=1e-10)
+    assert float(loss) != pytest.approx(float(loss_for(loss_config_for("sapd"), new, old, teacher, resp, action,
+                                                       rules)[0]), abs=1e-6)  # the option changes the loss
 
 
 # ------------------------------------------------------------------------------------- variants
@@ -400,3 +434,166 @@ def test_exclude_equals_zero_when_every_response_has_an_action_and_changes_it_ot
     assert loss_config_for("sapd_exclude").no_action_step == "exclude"
     with pytest.raises(ValueError, match="no_action_step"):
         sapd_loss(new, old, teacher, resp, action, rules, LossConfig(no_action_step="drop"))
+
+
+# ------------------------------------------- the no-action treatments and SDAR's regularisers, by hand
+
+
+def _no_action_batch():
+    """P=1, G=3, T=2, every response two tokens; response 2 has no action tokens.
+    d = [[-1, -1], [0, -0.5], [-2, -3]]; action masks cover token 0 of responses 0 and 1."""
+    old = torch.full((1, 3, 2), -1.0, dtype=DT)
+    teacher = old + torch.tensor([[[-1.0, -1.0], [0.0, -0.5], [-2.0, -3.0]]], dtype=DT)
+    resp = torch.ones(1, 3, 2, dtype=torch.bool)
+    action = torch.tensor([[[True, False], [True, False], [False, False]]])
+    return old.clone(), old, teacher, resp, action, torch.zeros(1, 3, dtype=DT)
+
+
+@pytest.mark.parametrize("treatment,penalty,expected_r", [
+    ("zero", 1.0, [-1.0, 0.0, 0.0]),            # Eq. 6 as written: the action-less response scores 0
+    ("exclude", 1.0, [-1.0, 0.0, 0.0]),         # scored 0 but outside the group (A = 0, r̄ over the others)
+    ("penalty", 1.0, [-1.0, 0.0, -1.0]),        # SDAR: −penalty inside r
+    ("penalty", 0.1, [-1.0, 0.0, -0.1]),
+    ("whole_response", 1.0, [-1.0, 0.0, -5.0]),  # d summed over its whole text
+])
+def test_no_action_treatments_by_hand(treatment, penalty, expected_r):
+    new, old, teacher, resp, action, rules = _no_action_batch()
+    cfg = loss_config_for("sapd", no_action_step=treatment, no_action_penalty=penalty)
+    loss, m = sapd_loss(new, old, teacher, resp, action, rules, cfg)
+    assert m["step_score_mean"] == pytest.approx(sum(expected_r) / 3)
+    # at θ = θ_old (ρ = 1) every token of response i carries Aᵢ, so L_step = −mean(A) = 0 for a centred
+    # group; check the advantages themselves through the token-level gradient instead
+    n = new.clone().requires_grad_(True)
+    sapd_loss(n, old, teacher, resp, action, rules, loss_config_for("wo_opd", lambda_rule=0.0, **{
+        "no_action_step": treatment, "no_action_penalty": penalty}))[0].backward()
+    if treatment == "exclude":
+        adv = [-0.5, 0.5, 0.0]
+    else:
+        mean = sum(expected_r) / 3
+        adv = [x - mean for x in expected_r]
+    # ∂L/∂log π_{i,k} = −λ_step · Aᵢ / (Lᵢ · G)  (ρ = 1 is inside the clip range)
+    expected_grad = [[-0.5 * a / (2 * 3)] * 2 for a in adv]
+    torch.testing.assert_close(n.grad[0], torch.tensor(expected_grad, dtype=DT), atol=1e-12, rtol=0)
+    assert m["no_action_fraction"] == pytest.approx(1 / 3) and m["all_no_action_groups"] == 0.0
+
+
+def test_penalty_and_whole_response_put_the_action_less_response_below_the_group():
+    """The point of both treatments: where "zero" ranks the malformed response first, they rank it last."""
+    new, old, teacher, resp, action, rules = _no_action_batch()
+    teacher = teacher.clone()
+    teacher[0, 1, 0] = -2.0  # response 1 now scores r = −1 as well: both well-formed responses have d < 0
+    for treatment, best_is_malformed in (("zero", True), ("penalty", False), ("whole_response", False)):
+        cfg = loss_config_for("sapd", no_action_step=treatment, no_action_penalty=2.0)
+        d = token_signal(teacher, old, resp)
+        r, scored = no_action_step_scores(d, action & resp, resp, cfg)
+        adv = step_advantages(r, scored_P_G=scored)
+        assert (int(adv.argmax()) == 2) is best_is_malformed, treatment
+
+
+def test_a_group_without_any_action_is_counted_and_penalty_gives_it_no_step_signal():
+    new, old, teacher, resp, action, rules = _no_action_batch()
+    none = torch.zeros_like(action)
+    for treatment in ("zero", "penalty"):
+        _, m = sapd_loss(new, old, teacher, resp, none, rules, loss_config_for("sapd", no_action_step=treatment))
+        assert m["all_no_action_groups"] == 1.0 and m["no_action_fraction"] == 1.0
+        assert m["step_adv_abs_mean"] == 0.0  # equal penalties centre to 0: only whole_response ranks them
+    _, m = sapd_loss(new, old, teacher, resp, none, rules, loss_config_for("sapd", no_action_step="whole_response"))
+    # r = [−2, −0.5, −5], r̄ = −2.5 → |A| = [0.5, 2, 2.5]
+    assert m["step_adv_abs_mean"] == pytest.approx(5.0 / 3)
+
+
+@pytest.mark.parametrize("ratio,adv,c,expected", [
+    (5.0, -1.0, 3.0, -3.0),   # A < 0, ρ far above 1+ε: plain clip gives −5, dual-clip bounds it at c·A
+    (2.0, -1.0, 3.0, -2.0),   # ρ below c: unchanged
+    (5.0, 1.0, 3.0, 1.2),     # A > 0: dual-clip never applies
+    (0.5, -1.0, 3.0, -0.8),
+    (5.0, -2.0, 1.5, -3.0),
+])
+def test_dual_clip_by_hand(ratio, adv, c, expected):
+    out = clipped_surrogate(torch.tensor([ratio]), torch.tensor([adv]), clip_eps=0.2, dual_clip=c)
+    assert float(out) == pytest.approx(expected)
+
+
+def test_dual_clip_through_the_loss_and_its_fraction():
+    # P=1, G=2, T=1: ρ = 5 on response 0 with A_step = −0.5, ρ = 1 on response 1 with A_step = +0.5
+    old = torch.full((1, 2, 1), -1.0, dtype=DT)
+    new = old + torch.log(torch.tensor([[[5.0], [1.0]]], dtype=DT))
+    teacher = old + torch.tensor([[[-1.0], [0.0]]], dtype=DT)  # d = [−1, 0] → r = [−1, 0] → A = [−0.5, 0.5]
+    resp = torch.ones(1, 2, 1, dtype=torch.bool)
+    cfg = loss_config_for("wo_opd", lambda_rule=0.0, dual_clip=3.0)
+    _, m = sapd_loss(new, old, teacher, resp, resp, torch.zeros(1, 2, dtype=DT), cfg)
+    assert m["loss_step"] == pytest.approx(-(max(5 * -0.5, 3 * -0.5) + 0.5) / 2)  # −(−1.5 + 0.5)/2 = 0.5
+    _, plain = sapd_loss(new, old, teacher, resp, resp, torch.zeros(1, 2, dtype=DT),
+                         loss_config_for("wo_opd", lambda_rule=0.0))
+    assert plain["loss_step"] == pytest.approx(-(5 * -0.5 + 0.5) / 2)  # 1.0
+    assert m["dual_clip_fraction"] == pytest.approx(0.5)
+
+
+def test_low_var_kl_and_k1_by_hand_with_gradient():
+    new = torch.tensor([[[-1.0, -2.0]]], dtype=DT, requires_grad=True)
+    ref = torch.tensor([[[-2.0, -2.0]]], dtype=DT)
+    k3 = kl_penalty(new, ref, "low_var_kl")
+    # x = ref − new = [−1, 0]: eˣ − x − 1 = [e⁻¹, 0]
+    assert k3[0, 0].tolist() == pytest.approx([math.exp(-1), 0.0])
+    k3.sum().backward()
+    assert new.grad[0, 0].tolist() == pytest.approx([1 - math.exp(-1), 0.0])  # ∂/∂new = 1 − eˣ
+    assert kl_penalty(new, ref, "kl")[0, 0].tolist() == pytest.approx([1.0, 0.0])
+    # the clamp: a token 30 nats below the reference contributes at most 10
+    assert float(kl_penalty(torch.tensor([-1.0]), torch.tensor([29.0]))) == pytest.approx(10.0)
+
+
+def test_kl_to_the_initial_policy_adds_coef_times_the_reduced_kl():
+    new, old, teacher, resp, action, rules = _no_action_batch()
+    new = new.clone()
+    new[0, 0, 0] = -2.0  # one token 1 nat below the reference (= old here): x = ref − new = +1
+    ref = old.clone()
+    base, _ = sapd_loss(new, old, teacher, resp, action, rules)
+    cfg = loss_config_for("sapd", kl_coef=0.01)
+    with pytest.raises(ValueError, match="kl_coef"):
+        sapd_loss(new, old, teacher, resp, action, rules, cfg)
+    loss, m = sapd_loss(new, old, teacher, resp, action, rules, cfg, ref_logp_P_G_T=ref)
+    k3 = math.exp(1.0) - 1.0 - 1.0  # x = ref − new = +1
+    kl = (k3 / 2) / 3  # 1/Lᵢ over response 0, then the mean over G = 3
+    assert m["kl"] == pytest.approx(kl)
+    assert float(loss) == pytest.approx(float(base) + 0.01 * kl, abs=1e-12)
+
+
+def test_entropy_bonus_subtracts_coef_times_the_reduced_entropy():
+    new, old, teacher, resp, action, rules = _no_action_batch()
+    logits = torch.zeros(1, 3, 2, 4, dtype=DT, requires_grad=True)  # uniform over 4 tokens: H = ln 4
+    ent = token_entropy(logits)
+    assert ent.flatten().tolist() == pytest.approx([math.log(4)] * 6)
+    base, _ = sapd_loss(new, old, teacher, resp, action, rules)
+    cfg = loss_config_for("sapd", entropy_coef=0.001)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        sapd_loss(new, old, teacher, resp, action, rules, cfg)
+    loss, m = sapd_loss(new, old, teacher, resp, action, rules, cfg, entropy_P_G_T=ent)
+    assert m["entropy"] == pytest.approx(math.log(4))
+    assert float(loss) == pytest.approx(float(base) - 0.001 * math.log(4), abs=1e-12)
+    loss.backward()  # uniform logits are the entropy maximum: no gradient from the bonus
+    assert float(logits.grad.abs().max()) < 1e-12
+
+
+def test_token_mean_aggregation_by_hand():
+    # responses of 1 and 3 tokens; token term only, ρ = 1: L_tok = −β·mean(d) under each aggregation
+    old = torch.full((1, 2, 3), -1.0, dtype=DT)
+    teacher = old + torch.tensor([[[3.0, 0.0, 0.0], [0.0, 0.0, 0.0]]], dtype=DT)
+    resp = torch.tensor([[[True, False, False], [True, True, True]]])
+    rules = torch.zeros(1, 2, dtype=DT)
+    _, seq = sapd_loss(old, old, teacher, resp, resp, rules, loss_config_for("opd"))
+    _, tok = sapd_loss(old, old, teacher, resp, resp, rules, loss_config_for("opd", reduction="token_mean"))
+    assert seq["loss_tok"] == pytest.approx(-0.15 * (3.0 / 1 + 0.0 / 3) / 2)  # −0.225
+    assert tok["loss_tok"] == pytest.approx(-0.15 * 3.0 / 4)  # −0.1125
+
+
+def test_new_variants_and_their_validation():
+    sdar = loss_config_for("sapd_sdar")
+    assert (sdar.no_action_step, sdar.no_action_penalty, sdar.kl_coef, sdar.kl_type, sdar.entropy_coef,
+            sdar.dual_clip, sdar.reduction) == ("penalty", 0.1, 0.01, "low_var_kl", 0.001, 3.0, "token_mean")
+    assert loss_config_for("sapd_paper") == LossConfig()  # today's default is the paper's literal form
+    assert loss_config_for("sapd_penalty").no_action_step == "penalty"
+    assert loss_config_for("sapd_whole").no_action_step == "whole_response"
+    for bad in ({"dual_clip": 1.0}, {"kl_coef": -0.1}, {"no_action_penalty": -1.0}, {"kl_type": "mse"},
+                {"reduction": "sum"}):
+        with pytest.raises(ValueError):
+            loss_config_for("sapd", **bad)

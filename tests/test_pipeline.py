@@ -67,7 +67,7 @@ def test_overlays_stack_and_unknown_keys_are_errors(tmp_path):
     with pytest.raises(ConfigError, match="unknown loss option"):
         load_config(bad)
     bad.write_text("loss:\n  no_action_step: drop\n")
-    with pytest.raises(ConfigError, match="variant/loss: no_action_step must be 'zero' or 'exclude', not 'drop'"):
+    with pytest.raises(ConfigError, match="variant/loss: no_action_step must be one of \\["):
         load_config(bad)
     with pytest.raises(ConfigError, match="variants/nope: unknown variant; expected one of variants/sapd, "):
         load_config("variants/nope")
@@ -79,6 +79,8 @@ def test_overlays_stack_and_unknown_keys_are_errors(tmp_path):
     ("sapd", "lambda_step", 0.5), ("opd", "lambda_rule", 0.0), ("opd_rule", "lambda_step", 0.0),
     ("wo_opd", "lambda_tok", 0.0), ("wo_rule", "lambda_rule", 0.0), ("full_token", "full_token_scoring", True),
     ("std_norm", "std_normalize_step", True), ("sapd_exclude", "no_action_step", "exclude"),
+    ("sapd_penalty", "no_action_step", "penalty"), ("sapd_whole", "no_action_step", "whole_response"),
+    ("sapd_sdar", "kl_coef", 0.01), ("sapd_paper", "no_action_step", "zero"),
     ("sft", "objective", "sft"), ("grpo", "objective", "grpo")])
 def test_every_variant_is_an_overlay_by_name(variant, field, value):
     """``variants/NAME`` on the command line is the named variant of VARIANTS (the one source), resolved once."""
@@ -93,7 +95,7 @@ def test_variant_and_loss_overrides_resolve_whatever_the_overlay_order(tmp_path)
         cfg = load_config(*order)
         assert (cfg.loss_cfg.lambda_step, cfg.loss_cfg.no_action_step) == (0.0, "exclude")
     assert set(VARIANTS) == {"sapd", "opd", "opd_rule", "wo_opd", "wo_rule", "full_token", "std_norm",
-                             "sapd_exclude", "sft", "grpo"}
+                             "sapd_exclude", "sapd_penalty", "sapd_whole", "sapd_sdar", "sapd_paper", "sft", "grpo"}
 
 
 def test_resolved_config_roundtrips():
@@ -243,6 +245,26 @@ def test_workers_split_a_round(tmp_path, models):
     assert all(len(a) == len(b) == len(c) for a, b, c in
                zip(row["response_token_ids"], row["teacher_logprobs"], row["action_mask"]))
     assert all(r in (0.0, -1.0, -2.0) for r in row["rule_score"])
+
+
+def test_sdar_regularisers_in_a_real_round(tmp_path, models):
+    """The loss block selects SDAR's regularisers; the train stage then computes checkpoint 0's log-probs
+    (the KL reference) and the student's entropy, and logs both. Round 0's first step starts at
+    θ = θ_ref, so its KL is exactly 0; later steps have moved away from it."""
+    root = str(tmp_path / "sdar")
+    cfg = config_from_dict(tiny_config(root, *models, train={"rounds": 2, "lr": 3e-3},
+                                       loss={"kl_coef": 0.5, "kl_type": "low_var_kl", "entropy_coef": 0.01,
+                                             "dual_clip": 3.0, "no_action_step": "penalty",
+                                             "reduction": "token_mean"}))
+    assert cfg.loss_cfg.kl_coef == 0.5 and cfg.loss_cfg.no_action_step == "penalty"
+    run_pipeline(cfg, **QUIET)
+    steps = read_step_log(root)
+    assert steps[0]["kl"] == 0.0 and "ref_logp_seconds" in steps[0]
+    assert max(s["kl"] for s in steps[1:]) > 0.0
+    assert all(s["entropy"] > 0.0 and "dual_clip_fraction" in s and "all_no_action_groups" in s for s in steps)
+    plain = str(tmp_path / "plain")
+    run_pipeline(config_from_dict(tiny_config(plain, *models, train={"rounds": 1})), **QUIET)
+    assert "kl" not in read_step_log(plain)[0] and "ref_logp_seconds" not in read_step_log(plain)[0]
 
 
 def test_sft_variant_lowers_the_loss(tmp_path, models):

@@ -139,7 +139,8 @@ def read_scored(root: str, k: int) -> pa.Table:
 class ScoredPrefix:
     """One scored prefix as training uses it: its prompt and G sampled responses with their fixed
     signals (ragged lists: ``_G_T`` per response and token). ``old_logp_G_T`` (π_old) is filled in by
-    the training stage, which recomputes it with the training weights."""
+    the training stage, which recomputes it with the training weights; ``ref_logp_G_T`` (checkpoint 0,
+    the initial policy) too, when the loss has a KL term."""
 
     prefix_id: str
     prompt: list[int]
@@ -149,6 +150,7 @@ class ScoredPrefix:
     rule_scores_G: list[float]
     advantage_G: list[float] | None = None
     old_logp_G_T: list[list[float]] | None = None
+    ref_logp_G_T: list[list[float]] | None = None  # the initial policy's, only with loss.kl_coef > 0
 
 
 def scored_prefixes(table: pa.Table) -> list[ScoredPrefix]:

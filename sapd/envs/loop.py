@@ -31,9 +31,10 @@ Every episode comes back as a Trajectory (``success`` = won, ``category``, ``fin
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 from sapd.data.prefixes import PrefixOptions, render_prompt
 from sapd.data.prompts import render_messages
@@ -315,17 +316,64 @@ def expert_thought(action: str, task: str = "") -> str:
     return f"The next step toward the goal is to {a}."
 
 
-def expert_response(action: str, task: str = "") -> str:
-    return f"<think>{expert_thought(action, task)}</think>\n<action>{action}</action>"
+ThoughtStyle = Literal["announce", "observe"]
+_ROOM = re.compile(r"-=\s*(.+?)\s*=-")
+
+
+def observation_thought(observation: str) -> str:
+    """A thought that describes the situation and never names the action (``thought="observe"``): the
+    room from the observation's ``-= Room =-`` header. With it the decision lives in the action tokens
+    alone, which is what SAPD's action-only step score assumes (the "announce" thought states the
+    action, so a teacher scoring the action after it measures consistency, not correctness)."""
+    m = _ROOM.search(observation or "")
+    if m:
+        return f"I am in the {m.group(1).strip().lower()}."
+    return "I take stock of where I am."
+
+
+def expert_response(action: str, task: str = "", thought: ThoughtStyle = "announce", observation: str = "") -> str:
+    """The expert's recorded response: a templated thought, then the action. ``thought="announce"``
+    (default) names the action in the thought (:func:`expert_thought`); ``"observe"`` does not
+    (:func:`observation_thought` of the current ``observation``)."""
+    if thought == "observe":
+        text = observation_thought(observation)
+    elif thought == "announce":
+        text = expert_thought(action, task)
+    else:
+        raise ValueError(f"thought must be 'announce' or 'observe', not {thought!r}")
+    return f"<think>{text}</think>\n<action>{action}</action>"
 
 
 def collect_expert(specs: Sequence[EpisodeSpec], benchmark: str | BenchmarkSpec = "textworld",
                    opts: LoopOptions | None = None, successful_only: bool = False,
-                   progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+                   progress: Callable[[int], None] | None = None, *, thought: ThoughtStyle = "announce",
+                   noise: float = 0.0, noise_seed: int = 0) -> list[Trajectory]:
     """Expert trajectories: each environment's ``expert_action()`` chooses every action; the response is
-    :func:`expert_response`. With ``successful_only`` the episodes the expert did not win are dropped."""
+    :func:`expert_response` (with ``thought``). With ``successful_only`` the episodes the expert did not
+    win are dropped.
+
+    ``noise`` = ε > 0 makes an ε-noisy expert: at each step, with probability ε, a uniformly random
+    admissible action other than the expert's is taken instead (the environment's expert re-plans from
+    the state that leads to). Such logs hold histories a clean-expert teacher never saw — the
+    behaviour-prefix shift SAPD targets. The draw is seeded per episode by (``noise_seed``, episode id),
+    so a collection is reproducible; the noisy turns are listed in the episode's ``meta["noisy_turns"]``."""
+    if not 0.0 <= noise < 1.0:
+        raise ValueError(f"noise must be in [0, 1), not {noise}")
     spec = benchmark if isinstance(benchmark, BenchmarkSpec) else get_benchmark(benchmark)
     opts = opts or LoopOptions()
+    rngs: dict[str, random.Random] = {}
+
+    def perturb(ep: _Episode, action: str) -> str:
+        if noise <= 0 or not ep.admissible:
+            return action
+        rng = rngs.setdefault(ep.spec.id, random.Random(f"{noise_seed}:{ep.spec.id}"))
+        if rng.random() >= noise:
+            return action
+        others = sorted(a for a in ep.admissible if a != action)
+        if not others:
+            return action
+        ep.meta.setdefault("noisy_turns", []).append(len(ep.turns))
+        return rng.choice(others)
 
     def decide(live: list[_Episode], step: int) -> list[tuple[str, str | None, str | None]]:
         out: list[tuple[str, str | None, str | None]] = []
@@ -342,7 +390,8 @@ def collect_expert(specs: Sequence[EpisodeSpec], benchmark: str | BenchmarkSpec 
                 ep.finish()
                 out.append(("", None, None))  # ignored: the episode is finished
                 continue
-            out.append((expert_response(action, ep.task), action, None))
+            action = perturb(ep, action)
+            out.append((expert_response(action, ep.task, thought, ep.obs), action, None))
         return out
 
     trajs = _run(specs, spec, opts, "expert", decide, progress)

@@ -17,7 +17,9 @@ from typing import Literal
 import torch
 
 Reduction = Literal["seq_mean_token_mean", "token_mean"]
-NoActionStep = Literal["zero", "exclude"]
+NoActionStep = Literal["zero", "exclude", "penalty", "whole_response"]
+NO_ACTION_STEPS = ("zero", "exclude", "penalty", "whole_response")
+KlType = Literal["low_var_kl", "kl"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -90,10 +92,41 @@ def importance_ratio(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
 
 
 def clipped_surrogate(ratio_P_G_T: torch.Tensor, adv_P_G_T: torch.Tensor,
-                      clip_eps: float = 0.2) -> torch.Tensor:
-    """C_ε(ρ, A) = min(ρ·A, clip(ρ, 1−ε, 1+ε)·A) (§2). Broadcasts, so ``adv`` may be ``P_G_1``."""
-    return torch.minimum(ratio_P_G_T * adv_P_G_T,
-                         ratio_P_G_T.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv_P_G_T)
+                      clip_eps: float = 0.2, dual_clip: float | None = None) -> torch.Tensor:
+    """C_ε(ρ, A) = min(ρ·A, clip(ρ, 1−ε, 1+ε)·A) (§2). Broadcasts, so ``adv`` may be ``P_G_1``.
+
+    ``dual_clip`` = c > 1 (SDAR/verl's dual-clip, c = 3; not in the paper): where A < 0 the objective is
+    further bounded below by c·A, so a token whose ratio has grown far past 1 + ε cannot push an unbounded
+    negative update."""
+    obj = torch.minimum(ratio_P_G_T * adv_P_G_T, ratio_P_G_T.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv_P_G_T)
+    if dual_clip is None:
+        return obj
+    adv = torch.broadcast_to(adv_P_G_T, obj.shape)
+    return torch.where(adv < 0, torch.maximum(obj, dual_clip * adv), obj)
+
+
+def kl_penalty(new_logp_P_G_T: torch.Tensor, ref_logp_P_G_T: torch.Tensor, kind: KlType = "low_var_kl"
+               ) -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from the sampled tokens (gradient through ``new_logp``).
+
+    - ``low_var_kl`` (SDAR's setting; Schulman's k3): with x = log π_ref − log π_θ (clamped to ±20),
+      k3 = eˣ − x − 1 ≥ 0, clamped to at most 10; unbiased for the KL under samples from π_θ.
+    - ``kl`` (k1): log π_θ − log π_ref.
+    """
+    ref = ref_logp_P_G_T.detach()
+    if kind == "kl":
+        return new_logp_P_G_T - ref
+    if kind == "low_var_kl":
+        x = (ref - new_logp_P_G_T).clamp(-20.0, 20.0)
+        return (torch.exp(x) - x - 1.0).clamp(max=10.0)
+    raise ValueError(f"unknown kl_type {kind!r}; expected 'low_var_kl' or 'kl'")
+
+
+def token_entropy(logits_B_T_V: torch.Tensor) -> torch.Tensor:
+    """H(π(·|context)) per position from aligned logits (differentiable) → entropy_B_T."""
+    logits = logits_B_T_V if logits_B_T_V.dtype == torch.float64 else logits_B_T_V.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def token_logprobs(logits_B_T_V: torch.Tensor, tokens_B_T: torch.Tensor) -> torch.Tensor:
@@ -120,20 +153,39 @@ class LossConfig:
     clip_eps: float = 0.2  # ε of the clipped surrogate
     full_token_scoring: bool = False  # Table 7: sum d over all response tokens for rᵢ
     std_normalize_step: bool = False  # Appendix A.4: divide Aᵢ^step by the group std + η
-    # a response with no action tokens: "zero" = rᵢ = 0 in the group (Eq. 6 as written; when the student
-    # is more confident than the teacher, d < 0 and malformed responses then get the highest step
-    # advantage — see docs/results/STUDY.md); "exclude" = no step advantage, not in the group mean
+    # a response with no action tokens (docs/SAPD.md §6): "zero" = rᵢ = 0 in the group (Eq. 6 as written;
+    # under on-policy sampling well-formed responses score E[rᵢ] = −KL ≤ 0, so "no action" sits above the
+    # group mean); "exclude" = no step advantage, not in the group mean; "penalty" = rᵢ = −no_action_penalty
+    # inside the group (SDAR/verl-agent's invalid-action penalty, subtracted before the advantage);
+    # "whole_response" = rᵢ sums d over the whole response (as full-token scoring would)
     no_action_step: NoActionStep = "zero"
+    no_action_penalty: float = 1.0  # nats, for no_action_step "penalty" (SDAR's ALFWorld scripts use 0.1)
     eps: float = 1e-6  # η
-    reduction: Reduction = "seq_mean_token_mean"
+    reduction: Reduction = "seq_mean_token_mean"  # "token_mean" is SDAR/verl's default (not the paper's 1/Lᵢ)
+    # SDAR's regularisers, which the paper's "hyperparameters follow SDAR" inherits but never states
+    # (all off by default; variant sapd_sdar turns them on at SDAR's values)
+    kl_coef: float = 0.0  # KL to the initial policy (checkpoint 0); SDAR: 0.01 (the train stage computes
+    kl_type: KlType = "low_var_kl"  # reference log-probs only when kl_coef > 0)
+    entropy_coef: float = 0.0  # entropy bonus, subtracted from the loss; SDAR: 0.001
+    dual_clip: float | None = None  # c of the dual-clip for A < 0; SDAR: 3.0
 
     def __post_init__(self) -> None:
         _check_no_action_step(self.no_action_step)
+        if self.no_action_penalty < 0:
+            raise ValueError(f"no_action_penalty must be ≥ 0 (it is subtracted), not {self.no_action_penalty!r}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError("kl_coef and entropy_coef must be ≥ 0")
+        if self.kl_type not in ("low_var_kl", "kl"):
+            raise ValueError(f"kl_type must be 'low_var_kl' or 'kl', not {self.kl_type!r}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (SDAR uses 3.0) or null, not {self.dual_clip!r}")
+        if self.reduction not in ("seq_mean_token_mean", "token_mean"):
+            raise ValueError(f"reduction must be 'seq_mean_token_mean' or 'token_mean', not {self.reduction!r}")
 
 
 def _check_no_action_step(value: object) -> None:
-    if value not in ("zero", "exclude"):
-        raise ValueError(f"no_action_step must be 'zero' or 'exclude', not {value!r}")
+    if value not in NO_ACTION_STEPS:
+        raise ValueError(f"no_action_step must be one of {list(NO_ACTION_STEPS)}, not {value!r}")
 
 
 VARIANTS: dict[str, dict[str, object]] = {
@@ -145,6 +197,15 @@ VARIANTS: dict[str, dict[str, object]] = {
     "full_token": {"full_token_scoring": True},
     "std_norm": {"std_normalize_step": True},
     "sapd_exclude": {"no_action_step": "exclude"},
+    "sapd_penalty": {"no_action_step": "penalty"},
+    "sapd_whole": {"no_action_step": "whole_response"},
+    # SDAR's framework settings on top of Eq. 13: reference KL, entropy bonus, dual-clip, token-mean, and
+    # its invalid-action penalty inside r (coefficient 0.1, as its ALFWorld/WebShop scripts)
+    "sapd_sdar": {"no_action_step": "penalty", "no_action_penalty": 0.1, "kl_coef": 0.01,
+                  "entropy_coef": 0.001, "dual_clip": 3.0, "reduction": "token_mean"},
+    # the paper's literal form (Eq. 6 as written, 1/Lᵢ, no regularisers), pinned whatever the default becomes
+    "sapd_paper": {"no_action_step": "zero", "kl_coef": 0.0, "entropy_coef": 0.0, "dual_clip": None,
+                   "reduction": "seq_mean_token_mean"},
     "sft": {"objective": "sft"},
     "grpo": {"objective": "grpo"},  # online only: rows carry the episode's advantage (sapd.baselines.online)
 }
@@ -165,11 +226,61 @@ def loss_config_for(variant: str, **overrides: object) -> LossConfig:
 # losses
 
 
+def no_action_step_scores(d_P_G_T: torch.Tensor, action_mask_P_G_T: torch.Tensor,
+                          response_mask_P_G_T: torch.Tensor, cfg: LossConfig
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The step scores rᵢ of one batch with the configured treatment of responses without action tokens
+    (docs/SAPD.md §6) → (r_P_G, scored_P_G or None). ``action_mask`` must already be inside the response.
+
+    zero: Eq. 6 as written (rᵢ = 0). exclude: rᵢ = 0 but the response leaves the group (``scored``).
+    penalty: rᵢ = −``no_action_penalty``. whole_response: rᵢ = Σ_k d_{i,k} over the whole response.
+    With ``full_token_scoring`` every response is scored over its whole text and the treatment is moot."""
+    response_mask = response_mask_P_G_T.bool()
+    if cfg.full_token_scoring:
+        return step_scores(d_P_G_T, response_mask), None
+    r_P_G = step_scores(d_P_G_T, action_mask_P_G_T)
+    has_action = action_mask_P_G_T.bool().any(dim=-1)
+    if cfg.no_action_step == "exclude":
+        return r_P_G, has_action
+    if cfg.no_action_step == "penalty":
+        return torch.where(has_action, r_P_G, torch.full_like(r_P_G, -cfg.no_action_penalty)), None
+    if cfg.no_action_step == "whole_response":
+        return torch.where(has_action, r_P_G, step_scores(d_P_G_T, response_mask)), None
+    return r_P_G, None
+
+
+def regulariser_terms(cfg: LossConfig, new_logp_P_G_T: torch.Tensor, response_mask_P_G_T: torch.Tensor,
+                      ref_logp_P_G_T: torch.Tensor | None, entropy_P_G_T: torch.Tensor | None
+                      ) -> dict[str, torch.Tensor]:
+    """SDAR's regularisers, reduced like every other term: ``kl`` (to the initial policy) when
+    ``kl_coef`` > 0, ``entropy`` when ``entropy_coef`` > 0. The loss adds kl_coef·kl − entropy_coef·entropy."""
+    out: dict[str, torch.Tensor] = {}
+    mask = response_mask_P_G_T.bool()
+    if cfg.kl_coef > 0:
+        if ref_logp_P_G_T is None:
+            raise ValueError("loss.kl_coef > 0 needs the initial policy's log-probs (ref_logp_P_G_T)")
+        out["kl"] = reduce_loss(kl_penalty(new_logp_P_G_T, ref_logp_P_G_T, cfg.kl_type), mask, cfg.reduction)
+    if cfg.entropy_coef > 0:
+        if entropy_P_G_T is None:
+            raise ValueError("loss.entropy_coef > 0 needs the student's per-token entropy (entropy_P_G_T)")
+        out["entropy"] = reduce_loss(entropy_P_G_T, mask, cfg.reduction)
+    return out
+
+
+def _add_regularisers(loss: torch.Tensor, cfg: LossConfig, regs: dict[str, torch.Tensor]) -> torch.Tensor:
+    if "kl" in regs:
+        loss = loss + cfg.kl_coef * regs["kl"]
+    if "entropy" in regs:
+        loss = loss - cfg.entropy_coef * regs["entropy"]
+    return loss
+
+
 def sapd_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
               teacher_logp_P_G_T: torch.Tensor, response_mask_P_G_T: torch.Tensor,
               action_mask_P_G_T: torch.Tensor, rule_scores_P_G: torch.Tensor,
-              cfg: LossConfig = LossConfig()) -> tuple[torch.Tensor, dict[str, float]]:
-    """Eq. 13: L = λ_tok L_tok + λ_step L_step + λ_rule L_rule.
+              cfg: LossConfig = LossConfig(), *, ref_logp_P_G_T: torch.Tensor | None = None,
+              entropy_P_G_T: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Eq. 13: L = λ_tok L_tok + λ_step L_step + λ_rule L_rule (+ kl_coef·KL − entropy_coef·H, SDAR's).
 
     L_tok  = −E_h[1/G Σᵢ 1/Lᵢ Σ_k C_ε(ρ_{i,k}, β_tok·d_{i,k})]                       (Eq. 5)
     L_step = −E_h[1/G Σᵢ 1/Lᵢ Σ_k C_ε(ρ_{i,k}, Aᵢ^step)],  Aᵢ^step = rᵢ − r̄         (Eq. 9, 11)
@@ -177,36 +288,40 @@ def sapd_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
 
     The step score rᵢ sums d over the action mask (over the whole response with
     ``cfg.full_token_scoring``); its advantage is then applied to every response token. A response with
-    no action tokens (malformed) scores rᵢ = 0 as Eq. 6 has it (``no_action_step="zero"``), or
-    ``"exclude"``: it gets no step advantage and the group mean is over the responses with an action.
-    The action mask is intersected with the response mask, so a stray action bit on padding can never
-    count.
+    no action tokens (malformed) is scored as ``cfg.no_action_step`` says (:func:`no_action_step_scores`;
+    "zero" is Eq. 6 as written). The action mask is intersected with the response mask, so a stray action
+    bit on padding can never count. ``cfg.dual_clip`` bounds every surrogate for A < 0; ``cfg.reduction``
+    is the aggregation of every term. ``ref_logp_P_G_T`` (the initial policy's log-probs) is needed when
+    ``cfg.kl_coef`` > 0, ``entropy_P_G_T`` (differentiable) when ``cfg.entropy_coef`` > 0.
 
-    Returns the scalar loss (gradient flows through ``new_logp`` only) and detached float metrics
-    (:func:`loss_metrics`).
+    Returns the scalar loss (gradient flows through ``new_logp`` and ``entropy`` only) and detached float
+    metrics (:func:`loss_metrics`).
     """
     response_mask = response_mask_P_G_T.bool()
     action_mask = action_mask_P_G_T.bool() & response_mask
     d_P_G_T = token_signal(teacher_logp_P_G_T, old_logp_P_G_T, response_mask)
-    r_P_G = step_scores(d_P_G_T, response_mask if cfg.full_token_scoring else action_mask)
+    r_P_G, scored = no_action_step_scores(d_P_G_T, action_mask, response_mask, cfg)
     has_action_P_G = action_mask.any(dim=-1)
-    scored = has_action_P_G if cfg.no_action_step == "exclude" and not cfg.full_token_scoring else None
     step_adv_P_G = step_advantages(r_P_G, std_normalize=cfg.std_normalize_step, eps=cfg.eps, scored_P_G=scored)
     rule_adv_P_G = rule_advantages(rule_scores_P_G.to(d_P_G_T.dtype), eps=cfg.eps)
     ratio_P_G_T = importance_ratio(new_logp_P_G_T, old_logp_P_G_T, response_mask)
 
     def surrogate_loss(adv: torch.Tensor) -> torch.Tensor:
-        return -reduce_loss(clipped_surrogate(ratio_P_G_T, adv, cfg.clip_eps), response_mask, cfg.reduction)
+        return -reduce_loss(clipped_surrogate(ratio_P_G_T, adv, cfg.clip_eps, cfg.dual_clip), response_mask,
+                            cfg.reduction)
 
     loss_tok = surrogate_loss(cfg.token_scale * d_P_G_T)
     loss_step = surrogate_loss(step_adv_P_G.unsqueeze(-1))
     loss_rule = surrogate_loss(rule_adv_P_G.unsqueeze(-1))
-    loss = cfg.lambda_tok * loss_tok + cfg.lambda_step * loss_step + cfg.lambda_rule * loss_rule
-    terms = {"loss": loss, "loss_tok": loss_tok, "loss_step": loss_step, "loss_rule": loss_rule}
+    regs = regulariser_terms(cfg, new_logp_P_G_T, response_mask, ref_logp_P_G_T, entropy_P_G_T)
+    loss = _add_regularisers(cfg.lambda_tok * loss_tok + cfg.lambda_step * loss_step + cfg.lambda_rule * loss_rule,
+                             cfg, regs)
+    terms = {"loss": loss, "loss_tok": loss_tok, "loss_step": loss_step, "loss_rule": loss_rule, **regs}
     return loss, loss_metrics(terms, ratio_P_G_T, response_mask, cfg.clip_eps, d_P_G_T=d_P_G_T, r_P_G=r_P_G,
                               has_action_P_G=has_action_P_G, action_mask_P_G_T=action_mask,
                               step_adv_P_G=step_adv_P_G, rule_adv_P_G=rule_adv_P_G,
-                              rule_scores_P_G=rule_scores_P_G)
+                              rule_scores_P_G=rule_scores_P_G, token_scale=cfg.token_scale,
+                              dual_clip=cfg.dual_clip)
 
 
 @torch.no_grad()
@@ -214,9 +329,11 @@ def loss_metrics(terms: dict[str, torch.Tensor], ratio_P_G_T: torch.Tensor, resp
                  clip_eps: float, *, d_P_G_T: torch.Tensor | None = None, r_P_G: torch.Tensor | None = None,
                  has_action_P_G: torch.Tensor | None = None, action_mask_P_G_T: torch.Tensor | None = None,
                  step_adv_P_G: torch.Tensor | None = None, rule_adv_P_G: torch.Tensor | None = None,
-                 rule_scores_P_G: torch.Tensor | None = None) -> dict[str, float]:
+                 rule_scores_P_G: torch.Tensor | None = None, token_scale: float = 0.15,
+                 dual_clip: float | None = None) -> dict[str, float]:
     """The detached figures logged for every optimizer step: the loss terms, the ratio and clip
-    statistics, and — for the SAPD family — the signals behind its advantages."""
+    statistics, and — for the SAPD family — the signals behind its advantages and the health figures of
+    docs/SAPD.md §6 (action-less share, all-action-less groups, the magnitude of each term's advantage)."""
     mask_f = response_mask_P_G_T.to(ratio_P_G_T.dtype)
     n_tok = mask_f.sum().clamp(min=1.0)
     clipped = ((ratio_P_G_T - 1.0).abs() > clip_eps) & response_mask_P_G_T
@@ -224,13 +341,18 @@ def loss_metrics(terms: dict[str, torch.Tensor], ratio_P_G_T: torch.Tensor, resp
     out.update({"ratio_mean": float((ratio_P_G_T * mask_f).sum() / n_tok),
                 "clip_fraction": float(clipped.sum() / n_tok),
                 "response_tokens_mean": float(mask_f.sum(-1).mean())})
+    if dual_clip is not None:  # tokens the dual-clip bounds (ratio above c; only counted where it can bind)
+        out["dual_clip_fraction"] = float(((ratio_P_G_T > dual_clip) & response_mask_P_G_T).sum() / n_tok)
     if d_P_G_T is not None:
         # teacher–student gap: mean log-ratio per response token (≥ 0 when the teacher likes the samples more)
         out["teacher_student_gap"] = float(d_P_G_T.sum() / n_tok)
+        out["tok_adv_abs_mean"] = float(token_scale * d_P_G_T.abs().sum() / n_tok)  # |β·d| per token
     if r_P_G is not None:
         out["step_score_mean"] = float(r_P_G.mean())
     if has_action_P_G is not None:
         out["no_action_fraction"] = float((~has_action_P_G).float().mean())
+        # groups in which no response has an action: with "zero" they carry no step or format signal
+        out["all_no_action_groups"] = float((~has_action_P_G).all(dim=-1).float().mean())
     if step_adv_P_G is not None:
         out["step_adv_abs_mean"] = float(step_adv_P_G.abs().mean())
         out["step_adv_std"] = float(step_adv_P_G.std(dim=-1, unbiased=False).mean())
@@ -268,7 +390,8 @@ def grpo_advantages(returns_P_G: torch.Tensor, eps: float = 1e-6) -> torch.Tenso
 
 
 def grpo_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor, response_mask_P_G_T: torch.Tensor,
-              adv_P_G: torch.Tensor, cfg: LossConfig = LossConfig(objective="grpo")
+              adv_P_G: torch.Tensor, cfg: LossConfig = LossConfig(objective="grpo"), *,
+              ref_logp_P_G_T: torch.Tensor | None = None, entropy_P_G_T: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict[str, float]]:
     """L_GRPO = −E[1/Lᵢ Σ_k C_ε(ρ_{i,k}, Aᵢ)] with a fixed, precomputed per-response advantage Aᵢ (for
     the online baseline: the :func:`grpo_advantages` of the episode the response belongs to, applied to
@@ -277,10 +400,13 @@ def grpo_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor, respon
     response_mask = response_mask_P_G_T.bool()
     adv = adv_P_G.to(new_logp_P_G_T.dtype).detach()
     ratio = importance_ratio(new_logp_P_G_T, old_logp_P_G_T, response_mask)
-    loss = -reduce_loss(clipped_surrogate(ratio, adv.unsqueeze(-1), cfg.clip_eps), response_mask, cfg.reduction)
+    loss_grpo = -reduce_loss(clipped_surrogate(ratio, adv.unsqueeze(-1), cfg.clip_eps, cfg.dual_clip),
+                             response_mask, cfg.reduction)
+    regs = regulariser_terms(cfg, new_logp_P_G_T, response_mask, ref_logp_P_G_T, entropy_P_G_T)
+    loss = _add_regularisers(loss_grpo, cfg, regs)
     zero = torch.zeros(())
-    metrics = loss_metrics({"loss": loss, "loss_grpo": loss, "loss_tok": zero, "loss_step": zero, "loss_rule": zero},
-                           ratio, response_mask, cfg.clip_eps)
+    metrics = loss_metrics({"loss": loss, "loss_grpo": loss_grpo, "loss_tok": zero, "loss_step": zero,
+                            "loss_rule": zero, **regs}, ratio, response_mask, cfg.clip_eps, dual_clip=cfg.dual_clip)
     metrics.update({"teacher_student_gap": float("nan"),  # GRPO has no teacher
                     "grpo_adv_mean": float(adv.mean()), "grpo_adv_abs_mean": float(adv.abs().mean())})
     return loss, metrics
@@ -288,7 +414,8 @@ def grpo_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor, respon
 
 def loss_for(cfg: LossConfig, new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
              teacher_logp_P_G_T: torch.Tensor, response_mask_P_G_T: torch.Tensor, action_mask_P_G_T: torch.Tensor,
-             rule_scores_P_G: torch.Tensor, advantage_P_G: torch.Tensor | None = None
+             rule_scores_P_G: torch.Tensor, advantage_P_G: torch.Tensor | None = None, *,
+             ref_logp_P_G_T: torch.Tensor | None = None, entropy_P_G_T: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of ``cfg.objective`` on one batch of scored groups: :func:`sapd_loss` for the SAPD family,
     :func:`grpo_loss` for 'grpo' (which needs the rows' precomputed ``advantage_P_G``; teacher log-probs,
@@ -296,8 +423,9 @@ def loss_for(cfg: LossConfig, new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torc
     if cfg.objective == "grpo":
         if advantage_P_G is None:
             raise ValueError("objective 'grpo' trains on rows with a precomputed advantage (sapd online --method grpo)")
-        return grpo_loss(new_logp_P_G_T, old_logp_P_G_T, response_mask_P_G_T, advantage_P_G, cfg)
+        return grpo_loss(new_logp_P_G_T, old_logp_P_G_T, response_mask_P_G_T, advantage_P_G, cfg,
+                         ref_logp_P_G_T=ref_logp_P_G_T, entropy_P_G_T=entropy_P_G_T)
     if cfg.objective != "sapd":
         raise ValueError(f"objective {cfg.objective!r} has no scored-group loss; use sft_loss for 'sft'")
     return sapd_loss(new_logp_P_G_T, old_logp_P_G_T, teacher_logp_P_G_T, response_mask_P_G_T, action_mask_P_G_T,
-                     rule_scores_P_G, cfg)
+                     rule_scores_P_G, cfg, ref_logp_P_G_T=ref_logp_P_G_T, entropy_P_G_T=entropy_P_G_T)

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from sapd.method.objective import token_logprobs
+from sapd.method.objective import token_entropy, token_logprobs
 from sapd.models.loading import cache_kwarg, output_cache
 
 # ---------------------------------------------------------------------------------------------------
@@ -60,10 +60,9 @@ def decoder_and_head(model):
     return (base, head) if base is not None and head is not None else (None, None)
 
 
-def response_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                      pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π(response token k | prompt, response<k) for every row → (logp_B_T, response_mask_B_T).
-    Prompt positions are gathered out, so they can never receive gradient from a loss on these."""
+def _response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                     pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits_B_T_V at response positions, target tokens_B_T, response_mask_B_T)."""
     device = next(model.parameters()).device
     ids, attn, pos, mask = pad_sequences(prompts, responses, pad_id, device)
     # the output at position s predicts token s+1: response token at position t is predicted from t−1
@@ -77,9 +76,27 @@ def response_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequen
     else:
         logits = model(input_ids=ids, attention_mask=attn).logits  # (B, S, V)
         logits_B_T_V = logits.gather(1, pred_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-    targets = ids.gather(1, pos)
+    return logits_B_T_V, ids.gather(1, pos), mask
+
+
+def response_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                      pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log π(response token k | prompt, response<k) for every row → (logp_B_T, response_mask_B_T).
+    Prompt positions are gathered out, so they can never receive gradient from a loss on these."""
+    logits_B_T_V, targets, mask = _response_logits(model, prompts, responses, pad_id)
     logp = token_logprobs(logits_B_T_V, targets)
     return torch.where(mask, logp, torch.zeros_like(logp)), mask
+
+
+def response_logprobs_and_entropy(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`response_logprobs` plus the policy's entropy at every response position (differentiable;
+    0 on padding) → (logp_B_T, response_mask_B_T, entropy_B_T). For the entropy bonus (``loss.entropy_coef``)."""
+    logits_B_T_V, targets, mask = _response_logits(model, prompts, responses, pad_id)
+    logp = token_logprobs(logits_B_T_V, targets)
+    ent = token_entropy(logits_B_T_V)
+    zero = torch.zeros_like(logp)
+    return torch.where(mask, logp, zero), mask, torch.where(mask, ent, zero)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 checkpoint × an environment panel (:mod:`sapd.envs.panels`) → task success per category and overall, as
 ``evals/NNNNNN/<benchmark>.json`` in the run root (the episodes themselves beside it as native JSONL).
 Deterministic: greedy decoding over a fixed, seeded panel, so the same checkpoint and panel give the
-same numbers; a checkpoint already evaluated is skipped (what a CronJob wants).
+same numbers; a checkpoint already evaluated is skipped (what a CronJob wants). ``temperature`` > 0
+samples instead (SDAR validates at T = 0.4), seeded, into ``<benchmark>@T<temperature>.json``.
 
 :func:`offline_eval` is the environment-free check on held-out prefixes (the paper's 5 % split): format
 validity, repeated actions and agreement with the recorded action.
@@ -51,14 +52,17 @@ def run_prompt_options(root: str) -> PrefixOptions:
 
 def run_checkpoint_episodes(root: str, k: int, specs: list[EpisodeSpec], benchmark: str, *,
                             horizon: int | None = None, max_new_tokens: int = 128, device: str = "cpu",
-                            env_timeout_s: float | None = None, progress: Callable[[int], None] | None = None):
-    """Greedy episodes of committed checkpoint ``k`` on ``specs``, prompted as the run trained
-    (its resolved config). ``env_timeout_s``: each environment in its own process, a call that hangs
-    longer is killed and retried (:mod:`sapd.envs.isolated`). Returns (trajectories, the horizon used)."""
+                            env_timeout_s: float | None = None, progress: Callable[[int], None] | None = None,
+                            temperature: float = 0.0, sample_seed: int = 0):
+    """Greedy (or, with ``temperature`` > 0, seeded sampled) episodes of committed checkpoint ``k`` on
+    ``specs``, prompted as the run trained (its resolved config). ``env_timeout_s``: each environment in its
+    own process, a call that hangs longer is killed and retried (:mod:`sapd.envs.isolated`). Returns
+    (trajectories, the horizon used)."""
     tokenizer = load_tokenizer(str(checkpoints.checkpoint_model_path(root, k)))
     model = checkpoints.load_checkpoint_model(root, k, device=device)
     spec = get_benchmark(benchmark)
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision))
+    params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision),
+                            seed=sample_seed)
     # the no-op sent for a malformed response ("look" is ambiguous in ScienceWorld)
     opts = LoopOptions(prompt=run_prompt_options(root), horizon=horizon, invalid_action=noop_action(benchmark),
                        env_timeout_s=env_timeout_s)
@@ -76,14 +80,23 @@ def write_eval(root: str, k: int, name: str, result: dict[str, Any], trajectorie
     return dest
 
 
+def eval_name(benchmark: str, temperature: float = 0.0) -> str:
+    """The result's name in ``evals/NNNNNN/``: ``<benchmark>`` for greedy, ``<benchmark>@T0.4`` sampled."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be ≥ 0 (0 = greedy), not {temperature}")
+    return benchmark if temperature == 0 else f"{benchmark}@T{temperature:g}"
+
+
 def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: int | None = None,
                         max_new_tokens: int = 128, device: str = "cpu", env_timeout_s: float | None = None,
                         log: Callable[[str], None] = print, show_progress: bool = True,
-                        metrics: Metrics | None = None) -> dict[str, Any]:
-    """Evaluate checkpoint ``k`` ("latest" for the newest committed one) of the run at ``root`` on ``panel``."""
+                        metrics: Metrics | None = None, temperature: float = 0.0) -> dict[str, Any]:
+    """Evaluate checkpoint ``k`` ("latest" for the newest committed one) of the run at ``root`` on ``panel``,
+    greedily, or sampled at ``temperature`` (seeded by the panel seed) as SDAR's validation does."""
     benchmark = panel.benchmark
     k = latest_checkpoint(root) if k == "latest" else int(k)
-    dest = storage.join(layout.evals_dir(root, k), f"{benchmark}.json")
+    name = eval_name(benchmark, temperature)
+    dest = storage.join(layout.evals_dir(root, k), f"{name}.json")
     if storage.exists(dest):
         done = storage.read_json(dest)
         differs = {key: (done.get(key), v) for key, v in panel.identity().items() if done.get(key) != v}
@@ -101,14 +114,16 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
               leave=False) as bar:
         trajs, used_horizon = run_checkpoint_episodes(root, k, specs, benchmark, horizon=horizon,
                                                       max_new_tokens=max_new_tokens, device=device,
-                                                      env_timeout_s=env_timeout_s, progress=bar.update)
-    result = {"checkpoint": k, "benchmark": benchmark, "seed": panel.seed, "games_per_family": panel.games_per_family,
+                                                      env_timeout_s=env_timeout_s, progress=bar.update,
+                                                      temperature=temperature, sample_seed=panel.seed)
+    result = {"checkpoint": k, "benchmark": benchmark, "temperature": temperature, "seed": panel.seed,
+              "games_per_family": panel.games_per_family,
               "variations_per_task": panel.variations_per_task, "split": panel.split,
               "families": sorted({s.category for s in specs if s.category}), "horizon": used_horizon,
               **summarize(trajs), "seconds": time.perf_counter() - t0}
     if benchmark == "searchqa":  # exact match per data source and their average (docs/SAPD.md §6)
         result["exact_match"] = exact_match_by_source(trajs)
-    write_eval(root, k, benchmark, result, trajs)
+    write_eval(root, k, name, result, trajs)
     log(f"checkpoint {k}: {benchmark} success {result['overall']['success']:.3f} "
         + " ".join(f"{c}={v['success']:.2f}" for c, v in result["by_category"].items()))
     if metrics is not None:
@@ -121,7 +136,7 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
 def run(cfg: RunConfig, checkpoint: int | str, panel: PanelSpec, *, horizon: int | None = None,
         env_timeout_s: float | None = None, device: str | None = None, max_new_tokens: int | None = None,
         log: Callable[[str], None] = print, show_progress: bool = True,
-        metrics: Metrics | None = None) -> dict[str, Any] | None:
+        metrics: Metrics | None = None, temperature: float = 0.0) -> dict[str, Any] | None:
     """The stage as its Job (and CronJob) runs it: the run's checkpoint on ``panel``, with the device and
     generation length of the run config unless given. No committed checkpoint yet → None ("nothing to
     evaluate"), so a CronJob started before the first round is not a failure."""
@@ -131,7 +146,8 @@ def run(cfg: RunConfig, checkpoint: int | str, panel: PanelSpec, *, horizon: int
     return evaluate_checkpoint(cfg.run_root, checkpoint, panel, horizon=horizon,
                                max_new_tokens=max_new_tokens or cfg.sampling.max_new_tokens,
                                device=device or cfg.model.device,
-                               env_timeout_s=env_timeout_s, log=log, show_progress=show_progress, metrics=metrics)
+                               env_timeout_s=env_timeout_s, log=log, show_progress=show_progress, metrics=metrics,
+                               temperature=temperature)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -139,8 +155,10 @@ def run(cfg: RunConfig, checkpoint: int | str, panel: PanelSpec, *, horizon: int
 
 
 def offline_eval(model, tokenizer, prefixes: pa.Table, benchmark: str, *, max_new_tokens: int = 64,
-                 prompts_per_batch: int = 8, device: str = "cpu") -> dict[str, Any]:
-    """Greedy decision per prefix → rates of valid format, repeated action and recorded-action match.
+                 prompts_per_batch: int = 8, device: str = "cpu", temperature: float = 0.0,
+                 seed: int = 0) -> dict[str, Any]:
+    """Greedy (``temperature`` 0) or seeded sampled decision per prefix → rates of valid format, repeated
+    action and recorded-action match.
     No environment, so it measures only what the recorded history can check; task success needs
     :func:`evaluate_checkpoint`."""
     spec = get_benchmark(benchmark)
@@ -149,7 +167,7 @@ def offline_eval(model, tokenizer, prefixes: pa.Table, benchmark: str, *, max_ne
         raise ValueError("no prefixes to evaluate")
     gen = HFGenerator(model, tokenizer, prompts_per_batch=prompts_per_batch, device=device)
     samples = gen.generate([r["prompt"] for r in rows], SamplingParams(
-        n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision)))
+        n=1, temperature=temperature, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision), seed=seed))
     valid = match = repeated = 0
     by_category: dict[str, list[int]] = {}
     for r, (s,) in zip(rows, samples):

@@ -42,7 +42,7 @@ from sapd.data.scored import ScoredPrefix, read_scored, scored_prefixes
 from sapd.method.objective import loss_for, sft_loss
 from sapd.metrics import Metrics
 from sapd.models.loading import load_tokenizer
-from sapd.models.scoring import response_logprobs
+from sapd.models.scoring import response_logprobs, response_logprobs_and_entropy
 from sapd.stages.train_deepspeed import make_deepspeed_engine
 
 # ---------------------------------------------------------------------------------------------------
@@ -192,25 +192,47 @@ def _flat_PG(prefixes: Sequence[ScoredPrefix]) -> tuple[list[list[int]], list[li
 
 
 @torch.no_grad()
-def recompute_old_logprobs(model, prefixes: list[ScoredPrefix], pad_id: int, micro: int) -> None:
-    """π_old of every sampled token with the training weights (fills ``old_logp_G_T``)."""
+def recompute_old_logprobs(model, prefixes: list[ScoredPrefix], pad_id: int, micro: int,
+                           field: str = "old_logp_G_T") -> None:
+    """π_old of every sampled token with the training weights (fills ``old_logp_G_T``); with
+    ``field="ref_logp_G_T"`` and the initial policy as ``model``, the reference log-probs of the KL term."""
     for start in range(0, len(prefixes), micro):
         chunk = prefixes[start:start + micro]
         prompts, responses = _flat_PG(chunk)
         logp_PG_T, _ = response_logprobs(model, prompts, responses, pad_id)
         G = len(chunk[0].responses_G_T)
         for j, sp in enumerate(chunk):
-            sp.old_logp_G_T = [logp_PG_T[j * G + i, :len(r)].tolist() for i, r in enumerate(sp.responses_G_T)]
+            setattr(sp, field, [logp_PG_T[j * G + i, :len(r)].tolist() for i, r in enumerate(sp.responses_G_T)])
+
+
+def compute_reference_logprobs(cfg: RunConfig, prefixes: list[ScoredPrefix], pad_id: int) -> float:
+    """The initial policy's (checkpoint 0's) log-probs of every sampled token, for ``loss.kl_coef`` > 0
+    (SDAR's KL to the initial policy). Loads checkpoint 0 for the purpose and frees it; returns seconds."""
+    t0 = time.perf_counter()
+    ref = checkpoints.load_checkpoint_model(cfg.run_root, 0, cfg.model.dtype, cfg.model.device)
+    ref.eval()
+    recompute_old_logprobs(ref, prefixes, pad_id, cfg.train.micro_batch_prefixes, field="ref_logp_G_T")
+    del ref
+    return time.perf_counter() - t0
 
 
 def _micro_loss(model, cfg: RunConfig, chunk: list[ScoredPrefix], pad_id: int) -> tuple[torch.Tensor, dict[str, float]]:
     prompts, responses = _flat_PG(chunk)
-    new_logp_PG_T, response_mask_PG_T = response_logprobs(model, prompts, responses, pad_id)
+    entropy_P_G_T = None
+    if cfg.loss_cfg.entropy_coef > 0:
+        new_logp_PG_T, response_mask_PG_T, entropy_PG_T = response_logprobs_and_entropy(model, prompts, responses,
+                                                                                       pad_id)
+    else:
+        new_logp_PG_T, response_mask_PG_T = response_logprobs(model, prompts, responses, pad_id)
     P, G = len(chunk), len(chunk[0].responses_G_T)
     T = new_logp_PG_T.shape[-1]
     device = new_logp_PG_T.device
     new_logp_P_G_T = new_logp_PG_T.view(P, G, T)
     response_mask_P_G_T = response_mask_PG_T.view(P, G, T)
+    if cfg.loss_cfg.entropy_coef > 0:
+        entropy_P_G_T = entropy_PG_T.view(P, G, T)
+    ref_logp_P_G_T = (_stack_P_G_T(chunk, "ref_logp_G_T", T, torch.float32).to(device)
+                      if cfg.loss_cfg.kl_coef > 0 else None)
     old_logp_P_G_T = _stack_P_G_T(chunk, "old_logp_G_T", T, torch.float32).to(device)
     teacher_logp_P_G_T = _stack_P_G_T(chunk, "teacher_logp_G_T", T, torch.float32).to(device)
     action_mask_P_G_T = _stack_P_G_T(chunk, "action_mask_G_T", T, torch.bool).to(device)
@@ -218,7 +240,8 @@ def _micro_loss(model, cfg: RunConfig, chunk: list[ScoredPrefix], pad_id: int) -
     advantage_P_G = (None if chunk[0].advantage_G is None else
                      torch.tensor([sp.advantage_G for sp in chunk], dtype=torch.float32, device=device))
     return loss_for(cfg.loss_cfg, new_logp_P_G_T, old_logp_P_G_T, teacher_logp_P_G_T, response_mask_P_G_T,
-                    action_mask_P_G_T, rule_scores_P_G, advantage_P_G)
+                    action_mask_P_G_T, rule_scores_P_G, advantage_P_G, ref_logp_P_G_T=ref_logp_P_G_T,
+                    entropy_P_G_T=entropy_P_G_T)
 
 
 def _restore_rng(state: dict[str, Any] | None) -> None:
@@ -315,6 +338,7 @@ def train_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, prefixes: lis
     model.eval()  # π_old: no dropout, same numerics as the sampler's weights
     recompute_old_logprobs(model, prefixes, pad, cfg.train.micro_batch_prefixes)
     old_seconds = time.perf_counter() - t0
+    ref_seconds = compute_reference_logprobs(cfg, prefixes, pad) if cfg.loss_cfg.kl_coef > 0 else None
     model.train()
     records, global_step = optimizer_steps(
         cfg, k, engine, prefixes, lambda chunk: _micro_loss(model, cfg, chunk, pad),
@@ -324,6 +348,8 @@ def train_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, prefixes: lis
         log=log, show_progress=show_progress, on_step=on_step)
     if records:
         records[0]["old_logp_seconds"] = old_seconds
+        if ref_seconds is not None:
+            records[0]["ref_logp_seconds"] = ref_seconds
     return records, _trainer_state(engine, k, global_step)
 
 

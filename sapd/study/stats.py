@@ -1,0 +1,103 @@
+"""Statistics of the powered study: the power calculation written in
+``experiments/powered.yaml``, paired-by-game bootstrap intervals, and the within-group AUC of a step
+score. Pure Python (no numpy), so the numbers a test recomputes are the numbers the study used.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from typing import Mapping, Sequence
+
+_N = statistics.NormalDist()
+
+
+def z(q: float) -> float:
+    """The standard normal quantile."""
+    return _N.inv_cdf(q)
+
+
+def episodes_per_arm(p1: float, p2: float, alpha: float = 0.05, power: float = 0.8) -> int:
+    """Episodes per arm to tell success rates p1 and p2 apart from binomial variance alone (two-sided α,
+    unpaired): n = (z_{1−α/2} + z_power)² · [p1(1−p1) + p2(1−p2)] / (p1 − p2)²."""
+    if p1 == p2:
+        raise ValueError("p1 and p2 must differ")
+    k = (z(1 - alpha / 2) + z(power)) ** 2
+    return math.ceil(k * (p1 * (1 - p1) + p2 * (1 - p2)) / (p1 - p2) ** 2 - 1e-9)
+
+
+def mde(p: float, n_units: int, seeds: int, sigma_seed: float, rho: float = 0.0, alpha: float = 0.05,
+        power: float = 0.8) -> float:
+    """Minimum detectable difference between two arms' means of a 0/1 outcome with ``n_units`` units
+    (games or prefixes) shared by both arms, ``seeds`` seeds per arm, between-seed standard deviation
+    ``sigma_seed`` and a share ``rho`` of the outcome variance due to the unit (cancels when paired):
+    MDE = (z_{1−α/2} + z_power) · √(2 · [p(1−p)(1−ρ)/(n·S) + σ²_seed/S])."""
+    var_arm = p * (1 - p) * (1 - rho) / (n_units * seeds) + sigma_seed ** 2 / seeds
+    return (z(1 - alpha / 2) + z(power)) * math.sqrt(2 * var_arm)
+
+
+def units_for_mde(target: float, p: float, seeds: int, sigma_seed: float, rho: float = 0.0, alpha: float = 0.05,
+                  power: float = 0.8) -> int:
+    """The smallest number of shared units whose :func:`mde` is at most ``target`` (the inverse of
+    :func:`mde`); an error when the seed variance alone already exceeds the target."""
+    budget = (target / (z(1 - alpha / 2) + z(power))) ** 2 / 2 - sigma_seed ** 2 / seeds
+    if budget <= 0:
+        raise ValueError(f"an MDE of {target} cannot be reached with {seeds} seeds at σ_seed = {sigma_seed}: "
+                         "add seeds")
+    return math.ceil(p * (1 - p) * (1 - rho) / (seeds * budget) - 1e-9)
+
+
+def paired_bootstrap(a: Mapping[int, Mapping[str, float]], b: Mapping[int, Mapping[str, float]], *,
+                     n_boot: int = 4000, seed: int = 0, level: float = 0.95) -> dict[str, float]:
+    """Difference of means, arm a − arm b, with a two-level bootstrap interval: outcomes are
+    ``{seed: {unit: value}}`` (unit = game or held-out prefix, the same units in both arms). Each
+    replicate resamples each arm's seeds with replacement, then the units once for both arms (paired by
+    unit). → {"diff", "lo", "hi", "units", "seeds_a", "seeds_b"}."""
+    units = sorted(set.intersection(*(set(v) for v in [*a.values(), *b.values()])))
+    if not units or not a or not b:
+        raise ValueError("paired_bootstrap needs at least one seed per arm and shared units")
+    sa, sb = sorted(a), sorted(b)
+
+    def mean(arm: Mapping[int, Mapping[str, float]], seeds: Sequence[int], us: Sequence[str]) -> float:
+        return sum(arm[s][u] for s in seeds for u in us) / (len(seeds) * len(us))
+
+    diff = mean(a, sa, units) - mean(b, sb, units)
+    rng = random.Random(seed)
+    reps = []
+    for _ in range(n_boot):
+        us = [units[rng.randrange(len(units))] for _ in units]
+        ra = [sa[rng.randrange(len(sa))] for _ in sa]
+        rb = [sb[rng.randrange(len(sb))] for _ in sb]
+        reps.append(mean(a, ra, us) - mean(b, rb, us))
+    reps.sort()
+    lo = reps[int((1 - level) / 2 * n_boot)]
+    hi = reps[min(n_boot - 1, int((1 + level) / 2 * n_boot))]
+    return {"diff": diff, "lo": lo, "hi": hi, "units": len(units), "seeds_a": len(sa), "seeds_b": len(sb)}
+
+
+def within_group_auc(groups: Sequence[Sequence[tuple[float, bool]]]) -> dict[str, float]:
+    """How well a score ranks correct responses above wrong ones *within* a group (SAPD compares
+    responses only within their prefix's group): over every (correct, wrong) pair of the same group, the
+    share where the correct one scores higher, ties counting 1/2. ``groups`` = [[(score, correct), …]].
+    → {"auc", "pairs", "groups"} (groups with both kinds; auc is NaN when there are none)."""
+    wins = pairs = 0.0
+    informative = 0
+    for g in groups:
+        pos = [s for s, c in g if c]
+        neg = [s for s, c in g if not c]
+        if not pos or not neg:
+            continue
+        informative += 1
+        for p in pos:
+            for n in neg:
+                pairs += 1
+                wins += 1.0 if p > n else 0.5 if p == n else 0.0
+    return {"auc": wins / pairs if pairs else float("nan"), "pairs": pairs, "groups": informative}
+
+
+def pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Pearson correlation; NaN when either side is constant or there are fewer than 2 points."""
+    if len(xs) < 2 or len(set(xs)) < 2 or len(set(ys)) < 2:
+        return float("nan")
+    return statistics.correlation(list(xs), list(ys))

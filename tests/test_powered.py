@@ -1,0 +1,186 @@
+"""The powered study's statistics (the power calculation, paired bootstrap, within-group AUC) by hand,
+its held-out metrics and round-0 signal probe on tiny real models, and the per-round health figures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sapd.study.signals import probe_summary, summarize_decisions, with_action
+from sapd.study.stats import episodes_per_arm, mde, paired_bootstrap, pearson, units_for_mde, within_group_auc
+
+
+@pytest.mark.parametrize("p,delta,n", [(0.05, 0.05, 432), (0.05, 0.10, 138), (0.2, 0.05, 1091), (0.3, 0.10, 354),
+                                       (0.5, 0.10, 385), (0.5, 0.20, 91)])
+def test_episodes_per_arm_reproduces_the_audit_table(p, delta, n):
+    # n = (z₀.₉₇₅ + z₀.₈)²·[p₁(1−p₁) + p₂(1−p₂)]/δ², p₂ = p + δ
+    assert episodes_per_arm(p, p + delta) == n
+
+
+def test_mde_and_its_inverse_by_hand():
+    k = (1.959963984540054 + 0.8416212335729143)
+    # p = 0.3, 150 games, 4 seeds, σ_seed 0.04, unpaired: 2.8016·√(2·(0.21/600 + 0.0016/4)) ≈ 0.1085
+    assert mde(0.3, 150, 4, 0.04) == pytest.approx(k * math.sqrt(2 * (0.21 / 600 + 0.0004)))
+    assert mde(0.3, 150, 4, 0.04) == pytest.approx(0.1085, abs=5e-4)
+    assert mde(0.3, 150, 4, 0.03, rho=0.5) == pytest.approx(0.0792, abs=5e-4)  # the audit's "≈ 8 points"
+    n = units_for_mde(0.08, 0.3, 4, 0.03, rho=0.5)
+    assert mde(0.3, n, 4, 0.03, rho=0.5) <= 0.08 < mde(0.3, n - 1, 4, 0.03, rho=0.5)
+    with pytest.raises(ValueError, match="add seeds"):
+        units_for_mde(0.05, 0.3, 2, 0.05)
+
+
+def test_paired_bootstrap_centres_on_the_difference_and_pairs_by_game():
+    games = [f"g{i}" for i in range(60)]
+    hard = {g: float(i % 3 == 0) for i, g in enumerate(games)}  # game difficulty shared by both arms
+    b = {s: dict(hard) for s in range(4)}
+    a = {s: {g: 1.0 if (v or i % 5 == 0) else 0.0 for i, (g, v) in enumerate(hard.items())} for s in range(4)}
+    res = paired_bootstrap(a, b, n_boot=2000, seed=1)
+    exact = sum(a[0].values()) / 60 - sum(hard.values()) / 60
+    assert res["diff"] == pytest.approx(exact) and res["lo"] <= exact <= res["hi"]
+    assert res["lo"] > 0 and res["units"] == 60 and (res["seeds_a"], res["seeds_b"]) == (4, 4)
+    same = paired_bootstrap(b, b, n_boot=500)
+    assert same["diff"] == 0.0 and same["lo"] == 0.0 == same["hi"]  # paired: identical arms never differ
+    with pytest.raises(ValueError):
+        paired_bootstrap({}, b)
+
+
+def test_within_group_auc_by_hand():
+    groups = [[(1.0, True), (0.0, False), (2.0, False)],  # pairs: 1>0 win, 1<2 loss → 1/2
+              [(0.5, True), (0.5, False)],                 # tie → 1/2
+              [(3.0, True), (1.0, True)],                  # no wrong response: not informative
+              [(-1.0, True), (-2.0, False)]]               # win
+    res = within_group_auc(groups)
+    assert res == {"auc": (1 + 0 + 0.5 + 1) / 4, "pairs": 4, "groups": 3}
+    assert math.isnan(within_group_auc([[(1.0, True)]])["auc"])
+    assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0) and math.isnan(pearson([1, 1], [2, 3]))
+
+
+def test_probe_summary_by_hand():
+    def rec(d, act, think, correct, finish="stop"):
+        return {"d": d, "action": act, "think": think, "correct": correct, "finish_reason": finish}
+    T, F = True, False
+    g1 = [rec([0.0, -1.0, -0.5], [F, T, T], [T, F, F], True),     # action sum −1.5, mean −0.75, thought 0
+          rec([-2.0, -0.2], [F, T], [T, F], False),                 # action sum −0.2, thought −2
+          rec([-0.1, -0.1], [F, F], [F, F], False, "length")]      # malformed: r = 0 tops the group
+    g2 = [rec([-3.0], [F], [F], False), rec([-1.0], [F], [F], False)]  # all malformed
+    out = probe_summary([g1, g2])
+    assert out["responses"] == 5 and out["well_formed"] == pytest.approx(2 / 5)
+    assert out["finish_length"] == pytest.approx(1 / 5)
+    assert out["all_malformed_groups"] == 0.5 and out["malformed_tops_group"] == 0.5 and out["mixed_groups"] == 0.5
+    assert out["auc_action_sum"] == 0.0  # the correct response scores −1.5 < −0.2
+    assert out["auc_action_mean"] == 0.0  # −0.75 < −0.2
+    assert out["auc_thought_sum"] == 1.0  # 0 > −2: here the thought carries the signal
+    assert out["auc_full_sum"] == 1.0  # −1.5 > −2.2
+    assert out["mean_r_well_formed"] == pytest.approx((-1.5 - 0.2) / 2)
+    assert out["len_corr"] == pytest.approx(-1.0)  # two points: 2 tokens at −1.5, 1 token at −0.2
+
+
+def test_with_action_and_summaries_by_hand():
+    assert with_action("<think>I am in the kitchen.</think>\n<action>go east</action>", "take key") == \
+        "<think>I am in the kitchen.</think>\n<action>take key</action>"
+    with pytest.raises(ValueError, match="no action block"):
+        with_action("<think>hm</think>", "go east")
+    recs = [{"match": True, "valid": True, "tll": -1.0, "tll_tokens": 2, "sll_expert": -2.0, "sll_tokens": 2},
+            {"match": False, "valid": True, "tll": -4.0, "tll_tokens": 1, "sll_expert": -6.0, "sll_tokens": 3},
+            {"match": False, "valid": False, "tll": None, "tll_tokens": 0, "sll_expert": -3.0, "sll_tokens": 1}]
+    s = summarize_decisions(recs)
+    assert s["action_match"] == pytest.approx(1 / 3) and s["format_valid"] == pytest.approx(2 / 3)
+    assert s["tll_sum"] == pytest.approx(-2.5) and s["tll_per_token"] == pytest.approx((-0.5 - 4.0) / 2)
+    assert s["sll_expert"] == pytest.approx(-11 / 3) and s["sll_expert_per_token"] == pytest.approx((-1 - 2 - 3) / 3)
+
+
+# ------------------------------------------------------------------------------ on tiny real models
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from sapd import checkpoints, layout, storage
+    from sapd.config import config_from_dict
+    from sapd.data import shards
+    from sapd.models.loading import load_tokenizer
+    from sapd.run.local import run_pipeline
+    from tests.pipeline_util import make_models, tiny_config
+    tmp = tmp_path_factory.mktemp("powered")
+    student, teacher = make_models(tmp / "models")
+    root = str(tmp / "run")
+    run_pipeline(config_from_dict(tiny_config(root, student, teacher, train={"rounds": 2})),
+                 log=lambda s: None, show_progress=False)
+    rows = shards.read_shards(storage.join(layout.prefixes_dir(root), "train")).slice(0, 4).to_pylist()
+    for r in rows:  # the study's held-out rows: a thought that does not name the action, then the action
+        r["recorded_response"] = f"<think>I look around.</think>\n<action>{r['recorded_action']}</action>"
+    tok = load_tokenizer(student)
+    return root, checkpoints.load_checkpoint_model(root, 0), checkpoints.load_checkpoint_model(root, 2), tok, rows
+
+
+class Scripted:
+    """Greedy/sampled decoding replaced by fixed texts per prompt (tokenised, log-probs −1 per token)."""
+
+    def __init__(self, tok, texts_for):
+        self.tok, self.texts_for = tok, texts_for
+
+    def generate(self, prompts, params, progress=None):
+        from sapd.models.generation import Sample
+        out = []
+        for i, _ in enumerate(prompts):
+            group = []
+            for text in self.texts_for(i)[:params.n]:
+                ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
+                group.append(Sample(token_ids=ids, logprobs=[-1.0] * len(ids), text=text, finish_reason="stop"))
+            out.append(group)
+        return out
+
+
+def test_heldout_decisions_teacher_equal_student_gives_tll_equal_to_the_expert_likelihood(tiny_run):
+    """When the teacher is the student and the student's greedy action is the expert's, the teacher's
+    log-likelihood of that action (after the recorded thought) is exactly the student's likelihood of the
+    expert action; a wrong action is scored, a malformed response is not."""
+    from sapd.study.signals import heldout_decisions
+    _, student, _, tok, rows = tiny_run
+    texts = [f"<think>x</think>\n<action>{rows[0]['recorded_action']}</action>",
+             "<think>x</think>\n<action>jump around</action>", "no action at all",
+             f"<think>y</think>\n<action>{rows[3]['recorded_action'].upper()}</action>"]
+    recs = heldout_decisions(student, student, tok, rows, generator=Scripted(tok, lambda i: [texts[i]]))
+    assert [r["match"] for r in recs] == [True, False, False, True]  # case-insensitive match
+    assert [r["valid"] for r in recs] == [True, True, False, True]
+    assert recs[0]["tll"] == pytest.approx(recs[0]["sll_expert"], abs=1e-5) and recs[0]["tll_tokens"] > 0
+    assert recs[1]["tll"] is not None and recs[1]["tll"] != pytest.approx(recs[1]["sll_expert"], abs=1e-3)
+    assert recs[2]["tll"] is None and all(r["sll_expert"] < 0 for r in recs)
+    s = summarize_decisions(recs)
+    assert s["action_match"] == 0.5 and s["decisions"] == 4
+
+
+def test_signal_probe_on_real_teacher_scores(tiny_run):
+    from sapd.models.scoring import score_groups
+    from sapd.study.signals import signal_probe
+    _, student, teacher, tok, rows = tiny_run
+    rows = rows[:2]
+
+    def texts(i):
+        return [f"<think>a</think>\n<action>{rows[i]['recorded_action']}</action>",
+                "<think>a</think>\n<action>go west</action>", "<think>a</think> and then nothing"]
+    out = signal_probe(student, teacher, tok, rows, group_size=3, generator=Scripted(tok, texts))
+    assert out["responses"] == 6 and out["well_formed"] == pytest.approx(4 / 6) and out["mixed_groups"] == 1.0
+    assert out["auc_groups"] == 2 and out["auc_pairs"] == 2
+    # the action-only AUC recomputed from the teacher's own scores of the two action tokens' spans
+    from sapd.method.action_mask import action_token_mask
+    wins = 0.0
+    for i, r in enumerate(rows):
+        prompt = list(tok(r["prompt"], add_special_tokens=False)["input_ids"])
+        ids = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts(i)[:2]]
+        lp = score_groups(teacher, [("p", prompt, ids)], pad_id=tok.pad_token_id)[0]
+        sums = [sum(x + 1.0 for x, m in zip(lp[j], action_token_mask(tok, ids[j], "textworld")) if m)
+                for j in range(2)]
+        wins += 1.0 if sums[0] > sums[1] else 0.5 if sums[0] == sums[1] else 0.0
+    assert out["auc_action_sum"] == pytest.approx(wins / 2)
+
+
+def test_round_health_reads_step_logs_and_scored_rounds(tiny_run):
+    from sapd.study.signals import round_health
+    root = tiny_run[0]
+    health = round_health(root)
+    assert [h["round"] for h in health] == [0, 1]
+    for h in health:
+        assert 0.0 <= h["well_formed"] <= 1.0 and 0.0 <= h["action_less"] <= 1.0
+        assert {"no_action_fraction", "all_no_action_groups", "step_adv_abs_mean", "clip_fraction"} <= set(h)
+        assert h["action_less"] == pytest.approx(h["no_action_fraction"], abs=1e-6)
