@@ -57,6 +57,8 @@ class SamplingConfig:
     max_new_tokens: int = 256
     prompts_per_batch: int = 4  # HF: prompts prefilled together (each becomes G decode rows)
     gpu_memory_utilization: float = 0.4  # vLLM: share of GPU memory for each engine (student sampler, teacher)
+    tensor_parallel_size: int = 1  # vLLM: GPUs the student sampler's engine spans
+    teacher_tensor_parallel_size: int = 1  # vLLM: GPUs the teacher scoring engine spans
 
 
 @dataclass
@@ -266,6 +268,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("train.minibatch_prefixes must be a multiple of train.micro_batch_prefixes")
     if cfg.workers < 1:
         raise ConfigError("workers: must be at least 1")
+    for key in ("tensor_parallel_size", "teacher_tensor_parallel_size"):
+        if getattr(cfg.sampling, key) < 1:
+            raise ConfigError(f"sampling.{key}: must be at least 1")
     if cfg.data.reopd_kappa is not None and cfg.data.reopd_kappa <= 0:
         raise ConfigError("data.reopd_kappa: must be positive")
 
@@ -280,8 +285,9 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(plain(cfg.to_dict()), sort_keys=False)
 
 
-# may change between rounds of one run (the scoring workers of a round record their own count)
-_RESUMABLE_CHANGES = ("workers",)
+# may change between rounds of one run, or differ between the stages of one run (the scoring workers of a
+# round record their own count; the chart gives only the scoring stage its engines' tensor-parallel sizes)
+_RESUMABLE_CHANGES = ("workers", "sampling.tensor_parallel_size", "sampling.teacher_tensor_parallel_size")
 
 
 def config_differences(a: RunConfig, b: RunConfig) -> list[str]:

@@ -292,6 +292,12 @@ def test_tensor_parallel_engines_request_that_many_gpus_and_shm_is_a_value():
     sampling = yaml.safe_load(cm["data"]["teacher-scores.yaml"])["sampling"]
     assert sampling["tensor_parallel_size"] == 2 and sampling["teacher_tensor_parallel_size"] == 4
     assert "tensor_parallel_size" not in cm["data"]["train.yaml"]  # the experiment config is untouched
+    # sapd takes them, and they are no change of the run's config (train has none)
+    from sapd.config import config_differences, config_from_dict
+    train_cfg = yaml.safe_load(cm["data"]["train.yaml"])
+    scoring = config_from_dict({**train_cfg, "sampling": {**train_cfg.get("sampling", {}), **sampling}})
+    assert (scoring.sampling.tensor_parallel_size, scoring.sampling.teacher_tensor_parallel_size) == (2, 4)
+    assert config_differences(scoring, config_from_dict(train_cfg)) == []
     base = yaml.safe_load(by_kind(render({}), "ConfigMap")["sapd-test-config"]["data"]["teacher-scores.yaml"])
     assert "tensor_parallel_size" not in base.get("sampling", {})  # 1: nothing sapd would not know
 

@@ -46,7 +46,8 @@ def student_generator(cfg: RunConfig, k: int, tokenizer) -> Generator:
     is the faster path for big pools."""
     if cfg.sampling.backend == "vllm":
         return VLLMGenerator.from_path(checkpoints.checkpoint_model_path(cfg.run_root, k), dtype=cfg.model.dtype,
-                                       gpu_memory_utilization=cfg.sampling.gpu_memory_utilization)
+                                       gpu_memory_utilization=cfg.sampling.gpu_memory_utilization,
+                                       tensor_parallel_size=cfg.sampling.tensor_parallel_size)
     student = checkpoints.load_checkpoint_model(cfg.run_root, k, cfg.model.dtype, cfg.model.device)
     return HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch, device=cfg.model.device)
 
@@ -55,7 +56,8 @@ def teacher_scorer(cfg: RunConfig, tokenizer) -> TeacherScorer:
     """The frozen teacher behind ``sampling.backend``, loaded once."""
     if cfg.sampling.backend == "vllm":
         return VLLMScorer.from_path(cfg.model.teacher, dtype=cfg.model.dtype,
-                                    gpu_memory_utilization=cfg.sampling.gpu_memory_utilization).score_groups
+                                    gpu_memory_utilization=cfg.sampling.gpu_memory_utilization,
+                                    tensor_parallel_size=cfg.sampling.teacher_tensor_parallel_size).score_groups
     teacher = load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=cfg.model.device)
 
     def scorer(groups, progress=None):
