@@ -103,6 +103,9 @@ def test_evaluation_on_an_s3_run_root(s3_storage, tmp_path):
 @pytest.mark.slow
 def test_sampled_evaluation_at_a_temperature_is_seeded_and_kept_apart_from_greedy(run_root, tmp_path):
     """SDAR validates at T = 0.4: a sampled evaluation is its own result file, reproducible by seed."""
+    import shutil
+    shutil.copytree(run_root, tmp_path / "run", ignore=shutil.ignore_patterns("evals"))  # its own run root:
+    run_root = str(tmp_path / "run")  # other tests evaluate checkpoint 0 greedily on other panels
     panel = PanelSpec("textworld", families=("coin",), games_per_family=2, seed=3, cache_dir=str(tmp_path / "g"))
     kw = dict(horizon=3, max_new_tokens=24, **QUIET)
     sampled = evaluate_checkpoint(run_root, 0, panel, temperature=0.4, **kw)
