@@ -16,9 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from sapd import layout, storage
+from sapd import layout, storage, yamlio
 from sapd.method.benchmarks import BENCHMARKS
 from sapd.method.objective import VARIANTS, LossConfig, loss_config_for
 
@@ -114,14 +112,31 @@ class RunConfig:
 
 
 def _resolve_loss(variant: str, loss: dict[str, Any]) -> LossConfig:
+    hints = typing.get_type_hints(LossConfig)
+    typed = {k: _check_type(v, hints[k], f"loss.{k}") if k in hints else v for k, v in loss.items()}
     try:
-        return loss_config_for(variant, **loss)
+        return loss_config_for(variant, **typed)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"variant/loss: {e}") from None
+        raise ConfigError(f"variant/loss: {e}", "loss") from None
 
 
 class ConfigError(ValueError):
-    pass
+    """A bad config value; ``path`` is the dotted key it is about (``train.lr``), when there is one."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def _number_hint(value: Any) -> str:
+    """A quoted number (``lr: "1e-6"``) reads as a string: say so."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return ""
+        return " (a string: write the number without quotes)"
+    return ""
 
 
 def _check_type(value: Any, tp: Any, path: str) -> Any:
@@ -130,7 +145,7 @@ def _check_type(value: Any, tp: Any, path: str) -> Any:
         return value
     if origin is Literal:
         if value not in typing.get_args(tp):
-            raise ConfigError(f"{path}: {value!r} is not one of {list(typing.get_args(tp))}")
+            raise ConfigError(f"{path}: {value!r} is not one of {list(typing.get_args(tp))}", path)
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -144,39 +159,39 @@ def _check_type(value: Any, tp: Any, path: str) -> Any:
                 return _check_type(value, a, path)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}")
+        raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}", path)
     if origin is tuple and typing.get_args(tp)[-1:] == (Ellipsis,):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
+            raise ConfigError(f"{path}: expected a list, got {value!r}", path)
         return tuple(_check_type(v, typing.get_args(tp)[0], f"{path}[{i}]") for i, v in enumerate(value))
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(typing.get_args(tp)):
-            raise ConfigError(f"{path}: expected a list of {len(typing.get_args(tp))} values, got {value!r}")
+            raise ConfigError(f"{path}: expected a list of {len(typing.get_args(tp))} values, got {value!r}", path)
         return tuple(_check_type(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, typing.get_args(tp))))
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
+            raise ConfigError(f"{path}: expected a list, got {value!r}", path)
         (arg,) = typing.get_args(tp) or (Any,)
         return [_check_type(v, arg, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}", path)
         return dict(value)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
+            raise ConfigError(f"{path}: expected a number, got {value!r}{_number_hint(value)}", path)
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+            raise ConfigError(f"{path}: expected an integer, got {value!r}{_number_hint(value)}", path)
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+            raise ConfigError(f"{path}: expected true or false, got {value!r}", path)
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
+            raise ConfigError(f"{path}: expected a string, got {value!r}", path)
         return value
     return value
 
@@ -191,11 +206,12 @@ def apply_overlay(obj: Any, overlay: dict[str, Any], path: str = "") -> None:
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             raise ConfigError(f"{where}: unknown key" + (f" (did you mean '{path}{close[0]}'?)" if close else
-                                                         f"; known keys: {', '.join(names)}"))
+                                                         f"; known keys: {', '.join(names)}"), where)
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}: expected a mapping of {type(current).__name__} keys, got {value!r}")
+                raise ConfigError(f"{where}: expected a mapping of {type(current).__name__} keys, got {value!r}",
+                                  where)
             apply_overlay(current, value, where + ".")
         elif key == "loss" and isinstance(obj, RunConfig):
             merged = {**current, **_check_type(value, dict, where)}
@@ -207,19 +223,35 @@ def apply_overlay(obj: Any, overlay: dict[str, Any], path: str = "") -> None:
 VARIANT_PREFIX = "variants/"
 
 
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping (YAML 1.2 numbers, :mod:`sapd.yamlio`); an empty file is {}."""
+    p = Path(path)
+    try:
+        data = yamlio.load(p.read_text(encoding="utf-8"))
+    except yamlio.yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping")
+    return data
+
+
+def apply_file_overlay(obj: Any, where: str, data: dict[str, Any]) -> None:
+    """:func:`apply_overlay` of a file's mapping; an error names ``file:line`` of the offending key."""
+    try:
+        apply_overlay(obj, data, "")
+    except ConfigError as e:
+        line = yamlio.line_of(data, e.path) if e.path else None
+        raise ConfigError(f"{where}:{line}: {e}" if line else f"{where}: {e}", e.path) from None
+
+
 def _overlay_source(name: str | Path) -> tuple[str, dict[str, Any]]:
     """(where, mapping) of one overlay argument: a YAML file, or ``variants/NAME`` — the named variant
     (a file of that name, if one exists, wins)."""
     p = Path(name)
     if p.is_file():
-        text = p.read_text(encoding="utf-8")
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping")
-        return str(p), data
+        return str(p), read_yaml_mapping(p)
     text = str(name).removesuffix(".yaml")
     if text.startswith(VARIANT_PREFIX):
         variant = text[len(VARIANT_PREFIX):]
@@ -235,16 +267,30 @@ def load_config(*paths: str | Path, overrides: dict[str, Any] | None = None) -> 
     """Defaults, then each overlay in order (a YAML file, or ``variants/NAME``), then ``overrides``;
     validated."""
     cfg = RunConfig()
+    sources = []
     for name in paths:
         where, data = _overlay_source(name)
-        try:
-            apply_overlay(cfg, data, "")
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from None
+        apply_file_overlay(cfg, where, data)
+        sources.append((where, data))
     if overrides:
         apply_overlay(cfg, overrides, "")
-    validate(cfg)
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        # name the last file that set the key the error is about
+        for where, data in reversed(sources):
+            if e.path and _sets(data, e.path):
+                raise ConfigError(f"{where}:{yamlio.line_of(data, e.path)}: {e}", e.path) from None
+        raise
     return cfg
+
+
+def _sets(data: Any, path: str) -> bool:
+    for part in path.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
@@ -257,22 +303,25 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
 def validate(cfg: RunConfig) -> None:
     cfg.loss_cfg = _resolve_loss(cfg.variant, cfg.loss)
     if cfg.data.benchmark not in BENCHMARKS:
-        raise ConfigError(f"data.benchmark: {cfg.data.benchmark!r} is not one of {sorted(BENCHMARKS)}")
+        raise ConfigError(f"data.benchmark: {cfg.data.benchmark!r} is not one of {sorted(BENCHMARKS)}",
+                          "data.benchmark")
     if cfg.sampling.group_size < 2 and cfg.loss_cfg.objective != "sft":
-        raise ConfigError("sampling.group_size: a group needs at least 2 responses (advantages are group-relative)")
+        raise ConfigError("sampling.group_size: a group needs at least 2 responses (advantages are group-relative)",
+                          "sampling.group_size")
     tc = cfg.train
     for name in ("rounds", "trajectories_per_round", "epochs_per_round", "minibatch_prefixes", "micro_batch_prefixes"):
         if getattr(tc, name) < 1:
-            raise ConfigError(f"train.{name}: must be at least 1")
+            raise ConfigError(f"train.{name}: must be at least 1", f"train.{name}")
     if tc.minibatch_prefixes % tc.micro_batch_prefixes:
-        raise ConfigError("train.minibatch_prefixes must be a multiple of train.micro_batch_prefixes")
+        raise ConfigError("train.minibatch_prefixes must be a multiple of train.micro_batch_prefixes",
+                          "train.minibatch_prefixes")
     if cfg.workers < 1:
-        raise ConfigError("workers: must be at least 1")
+        raise ConfigError("workers: must be at least 1", "workers")
     for key in ("tensor_parallel_size", "teacher_tensor_parallel_size"):
         if getattr(cfg.sampling, key) < 1:
-            raise ConfigError(f"sampling.{key}: must be at least 1")
+            raise ConfigError(f"sampling.{key}: must be at least 1", f"sampling.{key}")
     if cfg.data.reopd_kappa is not None and cfg.data.reopd_kappa <= 0:
-        raise ConfigError("data.reopd_kappa: must be positive")
+        raise ConfigError("data.reopd_kappa: must be positive", "data.reopd_kappa")
 
 
 def dump_config(cfg: RunConfig) -> str:
@@ -282,40 +331,58 @@ def dump_config(cfg: RunConfig) -> str:
         if isinstance(x, dict):
             return {k: plain(v) for k, v in x.items()}
         return x
-    return yaml.safe_dump(plain(cfg.to_dict()), sort_keys=False)
+    return yamlio.dump(plain(cfg.to_dict()))
 
 
 # may change between rounds of one run, or differ between the stages of one run (the scoring workers of a
 # round record their own count; the chart gives only the scoring stage its engines' tensor-parallel sizes)
-_RESUMABLE_CHANGES = ("workers", "sampling.tensor_parallel_size", "sampling.teacher_tensor_parallel_size")
+MAY_CHANGE = ("workers", "sampling.tensor_parallel_size", "sampling.teacher_tensor_parallel_size")
+
+
+def _flat(d: dict[str, Any], pre: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{pre}{k}.") if isinstance(v, dict) and k != "loss" else {f"{pre}{k}": v})
+    return out
 
 
 def config_differences(a: RunConfig, b: RunConfig) -> list[str]:
-    """Dotted keys whose values differ between two resolved configs (ignoring what a run may change)."""
-    def flat(d: dict[str, Any], pre: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{pre}{k}.") if isinstance(v, dict) and k != "loss" else {f"{pre}{k}": v})
-        return out
-    fa, fb = flat(yaml.safe_load(dump_config(a))), flat(yaml.safe_load(dump_config(b)))
-    return sorted(k for k in fa.keys() | fb.keys() if k not in _RESUMABLE_CHANGES and fa.get(k) != fb.get(k))
+    """Dotted keys whose values differ between two resolved configs (ignoring :data:`MAY_CHANGE`)."""
+    fa, fb = _flat(yamlio.load(dump_config(a))), _flat(yamlio.load(dump_config(b)))
+    return sorted(k for k in fa.keys() | fb.keys() if k not in MAY_CHANGE and fa.get(k) != fb.get(k))
+
+
+def committed_config_problem(cfg: RunConfig) -> str | None:
+    """Why ``cfg`` may not run in its run root (one that holds a different resolved config), else None.
+    Compared as resolved configs, so a key a newer sapd added (at its default) is no difference."""
+    uri = layout.config_uri(cfg.run_root)
+    if not storage.exists(uri):
+        return None
+    text = storage.read_text(uri)
+    if text == dump_config(cfg):
+        return None
+    try:
+        stored = config_from_dict(yamlio.load(text) or {})
+    except ConfigError as e:
+        return (f"{uri}: the committed config does not load ({e}); resume with the sapd that wrote it, or "
+                "choose a new run_root")
+    diffs = config_differences(stored, cfg)
+    if not diffs:
+        return None
+    old, new = _flat(yamlio.load(dump_config(stored))), _flat(yamlio.load(dump_config(cfg)))
+    shown = ", ".join(f"{k} ({old.get(k)!r} there, {new.get(k)!r} here)" for k in diffs[:4])
+    shown += f" and {len(diffs) - 4} more" if len(diffs) > 4 else ""
+    return f"{uri} holds a different resolved config: {shown}; resume with the same config, or choose a new run_root"
 
 
 def write_run_config(cfg: RunConfig) -> None:
     """The resolved config goes into the run root (``config.yaml``); a run root already holding a
-    *different* config is refused (resuming must not silently change the experiment). Compared as
-    resolved configs, so a key added by a newer sapd (at its default) is not a difference."""
+    *different* config is refused (resuming must not silently change the experiment; only
+    :data:`MAY_CHANGE` keys may)."""
     uri = layout.config_uri(cfg.run_root)
-    text = dump_config(cfg)
     if storage.exists(uri):
-        try:
-            stored = config_from_dict(yaml.safe_load(storage.read_text(uri)) or {})
-        except ConfigError as e:
-            raise ConfigError(f"{uri}: the committed config does not load ({e}); resume with the sapd that "
-                              "wrote it, or choose a new run_root") from e
-        diff = config_differences(stored, cfg)
-        if diff:
-            raise ConfigError(f"{uri} holds a different resolved config (differs in: {', '.join(diff)}); resume "
-                              "with the same config, or choose a new run_root")
+        problem = committed_config_problem(cfg)
+        if problem:
+            raise ConfigError(problem)
         return
-    storage.write_text(uri, text)
+    storage.write_text(uri, dump_config(cfg))

@@ -591,7 +591,7 @@ def test_config_map_content_per_overlay(tmp_path):
     assert (searchqa.data.benchmark, searchqa.data.format, searchqa.train.trajectories_per_round) == \
         ("searchqa", "searchr1", 128)
     assert cfg("webshop").data.benchmark == "webshop" and cfg("textworld").data.format == "native"
-    # Go writes small floats as 1e-06, which YAML 1.1 reads as a string; the chart writes 1.0e-06
+    # Go writes small floats as 1e-06 (YAML 1.2, which sapd reads, takes it as a float)
     assert cfg("base", extra={"config": {"train": {"lr": 5e-7, "weight_decay": 1e20}}}).train.lr == 5e-7
     # a job's own config lands in its overlay only
     per_job = cfg("base", "evaluate.yaml", extra={"evaluate": {"config": {"sampling": {"max_new_tokens": 64}}}})
@@ -845,3 +845,37 @@ def test_dockerfile_layers_dependencies_before_source_with_pins_and_tini():
     for name in ("transformers", "deepspeed", "kubernetes"):  # the image runs what the tests run
         assert md.version(name) == pins[name], name
     assert md.version("torch").split("+")[0] == pins["torch"]
+
+
+@pytest.mark.parametrize("how", ["set", "values-file"])
+def test_float_values_arrive_as_floats(tmp_path, how):
+    """`--set config.train.lr=1e-6` (Helm types only integers: the value is the string "1e-6") and a values
+    file's `lr: 1e-6` (Go writes it back as 1e-06) both reach the run config as floats."""
+    pairs = {"train.lr": 1e-6, "train.weight_decay": 5e-7, "sampling.top_p": 0.5, "train.max_grad_norm": 0.25,
+             "loss.lambda_tok": 1.5e-2, "data.val_fraction": 0.125}
+    written = {"train.lr": "1e-6", "train.weight_decay": "5E-7", "sampling.top_p": ".5",
+               "train.max_grad_norm": "0.25", "loss.lambda_tok": "1.5e-2", "data.val_fraction": ".125"}
+    if how == "set":
+        values = helm.parse_set_string(",".join(f"config.{k}={v}" for k, v in written.items()))
+        assert values["config"]["train"]["lr"] == "1e-6"  # what Helm hands the chart: a string
+    else:
+        nested: dict = {}
+        for k, v in written.items():
+            section, key = k.split(".")
+            nested.setdefault(section, {})[key] = v
+        text = "config:\n" + "".join(f"  {s}:\n" + "".join(f"    {k}: {v}\n" for k, v in kv.items())
+                                     for s, kv in nested.items())
+        values = helm.values_from_yaml(text)
+    cm = by_kind(render(values), "ConfigMap")["sapd-test-config"]
+    for key in ("config.yaml", "train.yaml", "teacher-scores.yaml"):
+        (tmp_path / key).write_text(cm["data"][key])
+        cfg = load_config(tmp_path / key)
+        for dotted, want in pairs.items():
+            section, name = dotted.split(".")
+            got = cfg.loss[name] if section == "loss" else getattr(getattr(cfg, section), name)
+            assert isinstance(got, float) and got == want, (key, dotted, got)
+    # strings stay strings: only a whole value with a dot or an exponent is unquoted
+    values = helm.parse_set_string("config.data.input=1e5.jsonl,config.model.device=cuda:1")
+    (tmp_path / "s.yaml").write_text(by_kind(render(values), "ConfigMap")["sapd-test-config"]["data"]["config.yaml"])
+    cfg = load_config(tmp_path / "s.yaml")
+    assert (cfg.data.input, cfg.model.device) == ("1e5.jsonl", "cuda:1")

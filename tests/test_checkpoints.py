@@ -98,5 +98,5 @@ def test_run_root_config_compared_as_resolved_config(tmp_path):
     Path(layout.config_uri(root)).write_text(yaml.safe_dump(old))
     write_run_config(cfg)
     write_run_config(config_from_dict({"run_root": root, "train": {"lr": 1e-4}, "workers": 4}))
-    with pytest.raises(ConfigError, match=r"differs in: train\.lr"):
+    with pytest.raises(ConfigError, match=r"different resolved config: train\.lr"):
         write_run_config(config_from_dict({"run_root": root, "train": {"lr": 3e-4}}))

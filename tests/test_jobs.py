@@ -37,7 +37,7 @@ def test_teacher_scores_two_indexed_workers_then_commit(tmp_path, models, monkey
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")
     assert teacher_scores.main(args) == 0
     assert teacher_scores.main([*args, "--commit"]) == 2  # worker 0 has not finished
-    assert "worker 0 has not finished" in capsys.readouterr().err
+    assert "worker 0 of 2 has not finished" in capsys.readouterr().err
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
     assert teacher_scores.main(args) == 0
     assert teacher_scores.main(args) == 0  # a retried pod redoes nothing

@@ -4,7 +4,7 @@ and function-local imports alike. A failure names ``file:line`` and the rule it 
 Floors, bottom up — a module imports only from lower floors, or from its own package where the rules
 below allow it:
 
-1 ``sapd.method`` (the pure method), ``sapd.storage``, ``sapd.metrics``
+1 ``sapd.method`` (the pure method), ``sapd.storage``, ``sapd.metrics``, ``sapd.yamlio``
 2 ``sapd.layout``       3 ``sapd.config``
 4 ``sapd.data`` (contracts and transforms, no models), ``sapd.models``
 5 ``sapd.checkpoints``  6 ``sapd.envs``
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 FLOORS = {
     "sapd": 0,  # the package face: __version__ only
-    "sapd.method": 1, "sapd.storage": 1, "sapd.metrics": 1,
+    "sapd.method": 1, "sapd.storage": 1, "sapd.metrics": 1, "sapd.yamlio": 1,
     "sapd.layout": 2, "sapd.config": 3,
     "sapd.data": 4, "sapd.models": 4,
     "sapd.checkpoints": 5, "sapd.envs": 6,

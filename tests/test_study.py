@@ -29,7 +29,7 @@ def test_config_checks_keys_and_types(tmp_path):
     assert cfg.families == ["coin_near", "kitchen"] and cfg.student_shape.hidden_size == 32
     bad = tmp_path / "bad.yaml"
     bad.write_text("famillies: [coin]\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: famillies: unknown key \(did you mean 'families'\?\)"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml:1: famillies: unknown key \(did you mean 'families'\?\)"):
         load_study_config(str(bad))
     bad.write_text("seeds: 3\n")
     with pytest.raises(ConfigError, match="seeds: expected a list"):

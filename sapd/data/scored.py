@@ -79,24 +79,34 @@ def scored_row(prefix: dict[str, Any], prompt_ids: Sequence[int], responses_G: S
 
 
 def write_worker_part(out_dir: str, worker: int, rows: list[dict[str, Any]], timings: dict[str, float],
-                      generated_tokens: int) -> int:
-    """Write worker ``worker``'s part, then its done-marker (rows, bytes, sha256, timings). → rows."""
+                      generated_tokens: int, workers: int = 1) -> int:
+    """Write worker ``worker``'s part (of ``workers``), then its done-marker (rows, bytes, sha256, timings,
+    the number of workers the round was split into). → rows."""
     table = pa.Table.from_pylist(rows, schema=SCORED_SCHEMA)
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     data = buf.getvalue()
     storage.write_bytes(storage.join(out_dir, part_name(worker)), data)
     storage.write_json(worker_done_marker(out_dir, worker),
-                       {"worker": worker, "rows": table.num_rows, "bytes": len(data),
+                       {"worker": worker, "workers": workers, "rows": table.num_rows, "bytes": len(data),
                         "sha256": hashlib.sha256(data).hexdigest(), "timings": timings,
                         "generated_tokens": generated_tokens})
     return table.num_rows
 
 
+def worker_marker(cfg: RunConfig, k: int, worker: int) -> dict[str, Any] | None:
+    """Worker ``worker``'s done-marker of round k if it was written for the config's number of workers
+    (a part written when the round was split another way covers other prefixes: it is redone)."""
+    uri = worker_done_marker(layout.scored_dir(cfg.run_root, k), worker)
+    if not storage.exists(uri):
+        return None
+    done: dict[str, Any] = storage.read_json(uri)
+    return done if done.get("workers", cfg.workers) == cfg.workers else None
+
+
 def workers_done(cfg: RunConfig, k: int) -> list[int]:
-    """The workers of round k whose part is written (their done-marker exists)."""
-    out_dir = layout.scored_dir(cfg.run_root, k)
-    return [w for w in range(cfg.workers) if storage.exists(worker_done_marker(out_dir, w))]
+    """The workers of round k whose part is written (their done-marker exists, for ``cfg.workers``)."""
+    return [w for w in range(cfg.workers) if worker_marker(cfg, k, w) is not None]
 
 
 def commit_round(cfg: RunConfig, k: int) -> dict[str, Any]:
@@ -111,10 +121,9 @@ def commit_round(cfg: RunConfig, k: int) -> dict[str, Any]:
     timings: dict[str, float] = {}
     tokens = 0
     for w in range(cfg.workers):
-        marker = worker_done_marker(out_dir, w)
-        if not storage.exists(marker):
-            raise shards.ShardError(f"{out_dir}: worker {w} has not finished; cannot commit round {k}")
-        done = storage.read_json(marker)
+        done = worker_marker(cfg, k, w)
+        if done is None:
+            raise shards.ShardError(f"{out_dir}: worker {w} of {cfg.workers} has not finished; cannot commit round {k}")
         parts.append({"name": part_name(w), "rows": done["rows"], "bytes": done["bytes"], "sha256": done["sha256"]})
         for key, v in done.get("timings", {}).items():
             timings[key] = max(timings.get(key, 0.0), v)  # workers run in parallel: the slowest decides

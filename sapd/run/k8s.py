@@ -28,11 +28,10 @@ from types import SimpleNamespace as NS
 from typing import Any, Callable
 
 import urllib3
-import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from sapd import layout
+from sapd import layout, yamlio
 from sapd.config import RunConfig
 from sapd.data import scored, shards
 from sapd.run import plan
@@ -106,8 +105,8 @@ class StageTemplates:
                 raise DriverError(f"template '{stage}' needs a round")
             text = text.replace(ROUND_PLACEHOLDER, str(k))
         try:
-            doc = yaml.safe_load(text)
-        except yaml.YAMLError as e:
+            doc = yamlio.load(text)
+        except yamlio.yaml.YAMLError as e:
             raise DriverError(f"template '{stage}' is not YAML: {e}") from e
         kinds = ("Service",) if stage == TRAIN_SERVICE else ("Job", "JobSet") if stage == "train" else ("Job",)
         if not isinstance(doc, dict) or doc.get("kind") not in kinds or not doc.get("metadata", {}).get("name"):

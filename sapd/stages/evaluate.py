@@ -16,10 +16,9 @@ import time
 from typing import Any, Callable
 
 import pyarrow as pa
-import yaml
 from tqdm import tqdm
 
-from sapd import checkpoints, layout, storage
+from sapd import checkpoints, layout, storage, yamlio
 from sapd.config import RunConfig
 from sapd.data.prefixes import PrefixOptions
 from sapd.envs.base import EpisodeSpec
@@ -45,7 +44,7 @@ def run_prompt_options(root: str) -> PrefixOptions:
     uri = layout.config_uri(root)
     if not storage.exists(uri):
         return PrefixOptions()
-    data = (yaml.safe_load(storage.read_text(uri)) or {}).get("data", {})
+    data = (yamlio.load(storage.read_text(uri)) or {}).get("data", {})
     return PrefixOptions(history_length=data.get("history_length"), full_history=bool(data.get("full_history")),
                          prompt_style=data.get("prompt_style", "step"))
 

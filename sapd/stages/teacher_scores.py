@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from tqdm import tqdm
 
-from sapd import checkpoints, layout, storage
+from sapd import checkpoints, layout
 from sapd.config import RunConfig
 from sapd.data import scored
 from sapd.data.batches import round_batch, worker_rows
@@ -123,7 +123,7 @@ def run_worker(cfg: RunConfig, k: int, worker: int, generator: Generator, teache
         for r, pids, group, t_logp in zip(rows, prompt_ids_P, samples_P_G, teacher_logp_P_G_T)]
     timings["masks_rules_seconds"] = time.perf_counter() - t0
     n_tokens = sum(len(s.token_ids) for g in samples_P_G for s in g)
-    n_rows = scored.write_worker_part(out_dir, worker, out_rows, timings, n_tokens)
+    n_rows = scored.write_worker_part(out_dir, worker, out_rows, timings, n_tokens, cfg.workers)
     log(f"round {k} worker {worker}: wrote {n_rows} groups, {n_tokens} generated tokens "
         f"(sample {timings['sample_seconds']:.1f}s, teacher {timings['score_seconds']:.1f}s)")
     return WorkerResult(False, n_rows, timings, n_tokens, _commit_if_complete(cfg, k, log))
@@ -131,11 +131,11 @@ def run_worker(cfg: RunConfig, k: int, worker: int, generator: Generator, teache
 
 def _finished(cfg: RunConfig, k: int, worker: int, log: Callable[[str], None]) -> WorkerResult | None:
     """The result of a worker whose part is already written (or whose round is committed), else None."""
-    marker = scored.worker_done_marker(layout.scored_dir(cfg.run_root, k), worker)
-    if not (scored.is_committed(cfg.run_root, k) or storage.exists(marker)):
+    marker = scored.worker_marker(cfg, k, worker)
+    if not (scored.is_committed(cfg.run_root, k) or marker is not None):
         return None
     log(f"round {k} worker {worker}: already done")
-    done: dict[str, Any] = storage.read_json(marker) if storage.exists(marker) else {"rows": -1, "timings": {}}
+    done: dict[str, Any] = marker if marker is not None else {"rows": -1, "timings": {}}
     return WorkerResult(True, done["rows"], done.get("timings", {}), done.get("generated_tokens", 0),
                         _commit_if_complete(cfg, k, log))
 

@@ -59,7 +59,7 @@ import pyarrow.compute as pc
 
 from sapd import checkpoints, layout, storage
 from sapd.baselines.online import cycling_games, run_online
-from sapd.config import ConfigError, apply_overlay, config_from_dict, dump_config
+from sapd.config import ConfigError, apply_file_overlay, apply_overlay, config_from_dict, dump_config, read_yaml_mapping
 from sapd.data.loaders import LoadOptions, load_trajectories, write_native_jsonl
 from sapd.data.prefixes import PrefixOptions, build_prefixes, read_prefixes
 from sapd.data.prompts import render_messages
@@ -127,17 +127,9 @@ class StudyConfig:
 
 
 def load_study_config(path: str | None, overrides: dict[str, Any] | None = None) -> StudyConfig:
-    import yaml
-
     cfg = StudyConfig()
     if path:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping")
-        try:
-            apply_overlay(cfg, data)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+        apply_file_overlay(cfg, str(path), read_yaml_mapping(path))
     if overrides:
         apply_overlay(cfg, overrides)
     bad = set(cfg.tables) - {"table1", "table2", "table3", "figure2", "a5"}

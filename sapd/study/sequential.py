@@ -21,10 +21,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import yaml
-
 from sapd import layout, storage
-from sapd.config import ConfigError, RunConfig, apply_overlay, config_from_dict, load_config
+from sapd.config import ConfigError, RunConfig, apply_overlay, config_from_dict, load_config, read_yaml_mapping
 from sapd.envs.loop import summarize
 from sapd.envs.panels import PanelSpec, episode_specs
 from sapd.run.local import run_pipeline
@@ -189,12 +187,7 @@ def load_sequence(path: str) -> dict[str, Any]:
     Returns ``{"base": dict, "stages": [Stage], "root", "variant", "horizon", "max_new_tokens",
     "env_timeout_s"}``."""
     p = Path(path)
-    try:
-        spec = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    if not isinstance(spec, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping")
+    spec = read_yaml_mapping(p)
     unknown = set(spec) - _SPEC_KEYS
     if unknown:
         raise ConfigError(f"{p}: unknown key(s) {sorted(unknown)}; expected some of {sorted(_SPEC_KEYS)}")

@@ -120,11 +120,13 @@ imagePullPolicy: {{ $img.pullPolicy }}
 {{- (($cfg.data | default dict).benchmark | default "alfworld") -}}
 {{- end -}}
 
-{{/* toYaml, except that a float Go writes as "1e-06" becomes "1.0e-06": YAML 1.1 (PyYAML, which
-     sapd.config reads with) needs the dot, and would read "1e-06" as a string. */}}
+{{/* toYaml, except that a decimal number `--set` passed as a string (Helm's --set types only integers,
+     so `--set config.train.lr=1e-6` is the string "1e-6", which toYaml quotes) is written unquoted: the
+     run config holds numbers, and sapd reads YAML 1.2 (sapd/yamlio.py), where 1e-6, .5 and 1e-06 (Go's
+     way of writing small floats) are all floats. Only values with a dot or an exponent are unquoted. */}}
 {{- define "sapd.yaml" -}}
 {{- $y := toYaml . -}}
-{{- $y = regexReplaceAll "(?m)^(\\s*(?:- |[^\\s:#'\"][^:#'\"]*: +)-?[0-9]+)([eE][-+]?[0-9]+)$" $y "${1}.0${2}" -}}
+{{- $y = regexReplaceAll "(?m)^(\\s*(?:- |[^\\s:#'\"][^:#'\"]*: +))[\"']([-+]?(?:\\.[0-9]+|[0-9]+\\.[0-9]*|[0-9]+(?:\\.[0-9]*)?[eE][-+]?[0-9]+)(?:[eE][-+]?[0-9]+)?)[\"']$" $y "${1}${2}" -}}
 {{- $y -}}
 {{- end -}}
 
