@@ -2,6 +2,7 @@
 
     .venv/bin/python -m experiments.powered pilot             # games, pools, models, one timed round
     .venv/bin/python -m experiments.powered gate probe        # gates and the round-0 signal probe
+    .venv/bin/python -m experiments.powered smollm2           # the same probe with SmolLM2-135M (~25 min)
     .venv/bin/python -m experiments.powered sweep --max-units 3
     .venv/bin/python -m experiments.powered final             # refused until the plan is committed
     .venv/bin/python -m experiments.powered status
@@ -24,7 +25,8 @@ HERE = Path(__file__).resolve().parent
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.powered", description=__doc__.splitlines()[0])
-    p.add_argument("steps", nargs="+", choices=["pilot", "gate", "probe", "sweep", "final", "status"])
+    p.add_argument("steps", nargs="+", choices=["pilot", "gate", "probe", "smollm2", "sweep", "final",
+                                                  "status"])
     p.add_argument("--config", default=str(HERE / "powered.yaml"))
     p.add_argument("--ledger", default=str(HERE / "powered"))
     p.add_argument("--cache", default=".cache/powered")
@@ -50,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             res = study.probe()
             log("probe: " + ", ".join(f"{k} {res[k]:.3f}" for k in ("auc_action_sum", "auc_action_mean",
                                                                      "auc_thought_sum", "auc_full_sum", "len_corr")))
+        elif step == "smollm2":
+            res = study.smollm2_probe()
+            log("SmolLM2 probe: " + ", ".join(f"{k} {res[k]:.3f}" for k in ("well_formed", "auc_action_sum",
+                                                                             "auc_full_sum", "len_corr")))
         elif step == "sweep":
             log(f"sweep: finished {study.sweep(args.max_units)}")
         elif step == "final":

