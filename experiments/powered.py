@@ -26,7 +26,8 @@ HERE = Path(__file__).resolve().parent
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.powered", description=__doc__.splitlines()[0])
     p.add_argument("steps", nargs="+", choices=["pilot", "gate", "probe", "smollm2", "sweep", "final",
-                                                  "status"])
+                                                  "status", "report"])
+    p.add_argument("--results", default=str(HERE.parent / "docs" / "results"), help="report: where POWERED.md goes")
     p.add_argument("--config", default=str(HERE / "powered.yaml"))
     p.add_argument("--ledger", default=str(HERE / "powered"))
     p.add_argument("--cache", default=".cache/powered")
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"sweep: finished {study.sweep(args.max_units)}")
         elif step == "final":
             log(f"final: finished {study.final(args.max_units)}")
+        elif step == "report":
+            from sapd.study.powered_report import render_powered
+            log(f"report: {render_powered(study, args.results)}")
         elif step == "status":
             print(json.dumps(study.status(), indent=1))
     return 0

