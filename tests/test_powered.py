@@ -184,3 +184,92 @@ def test_round_health_reads_step_logs_and_scored_rounds(tiny_run):
         assert 0.0 <= h["well_formed"] <= 1.0 and 0.0 <= h["action_less"] <= 1.0
         assert {"no_action_fraction", "all_no_action_groups", "step_adv_abs_mean", "clip_fraction"} <= set(h)
         assert h["action_less"] == pytest.approx(h["no_action_fraction"], abs=1e-6)
+
+
+# ------------------------------------------------------------------------- the pre-registered config
+
+
+def test_the_committed_config_states_the_power_calculation_it_was_derived_from():
+    from pathlib import Path
+
+    from sapd.study.powered import PoweredStudy, check_power, load_powered_config
+    repo = Path(__file__).resolve().parents[1]
+    cfg = load_powered_config(repo / "experiments" / "powered.yaml")
+    seeds = len(cfg.final_seeds)
+    assert seeds >= 4
+    recomputed = check_power(cfg.power, seeds)
+    assert cfg.power.games_required == recomputed["games_required"]
+    assert cfg.power.match_mde == pytest.approx(recomputed["match_mde"], abs=1e-3)
+    test_games = cfg.test_games * len(cfg.families)
+    assert test_games >= max(150, cfg.power.games_required)
+    assert cfg.power.expected_test_decisions >= 700
+    assert (cfg.group_size, cfg.temperature, cfg.thought) == (8, 1.0, "observe") and cfg.noise > 0
+    # the issue's arms, each with a learning-rate grid to choose from on the validation panel
+    variants = {a.variant for a in cfg.arms.values()}
+    assert {"sft", "opd", "opd_rule", "sapd_paper", "sapd", "wo_rule", "full_token"} <= variants
+    assert all(len(a.lrs) >= 2 for a in cfg.arms.values())
+    study = PoweredStudy(cfg, repo / "experiments" / "powered", repo / ".cache" / "powered-test-unused")
+    panels = study.panels()  # disjoint by construction (an overlap is a ConfigError)
+    assert len(panels["test"]) == test_games and len(panels["val"]) == cfg.val_games * len(cfg.families)
+
+
+@pytest.mark.slow
+def test_powered_study_is_resumable_in_units_and_rebuilds_its_cache_deterministically(tmp_path):
+    """The smoke config end to end: every finished unit is a JSON in the ledger, a rerun does nothing,
+    a lost cache is rebuilt to the same weights, and the test panel stays locked without a committed plan."""
+    import shutil
+    import time
+    from pathlib import Path
+
+    from sapd.study.powered import PoweredStudy, load_powered_config, weights_hash
+    cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
+    ledger, cache = tmp_path / "ledger", tmp_path / "cache"
+    study = PoweredStudy(cfg, ledger, cache, log=lambda s: None, config_path=tmp_path / "not-committed.yaml")
+    pilot = study.pilot()
+    assert pilot["pools"]["train_noisy"]["won"] >= 1 and pilot["sapd_round_seconds"] > 0
+    study.probe()
+    done = study.sweep(max_units=2)
+    assert done == ["sweep/opd-lr0.0001", "sweep/sapd.exclude-lr0.0001"]
+    assert sorted(study.ledger.units()) == sorted(["pilot", "probe-round0", *done])
+    unit = study.ledger.get(done[1])
+    assert {"action_match", "tll_sum", "sll_expert", "success", "per_game", "per_decision"} <= set(unit["eval"])
+    assert unit["health"] and {"well_formed", "no_action_fraction", "all_no_action_groups"} <= set(unit["health"][0])
+    with pytest.raises(RuntimeError, match="sweep is not complete"):
+        study.final()
+    # a fresh session: the cache is gone, the ledger (committed) is not
+    shutil.rmtree(cache)
+    again = PoweredStudy(cfg, ledger, cache, log=lambda s: None)
+    t0 = time.perf_counter()
+    assert again.pilot() == pilot and again.probe()["prefixes"] == 3  # read from the ledger
+    assert time.perf_counter() - t0 < 5
+    models = again.ensure_models()  # rebuilt from nothing: the same games, pools, tokenizer and weights
+    assert {k: weights_hash(v) for k, v in models.items()} == pilot["weights"]
+    assert again.sweep(max_units=1) == ["sweep/sapd.penalty-lr0.0001"]  # continues where it stopped
+    assert not again.plan_is_committed()
+
+
+def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
+    from pathlib import Path
+
+    from sapd.study.powered import PoweredStudy, load_powered_config
+    from sapd.study.powered_report import render_powered
+    cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
+    cfg.final_seeds = [1, 2]
+    study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
+
+    def final(arm, seed, matches, wins):
+        ev = {"per_decision": {f"d{i}": [m, -1.0] for i, m in enumerate(matches)},
+              "per_game": {f"g{i}": w for i, w in enumerate(wins)}}
+        curve = [{"round": 0, "action_match": 0.2}, {"round": 1, "action_match": sum(matches) / len(matches)}]
+        study.ledger.put(f"final/{arm}-s{seed}", {"seed": seed, "eval": ev, "curve": curve})
+    for seed in (1, 2):
+        final("opd_rule", seed, [1, 0, 0, 0], [0, 0, 1])
+        final("sapd", seed, [1, 1, 0, 0], [1, 0, 1])
+    cfg.arms = {"opd_rule": cfg.arms["opd"], **cfg.arms}
+    text = render_powered(study, tmp_path / "out").read_text()
+    assert "Validation sweep (0 of" in text and "Still to run:" in text  # nothing invented for the sweep
+    assert "Test panel (4 of" in text
+    # action match 0.5 − 0.25, success 2/3 − 1/3; identical seeds: every interval has width ≥ 0
+    row = next(line for line in text.splitlines() if line.startswith("| sapd |"))
+    assert "+0.250 [" in row and "+0.333 [" in row
+    assert (tmp_path / "out" / "powered_curves.png").is_file()
