@@ -4,6 +4,7 @@ round k's scored shards → checkpoint k+1.
 1. Load the student from checkpoint k (it sampled round k, so it *is* π_old) and its trainer state.
 2. Recompute π_old log-probs of every sampled token with these training weights, once, before any
    update (sampler log-probs from another engine may differ numerically; ratios must start at 1).
+   Once in total: on W ranks each computes a 1/W share and the ranks exchange the results.
 3. For ``epochs_per_round`` passes, shuffle the round's groups and cut them into minibatches of
    ``minibatch_prefixes`` prefixes (× G responses); each minibatch is one optimizer step, accumulated
    over micro-batches of ``micro_batch_prefixes``; gradient clipping; learning-rate schedule.
@@ -77,6 +78,10 @@ class Engine(Protocol):
 
     def all_reduce_sum(self, values: list[float]) -> list[float]: ...
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (a collective)."""
+        ...
+
     @property
     def module(self) -> Any:
         """The HF model inside (what gets saved)."""
@@ -131,6 +136,9 @@ class TorchEngine:
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         return list(values)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
 
     @property
     def module(self) -> Any:
@@ -193,25 +201,48 @@ def _flat_PG(prefixes: Sequence[ScoredPrefix]) -> tuple[list[list[int]], list[li
 
 @torch.no_grad()
 def recompute_old_logprobs(model, prefixes: list[ScoredPrefix], pad_id: int, micro: int,
-                           field: str = "old_logp_G_T") -> None:
+                           field: str = "old_logp_G_T", engine: Engine | None = None) -> int:
     """π_old of every sampled token with the training weights (fills ``old_logp_G_T``); with
-    ``field="ref_logp_G_T"`` and the initial policy as ``model``, the reference log-probs of the KL term."""
-    for start in range(0, len(prefixes), micro):
-        chunk = prefixes[start:start + micro]
+    ``field="ref_logp_G_T"`` and the initial policy as ``model``, the reference log-probs of the KL term.
+
+    Once per round in total: the prefixes are cut into micro-batches of ``micro`` and, with ``engine``
+    on W ranks, rank r computes micro-batches r, r+W, … only; the ranks then exchange their results
+    (``all_gather_object``), so every rank ends with every prefix's π_old, each computed by exactly one
+    rank. The micro-batches are the ones one process cuts, so the values are the one-process values.
+    Every rank runs the same number of forward passes (a ZeRO-3 forward is a collective): a rank short
+    of one repeats the last micro-batch and drops the result. → this rank's forward passes."""
+    chunks = [prefixes[s:s + micro] for s in range(0, len(prefixes), micro)]
+    W, rank = (engine.world_size, engine.rank) if engine is not None else (1, 0)
+    mine = list(range(rank, len(chunks), W))
+    passes = -(-len(chunks) // W)
+    computed: dict[int, list[list[list[float]]]] = {}
+    for j in range(passes):
+        index = mine[j] if j < len(mine) else None
+        chunk = chunks[len(chunks) - 1 if index is None else index]
         prompts, responses = _flat_PG(chunk)
         logp_PG_T, _ = response_logprobs(model, prompts, responses, pad_id)
+        if index is None:
+            continue
         G = len(chunk[0].responses_G_T)
-        for j, sp in enumerate(chunk):
-            setattr(sp, field, [logp_PG_T[j * G + i, :len(r)].tolist() for i, r in enumerate(sp.responses_G_T)])
+        computed[index] = [[logp_PG_T[q * G + i, :len(r)].tolist() for i, r in enumerate(sp.responses_G_T)]
+                           for q, sp in enumerate(chunk)]
+    if W > 1:
+        for part in engine.all_gather_object(computed):  # type: ignore[union-attr]
+            computed.update(part)
+    for index, chunk in enumerate(chunks):
+        for sp, values in zip(chunk, computed[index]):
+            setattr(sp, field, values)
+    return passes
 
 
-def compute_reference_logprobs(cfg: RunConfig, prefixes: list[ScoredPrefix], pad_id: int) -> float:
+def compute_reference_logprobs(cfg: RunConfig, prefixes: list[ScoredPrefix], pad_id: int,
+                               engine: Engine | None = None) -> float:
     """The initial policy's (checkpoint 0's) log-probs of every sampled token, for ``loss.kl_coef`` > 0
     (SDAR's KL to the initial policy). Loads checkpoint 0 for the purpose and frees it; returns seconds."""
     t0 = time.perf_counter()
     ref = checkpoints.load_checkpoint_model(cfg.run_root, 0, cfg.model.dtype, cfg.model.device)
     ref.eval()
-    recompute_old_logprobs(ref, prefixes, pad_id, cfg.train.micro_batch_prefixes, field="ref_logp_G_T")
+    recompute_old_logprobs(ref, prefixes, pad_id, cfg.train.micro_batch_prefixes, field="ref_logp_G_T", engine=engine)
     del ref
     return time.perf_counter() - t0
 
@@ -336,9 +367,9 @@ def train_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, prefixes: lis
     _restore_rng(state)
     t0 = time.perf_counter()
     model.eval()  # π_old: no dropout, same numerics as the sampler's weights
-    recompute_old_logprobs(model, prefixes, pad, cfg.train.micro_batch_prefixes)
+    old_passes = recompute_old_logprobs(model, prefixes, pad, cfg.train.micro_batch_prefixes, engine=engine)
     old_seconds = time.perf_counter() - t0
-    ref_seconds = compute_reference_logprobs(cfg, prefixes, pad) if cfg.loss_cfg.kl_coef > 0 else None
+    ref_seconds = compute_reference_logprobs(cfg, prefixes, pad, engine) if cfg.loss_cfg.kl_coef > 0 else None
     model.train()
     records, global_step = optimizer_steps(
         cfg, k, engine, prefixes, lambda chunk: _micro_loss(model, cfg, chunk, pad),
@@ -348,6 +379,7 @@ def train_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, prefixes: lis
         log=log, show_progress=show_progress, on_step=on_step)
     if records:
         records[0]["old_logp_seconds"] = old_seconds
+        records[0]["old_logp_forward_passes"] = old_passes  # rank 0's: ⌈micro-batches / ranks⌉
         if ref_seconds is not None:
             records[0]["ref_logp_seconds"] = ref_seconds
     return records, _trainer_state(engine, k, global_step)

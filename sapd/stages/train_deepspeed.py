@@ -174,6 +174,11 @@ class DeepSpeedEngine:
         torch.distributed.all_reduce(x)
         return x.tolist()
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
     def barrier(self) -> None:
         torch.distributed.barrier()
 
