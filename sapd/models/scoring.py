@@ -60,6 +60,31 @@ def decoder_and_head(model):
     return (base, head) if base is not None and head is not None else (None, None)
 
 
+class HeadOnlyLM(torch.nn.Module):
+    """A causal LM whose forward projects to the vocabulary at the given positions only: ``forward(
+    input_ids, attention_mask, pred_pos_B_T)`` → logits (B, T, V), never (B, S, V). The module a
+    training engine (DeepSpeed) wraps, so that the head-only path runs through the engine's own
+    forward (ZeRO-3's parameter gathering hooks on every submodule, the root's end-of-forward hook
+    included). Same parameters, same order, as the LM inside (``lm``)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        base, head = decoder_and_head(lm)
+        if base is None:
+            raise ValueError(f"{type(lm).__name__}: no plain LM head to apply at selected positions")
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pred_pos_B_T: torch.Tensor):
+        base, head = decoder_and_head(self.lm)
+        hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, S, H)
+        return head(hidden.gather(1, pred_pos_B_T.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])))
+
+
+def _head_only_module(model) -> bool:
+    """``model`` is a :class:`HeadOnlyLM`, or an engine (DeepSpeed's) whose ``module`` is one."""
+    return isinstance(model, HeadOnlyLM) or isinstance(getattr(model, "module", None), HeadOnlyLM)
+
+
 def _response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                      pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits_B_T_V at response positions, target tokens_B_T, response_mask_B_T)."""
@@ -67,8 +92,10 @@ def _response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequenc
     ids, attn, pos, mask = pad_sequences(prompts, responses, pad_id, device)
     # the output at position s predicts token s+1: response token at position t is predicted from t−1
     pred_pos = (pos - 1).clamp(min=0)
-    base, head = decoder_and_head(model)
-    if base is not None:
+    if _head_only_module(model):  # through the engine's forward
+        return model(input_ids=ids, attention_mask=attn, pred_pos_B_T=pred_pos), ids.gather(1, pos), mask
+    base, head = decoder_and_head(getattr(model, "module", model))
+    if base is not None and getattr(model, "module", model) is model:
         # project to the vocabulary at response positions only: prompts are most of each sequence, and
         # the (B, S, V) logits would be the largest activation of the step
         hidden = base(input_ids=ids, attention_mask=attn).last_hidden_state  # (B, S, H)

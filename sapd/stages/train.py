@@ -44,7 +44,7 @@ from sapd.method.objective import loss_for, sft_loss
 from sapd.metrics import Metrics
 from sapd.models.loading import load_tokenizer
 from sapd.models.scoring import response_logprobs, response_logprobs_and_entropy
-from sapd.stages.train_deepspeed import make_deepspeed_engine
+from sapd.stages.train_deepspeed import load_partitioned, make_deepspeed_engine
 
 # ---------------------------------------------------------------------------------------------------
 # engines: plain torch here; DeepSpeed ZeRO in sapd.stages.train_deepspeed, behind the same protocol
@@ -425,7 +425,10 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
         return checkpoints.read_marker(root, k + 1)
     ckpt_path = checkpoints.checkpoint_model_path(root, k)
     tokenizer = load_tokenizer(str(ckpt_path))
-    model = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, cfg.model.device, trainable=True)
+    if cfg.train.engine == "deepspeed" and cfg.train.zero_stage == 3 and engine_factory is None:
+        model = load_partitioned(str(ckpt_path), cfg)  # each rank builds and loads only its partitions
+    else:
+        model = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, cfg.model.device, trainable=True)
     if cfg.train.gradient_checkpointing:
         # transformers ≥ 5.x names it activation checkpointing (the old name warns, then goes in v6)
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()

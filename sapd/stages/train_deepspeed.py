@@ -18,6 +18,11 @@ How it matches the single-process engine, step for step:
   norm of the full averaged gradient, like ``clip_grad_norm_``; ``step`` returns that norm (pre-clip).
 * **The learning rate** given to ``step`` is written into the optimizer's param groups (no DeepSpeed
   scheduler is configured, so nothing overrides it).
+* **Head-only logits.** DeepSpeed wraps :class:`sapd.models.scoring.HeadOnlyLM` around the student
+  (plain-head families), so every forward, through the engine and its ZeRO hooks, projects to the
+  vocabulary at response positions only: (B, T, V) logits, never (B, S, V).
+* **ZeRO-3 is built partitioned** (:func:`load_partitioned`: ``zero.Init`` through transformers), so no
+  rank ever holds the whole student.
 * **Optimizer state** is saved and loaded in ``torch.optim.AdamW``'s own ``state_dict`` format over
   the full (gathered) parameters, so a checkpoint trained by either engine, on any number of ranks
   and any ZeRO stage, resumes on any other. Both calls are collective (every rank calls them).
@@ -33,6 +38,8 @@ from typing import Any, ContextManager
 import torch
 
 from sapd.config import ConfigError, RunConfig
+from sapd.models.loading import load_causal_lm
+from sapd.models.scoring import HeadOnlyLM, decoder_and_head
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
@@ -192,9 +199,29 @@ class DeepSpeedEngine:
         return contextlib.nullcontext()
 
 
+def load_partitioned(path: str, cfg: RunConfig):
+    """The student for ``train.zero_stage: 3``, built partitioned: transformers constructs it inside
+    ``deepspeed.zero.Init`` (while an ``HfDeepSpeedConfig`` of this run's config is alive) and loads
+    each weight straight into its partitions, so no rank ever holds the whole model. The global
+    ZeRO-3 switch is taken down again at once, so later loads (checkpoint 0 for the KL term) are
+    ordinary models."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+    init_distributed()
+    hf_ds = HfDeepSpeedConfig(deepspeed_config(cfg, torch.distributed.get_world_size()))
+    try:
+        return load_causal_lm(path, dtype=cfg.model.dtype, trainable=True)
+    finally:
+        unset_hf_deepspeed_config()
+        del hf_ds
+
+
 def make_deepspeed_engine(model, cfg: RunConfig) -> DeepSpeedEngine:
+    """DeepSpeed wraps :class:`sapd.models.scoring.HeadOnlyLM` around ``model`` where its head is a plain
+    projection, so training projects to the vocabulary at response positions only (never the (B, S, V)
+    logits), with every ZeRO stage's hooks in place; other families run the full forward."""
     import deepspeed
     init_distributed()
     ds_config = deepspeed_config(cfg, torch.distributed.get_world_size())
-    ds_engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    wrapped = HeadOnlyLM(model) if decoder_and_head(model)[0] is not None else model
+    ds_engine, _, _, _ = deepspeed.initialize(model=wrapped, model_parameters=wrapped.parameters(), config=ds_config)
     return DeepSpeedEngine(ds_engine, model, cfg)
