@@ -1,17 +1,22 @@
 """Peak memory of the training stage (one SAPD round: π_old recompute, then optimizer steps) for a tiny
 model and a 135M-parameter model with SmolLM2-135M's architecture (random weights: no download).
 
-    .venv/bin/python bench/train_memory.py [--models tiny,135m]
+    .venv/bin/python bench/train_memory.py [--models tiny,135m] [--before main]
 
 Each training stage runs in a fresh subprocess over a prepared run root; the script prints that
 process's peak RSS, the RSS of the same process right after loading the model (the baseline it
-pays before training), and the difference.
+pays before training), and the difference. With ``--before REV`` the same stage also runs, over the
+same run root (copied), on the code of git revision REV (extracted with ``git archive`` into a temporary
+folder, first on ``PYTHONPATH``), in the same run: the table then has a before and an after row per
+model and the ratio of the peaks.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +32,8 @@ SHAPES = {
 
 CHILD = r"""
 import json, resource, sys
+import sapd
+assert sapd.__file__.startswith(sys.argv[2]), (sapd.__file__, sys.argv[2])  # the code under test
 from sapd.config import config_from_dict
 from sapd import checkpoints
 cfg = config_from_dict(json.loads(sys.argv[1]))
@@ -76,22 +83,51 @@ def prepare(name: str, tmp: Path, checkpointing: bool) -> dict:
     return {"raw": raw, "params": n_params}
 
 
+def run_child(raw: dict, code: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(raw), str(code)], capture_output=True,
+                         text=True, cwd=code, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"training stage on {code} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def extract(rev: str, dest: Path) -> Path:
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", rev], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="tiny,135m,135m+ckpt",
                     help="comma-separated; '+ckpt' turns on gradient checkpointing")
+    ap.add_argument("--before", default=None, help="git revision to measure too, in the same run (e.g. main)")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        before_code = extract(args.before, Path(tmp) / "before") if args.before else None
         for name in args.models.split(","):
+            print(f"{name}: preparing the run root (prefixes, one sampled and scored round)", flush=True)
             prep = prepare(name, Path(tmp), name.endswith("+ckpt"))
-            out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(prep["raw"])], capture_output=True,
-                                 text=True, check=True, cwd=REPO)
-            res = json.loads(out.stdout.strip().splitlines()[-1])
-            rows.append((name, prep["params"], res["baseline_kib"] / 1024, res["peak_kib"] / 1024))
-    print(f"{'model':>10} {'params':>10} {'RSS after load':>15} {'peak RSS':>10} {'training adds':>14}")
-    for name, n, base, peak in rows:
-        print(f"{name:>10} {n / 1e6:9.1f}M {base:13.0f} MB {peak:8.0f} MB {peak - base:11.0f} MB")
+            runs = [("after", REPO, prep["raw"])]
+            if before_code:  # the same committed inputs (prefixes, round 0's shards, checkpoint 0), copied
+                root = prep["raw"]["run_root"] + "-before"
+                shutil.copytree(prep["raw"]["run_root"], root)
+                runs.insert(0, (f"before ({args.before})", before_code, {**prep["raw"], "run_root": root}))
+            for label, code, raw in runs:
+                print(f"{name}: training stage, {label} code", flush=True)
+                res = run_child(raw, code)  # type: ignore[arg-type]
+                rows.append((name, label, prep["params"], res["baseline_kib"] / 1024, res["peak_kib"] / 1024))
+    print(f"{'model':>10} {'code':>14} {'params':>10} {'RSS after load':>15} {'peak RSS':>10} {'training adds':>14}")
+    for name, label, n, base, peak in rows:
+        print(f"{name:>10} {label:>14} {n / 1e6:9.1f}M {base:13.0f} MB {peak:8.0f} MB {peak - base:11.0f} MB")
+    if args.before:
+        for name in dict.fromkeys(r[0] for r in rows):
+            after, before = [r[4] for r in rows if r[0] == name and r[1] == "after"], \
+                [r[4] for r in rows if r[0] == name and r[1] != "after"]
+            print(f"{name}: peak RSS after / before = {after[0] / before[0]:.3f}")
 
 
 if __name__ == "__main__":
