@@ -120,6 +120,7 @@ def main() -> None:
                 print(f"{name}: training stage, {label} code", flush=True)
                 res = run_child(raw, code)  # type: ignore[arg-type]
                 rows.append((name, label, prep["params"], res["baseline_kib"] / 1024, res["peak_kib"] / 1024))
+                print(f"{name} ({label}): RSS after load {rows[-1][3]:.0f} MB, peak {rows[-1][4]:.0f} MB", flush=True)
     print(f"{'model':>10} {'code':>14} {'params':>10} {'RSS after load':>15} {'peak RSS':>10} {'training adds':>14}")
     for name, label, n, base, peak in rows:
         print(f"{name:>10} {label:>14} {n / 1e6:9.1f}M {base:13.0f} MB {peak:8.0f} MB {peak - base:11.0f} MB")
