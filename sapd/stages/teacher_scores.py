@@ -40,12 +40,17 @@ class TeacherScorer(Protocol):
                  progress: Callable[[int], None] | None = None) -> list[list[list[float]]]: ...
 
 
-def student_generator(cfg: RunConfig, k: int, tokenizer) -> Generator:
-    """The sampler of round k: checkpoint k behind ``sampling.backend``. vLLM engines are (re)built from
-    the committed checkpoint each round: simple and exact; a long-lived engine with in-place weight sync
-    is the faster path for big pools."""
+def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None = None) -> Generator:
+    """The sampler of round k: checkpoint k behind ``sampling.backend``. With ``reuse`` (the engine of an
+    earlier round, built by this function) the engine stays up and takes checkpoint k's weights in place
+    (HF: copied into the live model; vLLM: its ``reload_weights`` path), instead of a model load (and, for
+    vLLM, a graph capture) per round."""
+    path = checkpoints.checkpoint_model_path(cfg.run_root, k)
+    if reuse is not None and hasattr(reuse, "load_weights"):
+        reuse.load_weights(path)
+        return reuse
     if cfg.sampling.backend == "vllm":
-        return VLLMGenerator.from_path(checkpoints.checkpoint_model_path(cfg.run_root, k), dtype=cfg.model.dtype,
+        return VLLMGenerator.from_path(path, dtype=cfg.model.dtype,
                                        gpu_memory_utilization=cfg.sampling.gpu_memory_utilization,
                                        tensor_parallel_size=cfg.sampling.tensor_parallel_size)
     student = checkpoints.load_checkpoint_model(cfg.run_root, k, cfg.model.dtype, cfg.model.device)
