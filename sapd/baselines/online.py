@@ -277,6 +277,8 @@ def run_online(cfg: RunConfig, specs_factory: Callable[[int], Sequence[EpisodeSp
                                           teacher=scorer,
                                           episodes_per_game=episodes_per_game, horizon=horizon, reward=reward,
                                           env_timeout_s=env_timeout_s, log=log, show_progress=show_progress))
+            if cfg.sampling.backend == "vllm":
+                student = None  # vLLM engines are rebuilt per round (see student_generator): free it before training
         run_train_stage(cfg, k, engine_factory=engine_factory, log=log, show_progress=show_progress)
         log(f"online round {k}: checkpoint {k + 1} committed")
     return {"run_root": root, "method": method, "checkpoints": layout.committed_checkpoints(root),

