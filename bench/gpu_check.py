@@ -13,7 +13,9 @@ the timings are read back from the round manifests and step logs), so what it ti
 runs. A section whose dependency is missing (vLLM, DeepSpeed, CUDA) is reported as skipped with the
 reason, never silently dropped. The torch and DeepSpeed runs train on the same scored round (the
 DeepSpeed run root is seeded with a copy of it), so their first-step losses must agree; the table
-prints the difference.
+prints the difference. ``engine_reuse`` loads new weights into the live HF student engine (as the local
+pipeline does between rounds), times it against a fresh model load and checks that the tokens sampled
+after it equal a freshly built engine's on the same weights and seed.
 """
 
 from __future__ import annotations
@@ -174,6 +176,28 @@ def main(argv: list[str] | None = None) -> int:
         run_pipeline(cfg, **quiet)
         return summarize_run(cfg.run_root)
 
+    def engine_reuse() -> dict[str, Any]:
+        """The student engine kept across rounds: new weights loaded in place (the teacher checkpoint has
+        the student's shape) against a fresh model load, and the tokens sampled after it against a
+        freshly built engine's on the same weights and seed."""
+        from sapd.models.generation import HFGenerator, SamplingParams
+        from sapd.models.loading import load_causal_lm, load_tokenizer
+        tok = load_tokenizer(paths["student"])
+        live = HFGenerator(load_causal_lm(paths["student"], dtype=dtype, device=device), tok, device=device)
+        t0 = time.perf_counter()
+        live.load_weights(paths["teacher"])
+        in_place = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fresh = HFGenerator(load_causal_lm(paths["teacher"], dtype=dtype, device=device), tok, device=device)
+        rebuild = time.perf_counter() - t0
+        params = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=8, stop=(), seed=0)
+        prompts = ["You are in a kitchen. Your task is to: heat some water.", "Find a red mug under 10 dollars."]
+        a, b = live.generate(prompts, params), fresh.generate(prompts, params)
+        same = [[s.token_ids for s in g] for g in a] == [[s.token_ids for s in g] for g in b]
+        if not same:
+            raise RuntimeError("tokens sampled after the in-place update differ from a fresh engine's")
+        return {"in_place_seconds": in_place, "rebuild_seconds": rebuild, "tokens_match_fresh": same}
+
     def vllm_sampling() -> dict[str, Any]:
         if dry or not _importable("vllm"):
             raise _Skip("vLLM is not installed here" if not _importable("vllm") else "dry run (CPU): HF only")
@@ -206,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     _section(results, "models", models, log)
     if results["models"]["status"] == "ok":
         _section(results, "hf_torch", hf_torch, log)
+        _section(results, "engine_reuse", engine_reuse, log)
         _section(results, "vllm", vllm_sampling, log)
         _section(results, "deepspeed_zero2", deepspeed_zero2, log)
         if cuda and not dry:
@@ -240,6 +265,12 @@ def render_table(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | ok | {f(r.get('sample_tokens_per_s'), '.0f')} "
                      f"| {f(r.get('score_tokens_per_s'), '.0f')} | {f(r.get('step_seconds_median'), '.3f')} "
                      f"| {f(r.get('first_loss_vs_torch'), '.2e')} |")
+    reuse = results.get("engine_reuse")
+    if reuse is not None:
+        lines.append(f"\nstudent engine reuse: {reuse['status']}" + (
+            f"; in-place weight load {reuse['in_place_seconds']:.2f} s vs rebuild {reuse['rebuild_seconds']:.2f} s; "
+            f"tokens match a fresh engine: {reuse['tokens_match_fresh']}" if reuse["status"] == "ok"
+            else f": {reuse['reason'].splitlines()[0][:80]}"))
     if "max_memory_allocated_gib" in results:
         lines.append(f"\npeak GPU memory allocated: {results['max_memory_allocated_gib']:.1f} GiB")
     lines.append(f"\ntotal {results['seconds']:.0f} s")

@@ -30,8 +30,11 @@ def test_gpu_check_dry_run(tmp_path):
     assert hf["sample_tokens_per_s"] > 0 and hf["score_tokens_per_s"] > 0 and hf["step_seconds_median"] > 0
     ds = res["deepspeed_zero2"]
     assert ds["status"] == "ok" and ds["rounds"] == 1 and ds["first_loss_vs_torch"] < 1e-5
+    reuse = res["engine_reuse"]
+    assert reuse["status"] == "ok" and reuse["tokens_match_fresh"] is True and reuse["in_place_seconds"] > 0
     vllm = res["vllm"]
     assert vllm["status"] == "skipped" and vllm["reason"]
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| hf_torch | ok |" in md and "| deepspeed_zero2 | ok |" in md and "| vllm | skipped" in md
+    assert "student engine reuse: ok; in-place weight load" in md
     assert not (tmp_path / "gpu-check-work").exists()  # scratch removed

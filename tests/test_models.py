@@ -158,3 +158,27 @@ def test_response_logprobs_head_only_path_equals_the_full_forward(tiny, arch):
         ref = score_naive(model, p, [r])[0]
         assert logp[b, :len(r)].tolist() == pytest.approx(ref, abs=1e-5)
         assert not mask[b, len(r):].any() and bool((logp[b, len(r):] == 0).all())
+
+
+def test_in_place_weight_update_samples_like_a_fresh_engine(tiny):
+    """Engine reuse across rounds: an engine built on one checkpoint that takes another's weights in
+    place samples exactly the tokens (and log-probs) of an engine freshly built on that checkpoint."""
+    tok = load_tokenizer(str(tiny / "qwen"))
+    build_tiny_model(tok, tiny / "qwen_next", arch="qwen2", seed=7)  # "the next round's checkpoint"
+    prompts = [_prompt(tok, "find the mug"), _prompt(tok, "open the drawer")]
+    params = SamplingParams(n=3, temperature=1.0, top_p=0.95, max_new_tokens=10, stop=(), seed=5)
+    live = HFGenerator(load_causal_lm(str(tiny / "qwen")), tok, prompts_per_batch=2)
+    before = live.generate(prompts, params)
+    live.load_weights(tiny / "qwen_next")
+    after = live.generate(prompts, params)
+    fresh = HFGenerator(load_causal_lm(str(tiny / "qwen_next")), tok, prompts_per_batch=2).generate(prompts, params)
+    assert [[s.token_ids for s in g] for g in after] == [[s.token_ids for s in g] for g in fresh]
+    assert [[s.logprobs for s in g] for g in after] == [[s.logprobs for s in g] for g in fresh]
+    assert [[s.token_ids for s in g] for g in after] != [[s.token_ids for s in g] for g in before]  # it changed
+
+
+def test_in_place_weight_update_refuses_another_architecture(tiny):
+    tok = load_tokenizer(str(tiny / "qwen"))
+    live = HFGenerator(load_causal_lm(str(tiny / "qwen")), tok)
+    with pytest.raises(ValueError, match="llama.*(not a weight|shape)|lacks"):
+        live.load_weights(tiny / "llama")

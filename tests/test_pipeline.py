@@ -15,6 +15,7 @@ import yaml
 from sapd import checkpoints, layout, storage
 from sapd.config import ConfigError, RunConfig, config_from_dict, dump_config, load_config
 from sapd.data import shards
+from sapd.data.scored import read_scored
 from sapd.method.objective import VARIANTS
 from sapd.run.local import run_pipeline
 from sapd.run.report import read_step_log, write_report
@@ -136,6 +137,34 @@ def test_pipeline_end_to_end_and_rerun_is_a_noop(tmp_path, models):
     png = storage.read_bytes(paths[0])
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(storage.read_text(paths[1]))["steps"] == len(steps)
+
+
+def test_one_student_engine_across_rounds_samples_like_fresh_engines(tmp_path, models, monkeypatch):
+    """The local pipeline builds its student sampler once and loads each round's checkpoint into it in
+    place; round 1's scored shard equals that of a run which builds a fresh engine every round."""
+    from sapd.models.generation import HFGenerator
+    from sapd.stages import teacher_scores
+
+    built, reloaded = [], []
+    real_init, real_load = HFGenerator.__post_init__, HFGenerator.load_weights
+    monkeypatch.setattr(HFGenerator, "__post_init__", lambda self: (built.append(self), real_init(self))[1])
+    monkeypatch.setattr(HFGenerator, "load_weights", lambda self, d: (reloaded.append(str(d)), real_load(self, d))[1])
+    reuse_root = str(tmp_path / "reuse")
+    run_pipeline(config_from_dict(tiny_config(reuse_root, *models)), **QUIET)
+    assert len(built) == 1 and len(reloaded) == 1  # rounds 0 and 1: one engine, checkpoint 1 loaded in place
+    assert reloaded[0] == str(checkpoints.checkpoint_model_path(reuse_root, 1))
+
+    real_student = teacher_scores.student_generator
+    monkeypatch.setattr(teacher_scores, "student_generator",
+                        lambda cfg, k, tok, reuse=None: real_student(cfg, k, tok))  # a fresh engine per round
+    fresh_root = str(tmp_path / "fresh")
+    run_pipeline(config_from_dict(tiny_config(fresh_root, *models)), **QUIET)
+    assert len(built) == 3 and len(reloaded) == 1
+    a, b = (read_scored(r, 1).to_pylist() for r in (reuse_root, fresh_root))
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x["response_token_ids"] == y["response_token_ids"]
+        assert x["sampler_logprobs"] == y["sampler_logprobs"]
 
 
 # The first SAPD losses of the tiny run on a fixed seed. A change here means the math, the data path,

@@ -264,6 +264,7 @@ def run_online(cfg: RunConfig, specs_factory: Callable[[int], Sequence[EpisodeSp
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.teacher))
     ensure_initial_checkpoint(cfg, log)
     scorer = None
+    student = None  # one student engine for the whole run, new weights in place each round
     summaries = []
     for k in range(cfg.train.rounds if rounds is None else rounds):
         if checkpoints.is_committed(root, k + 1):
@@ -271,9 +272,13 @@ def run_online(cfg: RunConfig, specs_factory: Callable[[int], Sequence[EpisodeSp
         if not scored.is_committed(root, k):
             if method == "online_opd" and scorer is None:
                 scorer = teacher_scorer(cfg, tokenizer)
-            summaries.append(online_round(cfg, k, list(specs_factory(k)), method, tokenizer, teacher=scorer,
+            student = student_generator(cfg, k, tokenizer, reuse=student)
+            summaries.append(online_round(cfg, k, list(specs_factory(k)), method, tokenizer, generator=student,
+                                          teacher=scorer,
                                           episodes_per_game=episodes_per_game, horizon=horizon, reward=reward,
                                           env_timeout_s=env_timeout_s, log=log, show_progress=show_progress))
+            if cfg.sampling.backend == "vllm":
+                student = None  # vLLM engines are rebuilt per round (see student_generator): free it before training
         run_train_stage(cfg, k, engine_factory=engine_factory, log=log, show_progress=show_progress)
         log(f"online round {k}: checkpoint {k + 1} committed")
     return {"run_root": root, "method": method, "checkpoints": layout.committed_checkpoints(root),

@@ -11,6 +11,7 @@ training stage recomputes π_old with the training weights anyway.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal, Protocol, Sequence
 
 import torch
@@ -86,6 +87,36 @@ class HFGenerator:
             self._stop_token_ids.add(gen_eos)
         elif isinstance(gen_eos, list):
             self._stop_token_ids.update(gen_eos)
+
+    @torch.no_grad()
+    def load_weights(self, model_dir: str | Path) -> None:
+        """Take new weights in place (the next round's checkpoint, same architecture): the live model's
+        tensors are overwritten from ``model_dir``'s safetensors files, so the engine stays up across
+        rounds instead of being rebuilt. Weights tied to a loaded tensor (a tied LM head) follow it; any
+        other parameter the files miss, or a name or shape they add, is an error naming the folder."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{model_dir}: no *.safetensors files to load weights from "
+                                    "(checkpoints are saved with safe_serialization)")
+        live = self.model.state_dict()
+        loaded: set[int] = set()
+        seen: set[str] = set()
+        for f in files:
+            for name, tensor in load_file(str(f)).items():
+                if name not in live:
+                    raise ValueError(f"{f}: tensor {name!r} is not a weight of the live model "
+                                     "(a checkpoint of another architecture?)")
+                if live[name].shape != tensor.shape:
+                    raise ValueError(f"{f}: tensor {name!r} has shape {tuple(tensor.shape)}, the live model "
+                                     f"{tuple(live[name].shape)}")
+                live[name].copy_(tensor)
+                loaded.add(live[name].data_ptr())
+                seen.add(name)
+        missing = [n for n in live if n not in seen and live[n].data_ptr() not in loaded]
+        if missing:
+            raise ValueError(f"{model_dir}: the checkpoint lacks {missing[:5]} (of {len(missing)} missing)")
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[str], params: SamplingParams,

