@@ -100,3 +100,29 @@ def test_run_root_config_compared_as_resolved_config(tmp_path):
     write_run_config(config_from_dict({"run_root": root, "train": {"lr": 1e-4}, "workers": 4}))
     with pytest.raises(ConfigError, match=r"different resolved config: train\.lr"):
         write_run_config(config_from_dict({"run_root": root, "train": {"lr": 3e-4}}))
+
+
+def test_a_run_root_stands_for_its_newest_committed_model(tmp_path):
+    """What one command writes is what the next takes: a run root (e.g. the demo's ``models/sft_teacher``)
+    given where a model folder is expected is its newest committed checkpoint's self-contained model."""
+    from sapd import layout, storage
+    from sapd.models.loading import load_causal_lm, model_folder
+    tok = build_test_tokenizer(tmp_path / "tok")
+    root = str(tmp_path / "run")
+    storage.write_text(layout.config_uri(root), "run_root: run\n")
+    with pytest.raises(FileNotFoundError, match="run root without a committed checkpoint"):
+        load_tokenizer(root)
+    tokenizer = load_tokenizer(str(tmp_path / "tok"))
+    for k, seed in ((0, 1), (1, 2)):
+        model = build_tiny_model(tok, tmp_path / f"m{k}", seed=seed)
+        checkpoints.save_checkpoint(root, k, model, tokenizer, None)
+    # a half-written checkpoint 2 (no commit marker) is not taken
+    storage.write_text(storage.join(layout.checkpoint_model_dir(root, 2), "config.json"), "{}")
+    assert model_folder(root) == layout.checkpoint_model_dir(root, 1)
+    assert model_folder(str(tmp_path / "m0")) == str(tmp_path / "m0")  # a model folder is itself
+    loaded = load_causal_lm(root)
+    want = _tensors(Path(layout.checkpoint_model_dir(root, 1)))
+    got = dict(loaded.state_dict())
+    assert all(torch.equal(got[k], v) for k, v in want.items() if k in got)
+    assert not torch.equal(got["model.embed_tokens.weight"], _tensors(tmp_path / "m0")["model.embed_tokens.weight"])
+    assert load_tokenizer(root).chat_template == tokenizer.chat_template

@@ -182,3 +182,24 @@ def test_in_place_weight_update_refuses_another_architecture(tiny):
     live = HFGenerator(load_causal_lm(str(tiny / "qwen")), tok)
     with pytest.raises(ValueError, match="llama.*(not a weight|shape)|lacks"):
         live.load_weights(tiny / "llama")
+
+
+def test_loading_a_model_prints_no_deepspeed_accelerator_warning(tmp_path):
+    """DeepSpeed's "Setting accelerator to CPU" line (printed when transformers imports it to load any
+    model) is nothing a user can act on: silenced at the source by naming the accelerator."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sapd.models.tiny import build_tiny_model
+    from tests.tokenizer_util import build_test_tokenizer
+    build_tiny_model(build_test_tokenizer(tmp_path / "tok"), tmp_path / "m", seed=0)
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    code = ("import deepspeed.accelerator as a; from sapd.models.loading import load_causal_lm; "
+            f"load_causal_lm({str(tmp_path / 'm')!r}); print(a.get_accelerator()._name)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("cpu")  # DeepSpeed still runs on the CPU here
+    assert "Setting accelerator" not in out.stderr

@@ -11,11 +11,28 @@ from typing import Literal
 
 import torch
 
-from sapd import storage
+from sapd import layout, storage
 
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _COMPLETE = ".sapd-sync-complete"
+
+
+def name_the_accelerator() -> None:
+    """transformers imports DeepSpeed to load any model when DeepSpeed is installed, and DeepSpeed, left to
+    guess, warns "Setting accelerator to CPU. If you have GPU …" in every process of a machine without one,
+    commands that never train included: nothing a user can act on. Tell it (``DS_ACCELERATOR=cpu``, which
+    torchrun's workers inherit) when this process sees no accelerator; an explicit ``DS_ACCELERATOR`` wins,
+    and on a GPU machine DeepSpeed finds CUDA silently."""
+    if "DS_ACCELERATOR" in os.environ:
+        return
+    xpu = getattr(torch, "xpu", None)
+    if not (torch.cuda.is_available() or torch.backends.mps.is_available()
+            or (xpu is not None and xpu.is_available())):
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+name_the_accelerator()
 
 
 class TokenizerMismatch(ValueError):
@@ -26,10 +43,30 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("SAPD_CACHE_DIR", Path.home() / ".cache" / "sapd"))
 
 
+def model_folder(path_or_uri: str) -> str:
+    """The model folder ``path_or_uri`` names: itself when it holds a ``config.json``; for a sapd run root
+    (what ``sapd run``, ``sapd demo`` and ``sapd study`` write, e.g. ``demo-out/models/sft_teacher``) the
+    model folder of its newest committed checkpoint, so what one command writes is what the next one takes;
+    a run root without a committed checkpoint is an error saying so."""
+    if storage.is_s3(path_or_uri) or Path(path_or_uri.removeprefix("file://")).is_dir():
+        if storage.exists(storage.join(path_or_uri, "config.json")):
+            return path_or_uri
+        if storage.exists(layout.config_uri(path_or_uri)) or storage.list_files(storage.join(path_or_uri,
+                                                                                            "checkpoints")):
+            committed = layout.committed_checkpoints(path_or_uri)
+            if not committed:
+                raise FileNotFoundError(f"{path_or_uri}: a sapd run root without a committed checkpoint, not a "
+                                        "model folder; finish its first round, or name a model folder")
+            return layout.checkpoint_model_dir(path_or_uri, committed[-1])
+    return path_or_uri
+
+
 def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cache_key: str = "") -> Path:
     """A local folder as is; an ``s3://`` prefix downloaded once into the cache (a marker written last
     makes a half-finished download be redone rather than used). ``cache_key`` distinguishes versions of
-    one URI (a checkpoint's commit id)."""
+    one URI (a checkpoint's commit id). A run root stands for its newest committed checkpoint's model
+    (:func:`model_folder`)."""
+    path_or_uri = model_folder(path_or_uri)
     if not storage.is_s3(path_or_uri):
         p = Path(path_or_uri.removeprefix("file://"))
         if not p.is_dir():
