@@ -36,3 +36,33 @@ def test_demo_small(tmp_path):
     # the SAPD run trained from the student with the teacher frozen: its checkpoint 0 is the student
     from sapd import layout
     assert layout.committed_checkpoints(str(out / "runs" / "sapd")) == [0, 1]
+
+    # what the demo wrote plugs into the next commands as it is: its student and trained teacher (run
+    # roots: each stands for its newest committed model) and its pool, in `sapd run`, then `sapd evaluate`
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+    mine = tmp_path / "byo"
+    cfg = {"run_root": str(mine), "variant": "sapd",
+           "model": {"student": str(out / "models" / "student"), "teacher": str(out / "models" / "sft_teacher")},
+           "data": {"input": str(out / "pools" / "train.jsonl"), "format": "native", "benchmark": "textworld"},
+           "sampling": {"group_size": 2, "max_new_tokens": 12},
+           "train": {"rounds": 1, "trajectories_per_round": 2, "minibatch_prefixes": 2, "micro_batch_prefixes": 2,
+                     "lr": 1e-6}}
+    (tmp_path / "byo.yaml").write_text(yaml.safe_dump(cfg))
+    sapd = [sys.executable, "-m", "sapd.cli"]
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run([*sapd, "run", str(tmp_path / "byo.yaml"), "--no-progress"], capture_output=True,
+                         text=True, timeout=900, cwd=repo)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert layout.committed_checkpoints(str(mine)) == [0, 1]
+    ev = subprocess.run([*sapd, "evaluate", "--run", str(mine), "--benchmark", "textworld", "--families", "coin_near",
+                         "--games-per-family", "1", "--horizon", "2", "--max-new-tokens", "12",
+                         "--cache", str(tmp_path / "games"), "--no-progress"],
+                        capture_output=True, text=True, timeout=900, cwd=repo)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    result = json.loads((mine / "evals" / "000001" / "textworld.json").read_text())
+    assert result["checkpoint"] == 1 and result["overall"]["episodes"] == 1
+    assert "Setting accelerator" not in run.stderr + ev.stderr
