@@ -97,11 +97,39 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """Everything about a run that can be known without training (sapd.run.check)."""
+    from sapd.config import load_config
+    from sapd.run.check import check_command
+    cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+    return check_command(cfg, sample_records=args.sample_records, device_memory_gib=args.device_memory_gib,
+                         log=lambda s: print(s, flush=True))
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """A commented starter config for a benchmark (sapd.run.starter)."""
+    from sapd.run.starter import starter_config
+    text = starter_config(args.benchmark)
+    if args.out == "-":
+        print(text, end="")
+        return 0
+    out = Path(args.out or f"{args.benchmark}.yaml")
+    if out.exists() and not args.force:
+        raise ValueError(f"{out} exists; choose another --out, or pass --force to replace it")
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote {out}: fill in data.input, model.student and model.teacher (the PATH/TO/… values), then\n"
+          f"  sapd check {out}\n  sapd run {out}")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from sapd.config import load_config
+    from sapd.run.check import preflight
     from sapd.run.local import run_pipeline
     overrides = {"run_root": args.run_root} if args.run_root else None
     cfg = load_config(*args.config, overrides=overrides)
+    if not args.no_check:
+        preflight(cfg, log=lambda s: print(s, flush=True))
     result = run_pipeline(cfg, log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
     print(f"done: {result['run_root']} holds checkpoints {result['checkpoints']}")
     return 0
@@ -278,7 +306,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="+", help="YAML overlays, applied in order over the paper's defaults")
     p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-check", action="store_true", help="skip the checks run first (see `sapd check`)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("check", help="check a run config without training: inputs parse, tokenizers match, storage "
+                                     "is writable, the run root holds no other config, memory per stage")
+    p.add_argument("config", nargs="+", help="YAML overlays, applied in order over the paper's defaults")
+    p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
+    p.add_argument("--sample-records", type=int, default=20, help="records of the data input to parse (default 20)")
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="memory of the device the stages will run on, when it is not this machine's")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("init", help="write a commented starter run config for a benchmark (then fill in its paths)")
+    p.add_argument("--benchmark", required=True, choices=sorted(BENCHMARKS))
+    p.add_argument("--out", default=None, help="the file to write (default BENCHMARK.yaml; '-' for stdout)")
+    p.add_argument("--force", action="store_true", help="replace an existing file")
+    p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("train-round", help="train one round (checkpoint K + round K's scored shards → K+1); "
                                            "under torchrun with train.engine: deepspeed")

@@ -230,6 +230,11 @@ def _resolved() -> tuple[str | None, str | None, str | None, str]:
     return endpoint, key_id, secret, region
 
 
+def s3_endpoint() -> str:
+    """The S3 endpoint requests go to (for messages): the configured one, or AWS's default."""
+    return _resolved()[0] or "AWS default"
+
+
 def _client() -> Any:
     settings = _resolved()
     with _clients_lock:

@@ -908,8 +908,9 @@ def _detect(path: str, records: Iterator[tuple[str, Any]]) -> tuple[str, str, It
 
 
 def load_trajectories(input_uri: str, fmt: str, opts: LoadOptions,
-                      progress: Callable[[int], None] | None = None) -> LoadResult:
-    """Read every trajectory of ``input_uri`` (a file or a folder, local or ``s3://``) in format ``fmt``."""
+                      progress: Callable[[int], None] | None = None, limit: int | None = None) -> LoadResult:
+    """Read every trajectory of ``input_uri`` (a file or a folder, local or ``s3://``) in format ``fmt``;
+    with ``limit``, only the first ``limit`` records (a sample: ``sapd check``)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
     spec = get_benchmark(opts.benchmark)  # an unknown benchmark fails here, before any file is read
@@ -931,7 +932,12 @@ def load_trajectories(input_uri: str, fmt: str, opts: LoadOptions,
                 raise
             result.report.add(e, records)
 
+    def full() -> bool:
+        return limit is not None and result.records_read >= limit
+
     for path in result.files:
+        if full():
+            break
         records = read_records(path)
         file_fmt = fmt
         if fmt == "auto":
@@ -957,6 +963,9 @@ def load_trajectories(input_uri: str, fmt: str, opts: LoadOptions,
                 group.append(step)
                 if progress:
                     progress(1)
+                if full():
+                    group = []  # a sample ends mid-trajectory: its steps so far are checked, not assembled
+                    break
             if group:
                 keep(partial(_skillrl_trajectory, group, path, opts), path, group[0].loc, len(group))
         else:
@@ -966,7 +975,10 @@ def load_trajectories(input_uri: str, fmt: str, opts: LoadOptions,
                 keep(partial(parser, rec, path, loc, opts), path, record_location(loc, rec))
                 if progress:
                     progress(1)
-    if result.valid_records + result.report.total != result.records_read:  # the report's promise; a bug if not
+                if full():
+                    break
+    # the report's promise (a bug if broken); a sample may end inside a SkillRL trajectory
+    if limit is None and result.valid_records + result.report.total != result.records_read:
         raise RuntimeError(f"record count mismatch: {result.valid_records} valid + {result.report.total} invalid "
                            f"!= {result.records_read} read")
     return result

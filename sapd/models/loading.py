@@ -97,10 +97,13 @@ def quiet_progress_off_terminal() -> None:
         hf_logging.disable_progress_bar()
 
 
-def load_tokenizer(path_or_uri: str, cache_dir: str | Path | None = None):
+def load_tokenizer(path_or_uri: str, cache_dir: str | Path | None = None, *, without_weights: bool = False):
+    """The tokenizer of a model folder (local or ``s3://``); ``without_weights``: from an S3 prefix, fetch
+    only the files that are not weights."""
     from transformers import AutoTokenizer
     quiet_progress_off_terminal()
-    p = resolve_model_dir(path_or_uri, cache_dir)
+    p = (model_files_but_weights(path_or_uri, cache_dir) if without_weights
+         else resolve_model_dir(path_or_uri, cache_dir))
     if not (p / "tokenizer_config.json").is_file() and not (p / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path_or_uri}: not a Hugging Face tokenizer folder (no tokenizer.json or "
                                 "tokenizer_config.json)")
@@ -110,6 +113,37 @@ def load_tokenizer(path_or_uri: str, cache_dir: str | Path | None = None):
     if tok.pad_token_id is None:  # batched generation and scoring pad; EOS is the usual stand-in
         tok.pad_token = tok.eos_token
     return tok
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
+def model_files_but_weights(path_or_uri: str, cache_dir: str | Path | None = None) -> Path:
+    """A local folder with a model folder's files except its weights (config, generation config,
+    tokenizer, chat template): the folder itself when local, else those files of an ``s3://`` prefix
+    downloaded into the cache — what ``sapd check`` reads without fetching gigabytes of weights."""
+    path_or_uri = model_folder(path_or_uri)
+    if not storage.is_s3(path_or_uri):
+        return resolve_model_dir(path_or_uri, cache_dir)
+    files = [u for u in storage.list_files(path_or_uri) if not u.endswith(WEIGHT_SUFFIXES)]
+    if not files:
+        raise FileNotFoundError(f"{path_or_uri}: no files under this model prefix")
+    base = path_or_uri.rstrip("/") + "/"
+    key = hashlib.sha256(f"{path_or_uri}|no-weights".encode()).hexdigest()[:16]
+    root = Path(cache_dir or default_cache_dir()) / "model-configs" / key
+    for uri in files:
+        if "/" not in uri[len(base):]:  # the top level is all a model folder has
+            storage.download_to(uri, root / uri[len(base):])
+    return root
+
+
+def read_model_config(path_or_uri: str, cache_dir: str | Path | None = None) -> dict:
+    """A model folder's ``config.json`` (no weights are read); a missing one is an error naming the folder."""
+    import json
+    p = model_files_but_weights(path_or_uri, cache_dir) / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"{path_or_uri}: no config.json (not a Hugging Face model folder)")
+    return json.loads(p.read_text(encoding="utf-8"))
 
 
 def load_causal_lm(path_or_uri: str, dtype: DType = "float32", device: str = "cpu",

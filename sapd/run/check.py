@@ -1,0 +1,329 @@
+"""``sapd check CONFIG…``: everything about a run that can be known without training, checked before a
+run spends GPUs — and again, each stage's share of it, at the start of ``sapd run`` and of every job.
+
+Checks (each prints one line; every check runs even after one failed):
+
+- **storage**: the run root is reachable with the given credentials and writable (a probe object is
+  written and deleted);
+- **run root**: it holds no *different* committed config (only ``workers`` may change);
+- **data**: the input exists and a sample of its records parses in the configured format;
+- **student** / **teacher**: model folders with a config and a tokenizer with a chat template (no
+  weights are read; from S3 only the small files are fetched);
+- **tokenizers**: the student's and the teacher's are identical (the token signal needs one vocabulary);
+- **memory**: an estimate per stage (parameters, gradients, optimizer, activations, KV cache) from the
+  models' shapes and the config's batch sizes, against the device the stage runs on;
+- **pushgateway**: answers, when ``SAPD_PUSHGATEWAY_URL`` is set.
+
+A failure is one line naming what to fix. Exit codes (:mod:`sapd.entry`): 0 every check passed, 2 a
+user error (fix the config, the input, the credentials), 75 a service was unreachable (retry later).
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from sapd import layout, storage
+from sapd.config import ConfigError, RunConfig, committed_config_problem
+from sapd.data.loaders import LoadOptions, load_trajectories
+from sapd.entry import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USER_ERROR, exit_code
+from sapd.models.loading import check_same_tokenizer, load_tokenizer, read_model_config
+from sapd.models.memory import GIB, HEADROOM, Shape, estimate, shape_from_config
+from sapd.run.starter import PLACEHOLDER
+
+# the checks each stage's job runs at its start (``None``: all of them — ``sapd check``, ``sapd run``, the driver)
+STAGE_CHECKS: dict[str, tuple[str, ...]] = {
+    "build-prefixes": ("storage", "run root", "data", "student", "teacher", "tokenizers"),
+    "teacher-scores": ("storage", "run root", "student", "teacher", "tokenizers", "memory"),
+    "train": ("storage", "run root", "student", "memory"),
+    "evaluate": ("storage",),  # it loads the run's checkpoints, not model.student
+}
+SAMPLE_RECORDS = 20
+
+
+class CheckFailed(ValueError):
+    """A check failed before a stage started; ``exit_code`` is the first failure's (2 or 75)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.exit_code = code
+
+
+class Skipped(Exception):
+    """A check that cannot run because one it depends on failed (not a failure of its own)."""
+
+
+@dataclass
+class Outcome:
+    name: str
+    ok: bool
+    detail: str
+    code: int = EXIT_OK
+    skipped: bool = False
+
+    def line(self) -> str:
+        if self.skipped:
+            return f"check {self.name}: skipped ({self.detail})"
+        return f"check {self.name}: ok ({self.detail})" if self.ok else f"check {self.name}: FAILED: {self.detail}"
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _code(e: BaseException) -> int:
+    code = exit_code(e)
+    if code is not None:
+        return code
+    if isinstance(e, (urllib.error.URLError, ConnectionError, TimeoutError)):
+        return EXIT_UNAVAILABLE
+    return EXIT_FAILED
+
+
+# ---------------------------------------------------------------------------------------------------
+# the checks
+
+
+def check_storage(cfg: RunConfig) -> str:
+    probe = storage.join(cfg.run_root, f".sapd-check-{uuid.uuid4().hex}")
+    created: list[Path] = []
+    if not storage.is_s3(cfg.run_root):  # folders the probe creates are removed with it
+        p = Path(cfg.run_root.removeprefix("file://")).absolute()
+        while not p.exists():
+            created.append(p)
+            p = p.parent
+    storage.write_text(probe, "sapd check: this object is written and deleted at once\n")
+    storage.delete(probe)
+    for d in created:
+        try:
+            d.rmdir()
+        except OSError:
+            break
+    where = f"S3 endpoint {storage.s3_endpoint()}" if storage.is_s3(cfg.run_root) else "local folder"
+    return f"{cfg.run_root} is writable ({where})"
+
+
+def check_run_root(cfg: RunConfig) -> str:
+    problem = committed_config_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
+    if not storage.exists(layout.config_uri(cfg.run_root)):
+        return "a new run"
+    done = layout.committed_checkpoints(cfg.run_root)
+    return (f"the committed config is this one; checkpoints {done[0]}..{done[-1]} committed, resuming"
+            if done else "the committed config is this one")
+
+
+def check_data(cfg: RunConfig, sample: int = SAMPLE_RECORDS) -> str:
+    d = cfg.data
+    if not d.input or d.input.startswith(PLACEHOLDER):
+        raise ConfigError(f"data.input: {'empty' if not d.input else 'still the starter placeholder ' + d.input}; "
+                          "set it to your trajectories (a file or folder, local or s3://)", "data.input")
+    res = load_trajectories(d.input, d.format, LoadOptions(d.benchmark, skip_invalid=d.skip_invalid,
+                                                           action_wording=d.action_wording), limit=sample)
+    if not res.trajectories:
+        raise ValueError(f"{d.input}: the first {res.records_read} records hold no valid trajectory"
+                         + (f" ({res.report.total} invalid, skipped)" if res.report.total else ""))
+    files = len(res.files)
+    return (f"{files} file{'s' if files != 1 else ''}; the first {res.records_read} records parse as "
+            f"{res.format_summary()} ({len(res.trajectories)} trajectories, {d.benchmark})"
+            + (f"; {res.report.total} invalid, skipped" if res.report.total else ""))
+
+
+def _model(uri: str, key: str) -> tuple[Shape, Any]:
+    if not uri or uri.startswith(PLACEHOLDER):
+        raise ConfigError(f"{key}: {'empty' if not uri else 'still the starter placeholder ' + uri}; set it to a "
+                          "Hugging Face model folder or s3:// prefix", key)
+    shape = shape_from_config(read_model_config(uri))
+    return shape, load_tokenizer(uri, without_weights=True)
+
+
+def _device_memory(device: str) -> tuple[float | None, str]:
+    """(bytes, description) of the memory a stage on ``device`` has from here; None when it is not visible."""
+    if device.startswith("cuda"):
+        try:
+            import torch
+            if torch.cuda.is_available():
+                index = int(device.split(":")[1]) if ":" in device else 0
+                props = torch.cuda.get_device_properties(index)
+                return float(props.total_memory), f"{device} ({props.name}) {props.total_memory / GIB:.1f} GiB"
+        except (ImportError, RuntimeError, AssertionError):
+            pass
+        return None, f"{device}, not visible from here"
+    total = available = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                if key == "MemTotal":
+                    total = float(value.split()[0]) * 1024
+                elif key == "MemAvailable":
+                    available = float(value.split()[0]) * 1024
+    except OSError:
+        return None, "cpu, memory size unknown"
+    if not total:
+        return None, "cpu, memory size unknown"
+    return total, f"cpu RAM {total / GIB:.1f} GiB" + (f", {available / GIB:.1f} GiB available now" if available else "")
+
+
+def train_processes() -> int:
+    """The training processes ZeRO shards over: torchrun's WORLD_SIZE where set (inside the train job), else
+    $SAPD_TRAIN_PROCESSES (the chart sets it from train.parallelism × train.nprocPerNode), else 1."""
+    for key in ("WORLD_SIZE", "SAPD_TRAIN_PROCESSES"):
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def check_memory(cfg: RunConfig, student: Shape, teacher: Shape | None, stages: tuple[str, ...] | None,
+                 device_memory_gib: float | None = None) -> tuple[str, list[str]]:
+    """(summary, one line per stage); raises when a stage's estimate does not fit the device."""
+    estimates = [e for e in estimate(cfg, student, teacher, train_processes()) if stages is None or e.stage in stages]
+    if device_memory_gib:
+        total: float | None = device_memory_gib * GIB
+        where = f"{cfg.model.device} {device_memory_gib:g} GiB (as given)"
+    else:
+        total, where = _device_memory(cfg.model.device)
+    lines = [e.line() for e in estimates]
+    if total is None:
+        return f"device {where}: not compared (give --device-memory-gib)", lines
+    too_big = [e for e in estimates if e.total * HEADROOM > total]
+    if too_big:
+        e = too_big[0]
+        raise ConfigError(f"{e.stage} needs about {e.total / GIB:.1f} GiB (+{HEADROOM - 1:.0%} headroom) but the "
+                          f"device has {total / GIB:.1f} GiB ({where}): lower sampling.prompts_per_batch, "
+                          "train.micro_batch_prefixes or data.max_prompt_tokens, set train.gradient_checkpointing, "
+                          "use a half-precision model.dtype, or a larger device", "memory")
+    return f"every stage fits {where}", lines
+
+
+def check_pushgateway() -> str:
+    url = os.environ.get("SAPD_PUSHGATEWAY_URL")
+    if not url:
+        return "not configured (nothing is pushed)"
+    with urllib.request.urlopen(url.rstrip("/") + "/-/ready", timeout=10) as r:
+        return f"{url} answers {r.status}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# running them
+
+
+def run_checks(cfg: RunConfig, *, stage: str | None = None, sample_records: int = SAMPLE_RECORDS,
+               device_memory_gib: float | None = None, log: Callable[[str], None] = print,
+               verbose: bool = True, memory_fails: bool = True, pushgateway: bool = True) -> list[Outcome]:
+    """Every check of ``stage`` (all for None), each reported as it finishes (``verbose``: the ok lines
+    and the memory table too; otherwise only failures). ``memory_fails`` False: a stage that may not
+    fit is a warning line, not a failure (the estimate errs high; a running stage should not be stopped by
+    it). Returns the outcomes."""
+    wanted = STAGE_CHECKS.get(stage or "", None) if stage else None
+    outcomes: list[Outcome] = []
+    models: dict[str, tuple[Shape, Any] | None] = {}
+    sft = cfg.loss_cfg.objective == "sft"
+
+    def run(name: str, fn: Callable[[], str]) -> None:
+        if wanted is not None and name not in wanted:
+            return
+        try:
+            o = Outcome(name, True, fn())
+        except Skipped as e:
+            o = Outcome(name, True, str(e), skipped=True)
+        except Exception as e:  # noqa: BLE001 - every check reports; none stops the others
+            code = _code(e)
+            if code == EXIT_FAILED and not isinstance(e, (OSError, ValueError, RuntimeError)):
+                raise  # a bug in sapd, not a finding about the run
+            o = Outcome(name, False, _one_line(e), code)
+            if name == "memory" and not memory_fails and isinstance(e, ConfigError):
+                log(f"check memory: WARNING: {o.detail}")
+                o = Outcome(name, True, "may not fit (warned)")
+        outcomes.append(o)
+        if verbose or not o.ok:
+            log(o.line())
+
+    def model(who: str) -> str:
+        uri = getattr(cfg.model, who)
+        models[who] = None
+        shape, tok = _model(uri, f"model.{who}")
+        models[who] = (shape, tok)
+        return f"{uri}: {shape.describe()}; tokenizer of {len(tok)} tokens with a chat template"
+
+    def tokenizers() -> str:
+        s, t = models.get("student"), models.get("teacher")
+        if s is None or t is None:
+            raise Skipped("a model above failed")
+        check_same_tokenizer(s[1], t[1])
+        return f"the student's and the teacher's are identical ({len(s[1])} tokens)"
+
+    memory_lines: list[str] = []
+
+    def memory() -> str:
+        s, t = models.get("student"), models.get("teacher")
+        if s is None:
+            raise Skipped("the student model above failed")
+        summary, lines = check_memory(cfg, s[0], t[0] if t else None,
+                                      None if stage is None else (stage,), device_memory_gib)
+        memory_lines.extend(lines)
+        return summary
+
+    run("storage", lambda: check_storage(cfg))
+    run("run root", lambda: check_run_root(cfg))
+    run("data", lambda: check_data(cfg, sample_records))
+    run("student", lambda: model("student"))
+    if sft:
+        if wanted is None or "teacher" in wanted:
+            outcomes.append(Outcome("teacher", True, "not used (variant sft)"))
+            if verbose:
+                log(outcomes[-1].line())
+    else:
+        run("teacher", lambda: model("teacher"))
+        run("tokenizers", tokenizers)
+    run("memory", memory)
+    if verbose:
+        for line in memory_lines:
+            log(f"  {line}")
+    if wanted is None and pushgateway:
+        run("pushgateway", check_pushgateway)
+    return outcomes
+
+
+def summary_code(outcomes: list[Outcome]) -> int:
+    """2 if any user error, else 75 if a service was unreachable, else 1 for any other failure, else 0."""
+    codes = {o.code for o in outcomes if not o.ok}
+    for code in (EXIT_USER_ERROR, EXIT_UNAVAILABLE, EXIT_FAILED):
+        if code in codes:
+            return code
+    return EXIT_OK
+
+
+def check_command(cfg: RunConfig, *, sample_records: int = SAMPLE_RECORDS, device_memory_gib: float | None = None,
+                  log: Callable[[str], None] = print) -> int:
+    """``sapd check``: every check, every line; the exit code of :func:`summary_code`."""
+    log(f"check config: ok (run root {cfg.run_root}, variant {cfg.variant}, benchmark {cfg.data.benchmark})")
+    outcomes = run_checks(cfg, sample_records=sample_records, device_memory_gib=device_memory_gib, log=log)
+    failed = [o for o in outcomes if not o.ok]
+    skipped = sum(o.skipped for o in outcomes)
+    log(f"check: {len(outcomes) - len(failed) - skipped}/{len(outcomes)} passed"
+        + (f", {skipped} skipped" if skipped else "")
+        + ("" if not failed else f"; fix the {len(failed)} FAILED line{'s' if len(failed) > 1 else ''} above"))
+    return summary_code(outcomes)
+
+
+def preflight(cfg: RunConfig, stage: str | None = None, *, log: Callable[[str], None] = print,
+              verbose: bool = False) -> None:
+    """The checks at the start of ``sapd run`` and the pipeline driver (``stage`` None) or of a stage's job:
+    one line when they pass (``verbose``: every line), every failure a line, then :class:`CheckFailed` with
+    the exit code. A memory estimate above the device is a warning here (``sapd check`` fails on it)."""
+    outcomes = run_checks(cfg, stage=stage, log=log, verbose=verbose, memory_fails=False, pushgateway=False)
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        raise CheckFailed(f"{len(failed)} check{'s' if len(failed) > 1 else ''} failed before "
+                          f"{stage or 'the run'} started (the lines above; `sapd check` shows them all)",
+                          summary_code(outcomes))
+    log(f"preflight: {len(outcomes)} checks passed ({', '.join(o.name for o in outcomes)})")

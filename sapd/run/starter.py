@@ -1,0 +1,77 @@
+"""``sapd init --benchmark NAME``: a commented starter run config for bringing your own data. Every key
+it does not list keeps the paper's default; the ``PATH/TO/…`` values are the ones to fill in, and
+``sapd check`` names each one still left (then checks the rest without training)."""
+
+from __future__ import annotations
+
+from sapd.method.benchmarks import get_benchmark
+
+PLACEHOLDER = "PATH/TO/"
+
+# benchmark → (the usual input format, an example input name, what such data usually is)
+_DATA = {
+    "alfworld": ("eto", "alfworld_sft.json", "ETO / SPA-RL style expert conversations"),
+    "webshop": ("eto", "webshop_sft.json", "ETO style expert conversations"),
+    "searchqa": ("searchr1", "searchqa_train.parquet", "Search-R1 rollouts (rows with golden answers)"),
+    "textworld": ("native", "trajectories.jsonl", "sapd's own records (`sapd collect-expert`, `sapd convert`)"),
+    "scienceworld": ("eto", "sciworld_sft.json", "ETO style expert conversations"),
+}
+
+
+def benchmarks() -> list[str]:
+    return sorted(_DATA)
+
+
+def starter_config(benchmark: str) -> str:
+    """The text of the starter config for ``benchmark``."""
+    if benchmark not in _DATA:
+        raise ValueError(f"--benchmark {benchmark!r}: expected one of {', '.join(benchmarks())}")
+    spec = get_benchmark(benchmark)
+    fmt, example, what = _DATA[benchmark]
+    per_round = 128 if benchmark == "searchqa" else 16
+    return f"""\
+# sapd run config: a starter for {benchmark} (written by `sapd init --benchmark {benchmark}`).
+# Fill in the three {PLACEHOLDER}… values, then
+#   sapd check THIS.yaml    checks it without training: data, models, tokenizers, storage, memory
+#   sapd run THIS.yaml      runs it (resumable: run it again after an interruption)
+# Keys not listed keep the paper's defaults (docs/SAPD.md §5). Numbers follow YAML 1.2 (1e-6 is a float).
+
+# everything of the run is written here: a local folder or s3://bucket/prefix
+run_root: runs/{benchmark}
+
+# a named setting of the objective: sapd (the paper's) | opd | opd_rule | wo_opd | wo_rule | full_token |
+# std_norm | sapd_exclude | sft (docs/SAPD.md §4)
+variant: sapd
+
+data:
+  # FILL IN: your recorded trajectories, {what}: a file or a folder of them, local or s3://
+  input: {PLACEHOLDER}{example}
+  # their layout: native | eto | agentgym | fireact | skillrl | searchr1 | auto (docs/FORMATS.md);
+  # `sapd convert --format auto` tells you which one a file is
+  format: {fmt}
+  benchmark: {benchmark}
+  # history_length: {spec.history_length}     # recent (observation, action) pairs per prompt (the benchmark's default)
+  # max_prompt_tokens: 4096  # prefixes longer than this are dropped
+  # skip_invalid: false      # true: skip (and count) invalid records instead of stopping at the first
+
+model:
+  # FILL IN: the student to train and the frozen teacher, Hugging Face model folders (config, weights,
+  # tokenizer with a chat template) or s3:// prefixes. They must share one tokenizer.
+  student: {PLACEHOLDER}student-model
+  teacher: {PLACEHOLDER}teacher-model
+  # dtype: bfloat16          # float32 (default) | bfloat16 | float16
+  # device: cuda             # cpu (default) | cuda | cuda:N
+
+sampling:
+  group_size: 8              # G responses sampled per prefix
+  max_new_tokens: 256
+  # backend: vllm            # hf (default) | vllm (GPU)
+
+train:
+  rounds: 100                # rollout batches, each followed by its optimizer steps
+  trajectories_per_round: {per_round}
+  lr: 1e-6
+  # micro_batch_prefixes: 4  # lower it if `sapd check` says the train stage does not fit
+  # gradient_checkpointing: true
+  # engine: deepspeed        # several GPUs: torchrun (see the README)
+"""

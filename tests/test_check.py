@@ -1,0 +1,131 @@
+"""`sapd check` (and the preflight of `sapd run`) finds, without training, what would stop a run: data
+that does not parse, tokenizers that differ, storage that refuses the credentials or cannot be reached,
+a run root holding another config, placeholders a starter config still has; `sapd init` writes a
+starter config that `sapd check` accepts once its paths are filled in."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sapd.cli import main
+from sapd.config import config_from_dict
+from sapd.entry import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USER_ERROR
+from sapd.run.check import check_command, run_checks
+from tests.pipeline_util import make_models, tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory.mktemp("models"))
+
+
+def _lines(cfg) -> tuple[int, list[str]]:
+    lines: list[str] = []
+    return check_command(cfg, log=lines.append), lines
+
+
+def test_a_good_config_passes_every_check(tmp_path, models):
+    cfg = config_from_dict(tiny_config(str(tmp_path / "run"), *models))
+    code, lines = _lines(cfg)
+    assert code == EXIT_OK, lines
+    for name in ("storage", "run root", "data", "student", "teacher", "tokenizers", "memory"):
+        assert any(line.startswith(f"check {name}: ok") for line in lines), (name, lines)
+    assert any("teacher-scores" in line for line in lines) and any("train" in line for line in lines)
+    assert not (tmp_path / "run").exists()  # the storage probe leaves nothing behind
+
+
+def test_each_failure_is_one_line_and_a_user_error(tmp_path, models):
+    student, teacher = models
+    from sapd.models.byte_tokenizer import build_tokenizer
+    other = build_tokenizer(["another corpus, another vocabulary " * 20], tmp_path / "other-tok", vocab_size=300)
+    from sapd.models.tiny import build_tiny_model
+    build_tiny_model(other, tmp_path / "other", seed=5)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json\n")
+    cfg = config_from_dict(tiny_config(str(tmp_path / "run"), student, str(tmp_path / "other"),
+                                       data={"input": str(bad)}))
+    code, lines = _lines(cfg)
+    assert code == EXIT_USER_ERROR
+    failed = [line for line in lines if ": FAILED: " in line]
+    assert {line.split(":")[0] for line in failed} == {"check data", "check tokenizers"}, lines
+    assert any("bad.json" in line for line in failed)
+    # the run root holds another committed config: named with the differing key
+    from sapd.config import write_run_config
+    write_run_config(config_from_dict(tiny_config(str(tmp_path / "run2"), student, teacher)))
+    cfg = config_from_dict(tiny_config(str(tmp_path / "run2"), student, teacher, train={"lr": 0.5}))
+    code, lines = _lines(cfg)
+    assert code == EXIT_USER_ERROR and any(line.startswith("check run root: FAILED") and "train.lr" in line
+                                           for line in lines), lines
+
+
+def test_memory_that_does_not_fit_names_what_to_lower(tmp_path, models):
+    cfg = config_from_dict(tiny_config(str(tmp_path / "run"), *models))
+    lines: list[str] = []
+    code = check_command(cfg, device_memory_gib=1e-6, log=lines.append)
+    assert code == EXIT_USER_ERROR
+    assert any(line.startswith("check memory: FAILED") and "micro_batch_prefixes" in line for line in lines), lines
+
+
+def test_init_then_check_then_run_preflight(tmp_path, models, capsys):
+    student, teacher = models
+    out = tmp_path / "mine.yaml"
+    assert main(["init", "--benchmark", "alfworld", "--out", str(out)]) == 0
+    assert main(["init", "--benchmark", "alfworld", "--out", str(out)]) == EXIT_USER_ERROR  # no overwrite
+    capsys.readouterr()
+    run_root = str(tmp_path / "run")
+    assert main(["check", str(out), "--run-root", run_root]) == EXIT_USER_ERROR
+    text = capsys.readouterr().out
+    assert "data.input: still the starter placeholder" in text and "model.student" in text
+    data = yaml.safe_load(out.read_text())
+    filled = out.read_text().replace(data["data"]["input"], str(REPO / "sapd" / "sample_data" / "alfworld_eto.json"))
+    filled = filled.replace(data["model"]["student"], student).replace(data["model"]["teacher"], teacher)
+    out.write_text(filled)
+    assert main(["check", str(out), "--run-root", run_root]) == EXIT_OK, capsys.readouterr().out
+    # `sapd run` runs the same checks first and stops before any work on a failure
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(filled.replace(teacher, str(tmp_path / "missing-teacher")))
+    assert main(["run", str(broken), "--run-root", str(tmp_path / "run3"), "--no-progress"]) == EXIT_USER_ERROR
+    err = capsys.readouterr()
+    assert "check teacher: FAILED" in err.out and not (tmp_path / "run3" / "prefixes").exists()
+
+
+@pytest.mark.integration
+def test_storage_credentials_and_reachability_on_real_s3(s3_server, tmp_path, models):
+    """Good credentials: the probe is written and deleted; bad ones: a user error; no server: retry later."""
+    student, teacher = models
+    cfg = tmp_path / "s3.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(f"s3://{s3_server.bucket}/check-{os.getpid()}", student, teacher)))
+
+    def check(key: str, secret: str, endpoint: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
+               "SAPD_S3_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1",
+               "SAPD_S3_MAX_ATTEMPTS": "1"}
+        return subprocess.run([sys.executable, "-m", "sapd.cli", "check", str(cfg)], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+
+    ok = check(s3_server.access_key, s3_server.secret_key, s3_server.endpoint_url)
+    assert ok.returncode == EXIT_OK, ok.stdout + ok.stderr
+    assert "check storage: ok" in ok.stdout
+    assert not s3_server.server.client().list_objects_v2(Bucket=s3_server.bucket,
+                                                         Prefix=f"check-{os.getpid()}").get("Contents")
+    bad = check(s3_server.access_key, "wrong-secret", s3_server.endpoint_url)
+    assert bad.returncode == EXIT_USER_ERROR, bad.stdout + bad.stderr
+    assert "check storage: FAILED" in bad.stdout
+    from tests.conftest import free_port
+    gone = check(s3_server.access_key, s3_server.secret_key, f"http://127.0.0.1:{free_port()}")
+    assert gone.returncode == EXIT_UNAVAILABLE, gone.stdout + gone.stderr
+    assert "check storage: FAILED" in gone.stdout
+
+
+def test_checks_run_for_one_stage_only(tmp_path, models):
+    cfg = config_from_dict(tiny_config(str(tmp_path / "run"), *models))
+    names = [o.name for o in run_checks(cfg, stage="train", log=lambda s: None)]
+    assert names == ["storage", "run root", "student", "memory"]
