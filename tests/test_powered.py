@@ -238,7 +238,7 @@ def test_powered_study_is_resumable_in_units_and_rebuilds_its_cache_deterministi
         study.final()
     # a fresh session: the cache is gone, the ledger (committed) is not
     shutil.rmtree(cache)
-    again = PoweredStudy(cfg, ledger, cache, log=lambda s: None)
+    again = PoweredStudy(cfg, ledger, cache, log=lambda s: None, config_path=tmp_path / "not-committed.yaml")
     t0 = time.perf_counter()
     assert again.pilot() == pilot and again.probe()["prefixes"] == 3  # read from the ledger
     assert time.perf_counter() - t0 < 5
