@@ -70,3 +70,15 @@ def test_an_exported_folder_and_its_run_root_both_serve_as_model_paths(run_root,
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(str(tmp_path / "r"), str(out), str(run_root))))
     assert main(["check", str(cfg)]) == 0
+
+
+def test_a_run_root_as_a_model_path_is_pinned_and_logged(run_root, tmp_path):
+    from sapd import checkpoints
+    lines: list[str] = []
+    cfg = config_from_dict(tiny_config(str(tmp_path / "r"), str(run_root), str(run_root), train={"rounds": 1}))
+    run_pipeline(cfg, log=lines.append, show_progress=False)
+    newest = layout.checkpoint_model_dir(str(run_root), 1)
+    assert f"model.student: {run_root} → checkpoint 1 ({newest})" in lines, lines
+    assert f"model.teacher: {run_root} → checkpoint 1 ({newest})" in lines, lines
+    marker = checkpoints.read_marker(str(tmp_path / "r"), 0)
+    assert marker["source"] == str(run_root) and marker["resolved"] == newest

@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -60,6 +60,17 @@ def model_folder(path_or_uri: str) -> str:
                                         "model folder; finish its first round, or name a model folder")
             return layout.checkpoint_model_dir(path_or_uri, committed[-1])
     return path_or_uri
+
+
+def pin_model_path(path_or_uri: str, field: str, log: Callable[[str], None]) -> str:
+    """The model folder ``path_or_uri`` stands for (:func:`model_folder`), fixed once for a stage so a run
+    root that commits a newer checkpoint meanwhile does not change it halfway; a run root is logged as
+    one line naming the checkpoint it resolved to (``model.teacher: ROOT → checkpoint 12``)."""
+    folder = model_folder(path_or_uri)
+    if folder != path_or_uri:
+        k = folder.rstrip("/").split("/")[-2]
+        log(f"{field}: {path_or_uri} → checkpoint {int(k) if k.isdigit() else k} ({folder})")
+    return folder
 
 
 def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cache_key: str = "") -> Path:
