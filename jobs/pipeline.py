@@ -28,14 +28,14 @@ from typing import Sequence
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from sapd.config import load_config
-from sapd.entry import log_line, run_main
+from sapd.entry import add_config_flags, config_from_args, log_line, run_main
+from sapd.run.check import preflight
 from sapd.run.k8s import Driver, KubeError, StageTemplates, current_namespace, load_api_client
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jobs.pipeline", description=__doc__.splitlines()[0])
-    p.add_argument("--config", nargs="+", required=True, help="YAML overlays, applied in order over the defaults")
+    add_config_flags(p, progress=False)
     p.add_argument("--release", required=True, help="the Helm release (only used in log lines)")
     p.add_argument("--templates", default="/etc/sapd-pipeline",
                    help="folder of stage manifests (<stage>.yaml; default /etc/sapd-pipeline)")
@@ -50,7 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--owner-job", default=os.environ.get("SAPD_DRIVER_JOB"),
                    help="own Job name, made the owner of the stage Jobs (default $SAPD_DRIVER_JOB)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster config inside a pod)")
-    p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
     return p
 
 
@@ -58,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
 
     def body() -> None:
-        cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+        cfg = config_from_args(args)
+        if not args.no_check:
+            preflight(cfg, None, log=log_line)
         templates = StageTemplates.from_dir(args.templates)
         namespace = current_namespace(args.namespace)
         log_line(f"pipeline: release {args.release}, templates {args.templates} ({', '.join(sorted(templates.texts))})")

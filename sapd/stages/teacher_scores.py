@@ -12,6 +12,7 @@ so a redone part is the same part.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from sapd.method.benchmarks import get_benchmark
 from sapd.method.rules import RuleWeights
 from sapd.metrics import Metrics
 from sapd.models.generation import Generator, HFGenerator, SamplingParams, stops_for
-from sapd.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer
+from sapd.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer, pin_model_path
 from sapd.models.scoring import score_groups
 from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
 
@@ -177,6 +178,9 @@ def run(cfg: RunConfig, k: int, worker: int, *, log: Callable[[str], None] = pri
         raise FileNotFoundError(f"checkpoint {k} is not committed in {cfg.run_root}; train round {k - 1} first")
     result = _finished(cfg, k, worker, log)
     if result is None:
+        teacher = pin_model_path(cfg.model.teacher, "model.teacher", log)
+        if teacher != cfg.model.teacher:
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, teacher=teacher))
         tokenizer = load_tokenizer(cfg.model.student)
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.teacher))
         result = run_worker(cfg, k, worker, student_generator(cfg, k, tokenizer), teacher_scorer(cfg, tokenizer),
