@@ -1,11 +1,16 @@
 """Each stage's measured time against its floor on this machine, both measured in the same run
-(issue 14 item 4; partial: the sampling and scoring stages).
+(issue 14 item 4; the 2-rank DeepSpeed comparison is not here yet).
 
 - sampling: ``HFGenerator`` (one prefill per prompt, its KV cache repeated G times, one decode batch)
   in generated tokens/s vs one batched HF ``generate`` of the same number of tokens (the prompt
   repeated G times, every sequence forced to the same length);
 - scoring: the shared-prefix teacher scorer on a group (prompt once, G responses) vs a single forward
-  over the group's unique tokens (the prompt once followed by all G responses, one sequence).
+  over the group's unique tokens (the prompt once followed by all G responses, one sequence);
+- π_old: the training stage's recompute (``recompute_old_logprobs``, one micro-batch of P prefixes × G)
+  vs one plain no-grad forward over the same P·G padded sequences;
+- training: one optimizer step of the training stage's loss (``_micro_loss``: head-only logits, the SAPD
+  terms) with backward and AdamW, vs one plain forward + token NLL + backward + AdamW step over the same
+  P·G padded sequences.
 
     .venv/bin/python bench/stage_efficiency.py [--group 8] [--prompt-tokens 600] [--new-tokens 64]
     .venv/bin/python bench/stage_efficiency.py --dry-run     # tiny shape, seconds: the test suite's check
@@ -25,10 +30,13 @@ from typing import Callable
 
 import torch
 
+from sapd.config import config_from_dict
+from sapd.data.scored import ScoredPrefix
 from sapd.models.byte_tokenizer import build_tokenizer
 from sapd.models.generation import HFGenerator, SamplingParams
 from sapd.models.scoring import score_group_shared_prefix
 from sapd.models.tiny import build_tiny_model
+from sapd.stages.train import _micro_loss, recompute_old_logprobs
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sapd" / "sample_data"
 GOAL = 1.25
@@ -54,11 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prefixes", type=int, default=2, help="P: prefixes in a π_old / training micro-batch")
     ap.add_argument("--dry-run", action="store_true", help="tiny shape and lengths: checks the script")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     if args.dry_run:
         args.group, args.prompt_tokens, args.new_tokens, args.hidden, args.layers, args.repeats = 2, 40, 6, 64, 2, 1
+        args.prefixes = 2
     with tempfile.TemporaryDirectory() as tmp:
         tok = build_tokenizer([p.read_text() for p in SAMPLES.glob("*.json*")], Path(tmp) / "tok")
         model = build_tiny_model(tok, Path(tmp) / "m", hidden_size=args.hidden, layers=args.layers, heads=8,
@@ -106,15 +116,58 @@ def main(argv: list[str] | None = None) -> int:
     results["scoring"] = {"tokens": unique.shape[1], "seconds": t_ours, "floor_seconds": t_floor,
                           "ratio": t_ours / t_floor}
 
+    # π_old and training: P prefixes × G responses, one micro-batch
+    P = args.prefixes
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    prefixes = [ScoredPrefix(f"p{i}", pids, [torch.randint(10, len(tok), (N,), generator=g).tolist() for _ in range(G)],
+                             [[-1.0] * N for _ in range(G)], [[k >= N - 4 for k in range(N)] for _ in range(G)],
+                             [0.0] * G) for i in range(P)]
+    seqs = torch.tensor([pids + r for sp in prefixes for r in sp.responses_G_T])  # equal lengths: no padding
+    mask = torch.ones_like(seqs)
+
+    def ours_old() -> None:
+        recompute_old_logprobs(model, prefixes, pad, P)
+
+    def floor_old() -> None:
+        with torch.no_grad():
+            model(input_ids=seqs, attention_mask=mask)
+
+    t_ours, t_floor = _best_pair(ours_old, floor_old, args.repeats)
+    results["pi_old"] = {"tokens": seqs.numel(), "seconds": t_ours, "floor_seconds": t_floor, "ratio": t_ours / t_floor}
+
+    recompute_old_logprobs(model, prefixes, pad, P)
+    cfg = config_from_dict({"variant": "sapd"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    model.train()
+
+    def ours_train() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss, _ = _micro_loss(model, cfg, prefixes, pad)
+        loss.backward()
+        opt.step()
+
+    def floor_train() -> None:
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=seqs, attention_mask=mask).logits[:, len(pids) - 1:-1]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                seqs[:, len(pids):].reshape(-1))
+        nll.backward()
+        opt.step()
+
+    t_ours, t_floor = _best_pair(ours_train, floor_train, args.repeats)
+    results["training"] = {"tokens": seqs.numel(), "seconds": t_ours, "floor_seconds": t_floor,
+                           "ratio": t_ours / t_floor}
+    model.eval()
+
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: qwen2 {n_params / 1e6:.1f}M params, {torch.get_num_threads()} threads; G={G}, "
-          f"prompt {len(pids)} tokens, {N} new tokens each; best of {args.repeats}")
+          f"prompt {len(pids)} tokens, {N} new tokens each; π_old/training: {P} prefixes × G; "
+          f"best of {args.repeats}")
     print("| stage | measured s | floor s | ratio to floor | goal |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['seconds']:.3f} | {r['floor_seconds']:.3f} | {r['ratio']:.2f}× | ≤ {GOAL}× |")
-    print("not measured by this script yet: training vs one plain forward+backward, π_old vs one forward, "
-          "2-rank DeepSpeed vs 1 rank")
+    print("not measured by this script yet: 2-rank DeepSpeed vs 1 rank")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0

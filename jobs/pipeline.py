@@ -14,6 +14,8 @@ Cluster: helm install sapd-alfworld charts/sapd -f charts/sapd/values/alfworld.y
          (mode: pipeline, the default: the driver Job <release>-pipeline-<revision> creates the stage Jobs)
 Local:   python -m jobs.pipeline --config run.yaml --release sapd-alfworld --namespace sapd \
              --templates rendered-templates/ --kubeconfig ~/.kube/config
+First it runs the checks of `sapd check` (storage, run root, data sample, models and tokenizers; memory is
+checked by each stage pod on its own device): a failure exits before any Job is created (--no-check skips).
 Exit codes (sapd.entry): 0 run complete, 1 a stage kept failing (the message names the Job and what to
 do), 2 bad config or templates, 3 Kubernetes API error or a wait ran out, 75 storage unreachable.
 """
@@ -59,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> None:
         cfg = config_from_args(args)
         if not args.no_check:
-            preflight(cfg, None, log=log_line)
+            preflight(cfg, "driver", log=log_line)  # before any stage Job is created
         templates = StageTemplates.from_dir(args.templates)
         namespace = current_namespace(args.namespace)
         log_line(f"pipeline: release {args.release}, templates {args.templates} ({', '.join(sorted(templates.texts))})")

@@ -43,6 +43,9 @@ STAGE_CHECKS: dict[str, tuple[str, ...]] = {
     "teacher-scores-commit": ("storage", "run root"),  # it joins the workers' parts, no model
     "train": ("storage", "run root", "student", "memory"),
     "evaluate": ("storage",),  # it loads the run's checkpoints, not model.student
+    # the cluster's pipeline driver, before it creates any stage Job: everything but memory, which each
+    # stage pod checks against its own device (the driver's pod has none of theirs)
+    "driver": ("storage", "run root", "data", "student", "teacher", "tokenizers"),
 }
 SAMPLE_RECORDS = 20
 
@@ -328,4 +331,5 @@ def preflight(cfg: RunConfig, stage: str | None = None, *, log: Callable[[str], 
         raise CheckFailed(f"{failed[0].line()}{more} — nothing of {stage or 'the run'} was started; fix it and "
                           "run again (`sapd check CONFIG` shows every check; --no-check skips them)",
                           summary_code(outcomes))
-    log(f"preflight: {len(outcomes)} checks passed ({', '.join(o.name for o in outcomes)})")
+    plural = "s" if len(outcomes) != 1 else ""
+    log(f"preflight: {len(outcomes)} check{plural} passed ({', '.join(o.name for o in outcomes)})")
