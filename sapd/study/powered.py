@@ -107,6 +107,7 @@ class PoweredConfig:
     teacher_shape: ModelShape = field(default_factory=lambda: ModelShape(256, 4, 4, 2, 512))
     student_epochs: float = 12.0
     teacher_epochs: float = 10.0
+    teacher_pretrain_games: int | None = None  # the first N pre-training games in the teacher's data (None: all)
     pretrain_lr: float = 1e-3
     sft_trajectories_per_round: int = 50
     gate_well_formed: float = 0.95  # the student, at T = 1 on validation prefixes × G, before any round
@@ -314,7 +315,12 @@ class PoweredStudy:
         if not teacher_data.is_dir():
             teacher_data.mkdir(parents=True)
             for n in ("pretrain", "train_clean"):
-                (teacher_data / f"{n}.jsonl").write_bytes(self.pool_path(n).read_bytes())
+                lines = self.pool_path(n).read_text().splitlines(keepends=True)
+                if n == "pretrain" and self.cfg.teacher_pretrain_games is not None:  # games are consecutive seeds
+                    first = {f"{self.cfg.pretrain_family}-{self.cfg.pretrain_seed + i}"
+                             for i in range(self.cfg.teacher_pretrain_games)}
+                    lines = [x for x in lines if json.loads(x)["metadata"]["game"] in first]
+                (teacher_data / f"{n}.jsonl").write_text("".join(lines))
         return {"student": self._sft("student", inits["student"], str(self.pool_path("pretrain")),
                                      self.cfg.student_epochs),
                 "teacher": self._sft("teacher", inits["teacher"], str(teacher_data), self.cfg.teacher_epochs)}
