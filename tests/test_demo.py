@@ -83,4 +83,8 @@ def test_demo_small(tmp_path):
     assert ev.returncode == 0, ev.stderr[-3000:]
     result = json.loads((mine / "evals" / "000001" / "textworld.json").read_text())
     assert result["checkpoint"] == 1 and result["overall"]["episodes"] == 1
-    assert "Setting accelerator" not in run.stderr + ev.stderr
+    # notices a user cannot act on are silenced at the source (DeepSpeed's accelerator line; transformers'
+    # generation-config and padding notices: sapd samples with its own loop, pads and masks itself)
+    noise = ("Setting accelerator", "generation flags are not valid", "Setting `pad_token_id`",
+             "attention mask and the pad token id were not set", "GenerationConfig")
+    assert not [line for line in (run.stderr + ev.stderr).splitlines() if any(n in line for n in noise)]
