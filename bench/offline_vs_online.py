@@ -15,7 +15,7 @@ responses), online OPD one (N). The "per sampled response" columns normalise tha
 its engines (student sampler, teacher) across its rounds, as ``sapd run`` and ``sapd online`` do.
 
     .venv/bin/python bench/offline_vs_online.py [--rounds 3] [--games 2] [--horizon 6] [--group 4]
-    .venv/bin/python bench/offline_vs_online.py --json out.json --png docs/results/figure2.png
+    .venv/bin/python bench/offline_vs_online.py --json out.json --png docs/results/figure2_offline_vs_online.png
 
 Stage times per round: ``sample`` (SAPD: generation only; online: the rollouts, i.e. environment
 resets/steps + prompt building + ``generation`` inside), ``score`` (teacher), ``masks_rules``, ``train``
