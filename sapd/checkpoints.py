@@ -189,8 +189,10 @@ def export_model(source: str, out: str, *, checkpoint: int | None = None) -> str
     if storage.is_s3(out):
         for name, f in zip(rel, files):
             dest = storage.join(out, name)
-            if storage.is_s3(f):
-                storage.write_bytes(dest, storage.read_bytes(f))
+            if storage.is_s3(f):  # streamed through a local file: weights can be larger than memory
+                with tempfile.TemporaryDirectory(prefix="sapd-export-") as scratch:
+                    storage.download_to(f, Path(scratch) / "file")
+                    storage.write_file_from(str(Path(scratch) / "file"), dest)
             else:
                 storage.write_file_from(str(Path(f.removeprefix("file://"))), dest)
         return out
@@ -207,7 +209,6 @@ def export_model(source: str, out: str, *, checkpoint: int | None = None) -> str
         old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
         final.rename(old)
         tmp.rename(final)
-
         shutil.rmtree(old)
     else:
         final.parent.mkdir(parents=True, exist_ok=True)
