@@ -136,6 +136,10 @@ containers:
 {{- end -}}
 
 {{- define "sapd.trainEnv" -}}
+# OpenMP threads that spin while waiting starve DeepSpeed's and gloo's own threads when a rank's
+# threads take every CPU core (a CPU round measured 10-20x slower: bench/stage_efficiency.py)
+- name: OMP_WAIT_POLICY
+  value: PASSIVE
 - name: NODE_RANK
   valueFrom:
     fieldRef:
