@@ -82,6 +82,9 @@ def test_a_run_root_as_a_model_path_is_pinned_and_logged(run_root, tmp_path):
     assert f"model.teacher: {run_root} → checkpoint 1 ({newest})" in lines, lines
     marker = checkpoints.read_marker(str(tmp_path / "r"), 0)
     assert marker["source"] == str(run_root) and marker["resolved"] == newest
+    from sapd.data import shards
+    manifest = shards.read_manifest(layout.scored_dir(str(tmp_path / "r"), 0))
+    assert manifest is not None and manifest["teacher"] == newest  # the round records the teacher that scored it
 
 
 @pytest.mark.integration

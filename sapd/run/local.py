@@ -56,7 +56,7 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
             teacher = teacher or teacher_scores.teacher_scorer(scoring_cfg, tokenizer)
             generator = teacher_scores.student_generator(cfg, k, tokenizer, reuse=generator)
             for w in range(cfg.workers):
-                result = teacher_scores.run_worker(cfg, k, w, generator, teacher, tokenizer, log=log,
+                result = teacher_scores.run_worker(scoring_cfg, k, w, generator, teacher, tokenizer, log=log,
                                                    show_progress=show_progress)
                 teacher_scores.record_metrics(metrics, k, result)
             commit_round(cfg, k)

@@ -138,7 +138,8 @@ def run_worker(cfg: RunConfig, k: int, worker: int, generator: Generator, teache
         for r, pids, group, t_logp in zip(rows, prompt_ids_P, samples_P_G, teacher_logp_P_G_T)]
     timings["masks_rules_seconds"] = time.perf_counter() - t0
     n_tokens = sum(len(s.token_ids) for g in samples_P_G for s in g)
-    n_rows = scored.write_worker_part(out_dir, worker, out_rows, timings, n_tokens, cfg.workers)
+    n_rows = scored.write_worker_part(out_dir, worker, out_rows, timings, n_tokens, cfg.workers,
+                                      teacher=cfg.model.teacher)
     log(f"round {k} worker {worker}: wrote {n_rows} groups, {n_tokens} generated tokens "
         f"(sample {timings['sample_seconds']:.1f}s, teacher {timings['score_seconds']:.1f}s)")
     return WorkerResult(False, n_rows, timings, n_tokens, _commit_if_complete(cfg, k, log))
