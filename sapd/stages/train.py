@@ -220,10 +220,10 @@ def recompute_old_logprobs(model, prefixes: list[ScoredPrefix], pad_id: int, mic
         index = mine[j] if j < len(mine) else None
         chunk = chunks[len(chunks) - 1 if index is None else index]
         prompts, responses = _flat_PG(chunk)
-        logp_PG_T, _ = response_logprobs(model, prompts, responses, pad_id)
+        G = len(chunk[0].responses_G_T)
+        logp_PG_T, _ = response_logprobs(model, prompts, responses, pad_id, group_size=G)
         if index is None:
             continue
-        G = len(chunk[0].responses_G_T)
         computed[index] = [[logp_PG_T[q * G + i, :len(r)].tolist() for i, r in enumerate(sp.responses_G_T)]
                            for q, sp in enumerate(chunk)]
     if W > 1:
@@ -249,13 +249,13 @@ def compute_reference_logprobs(cfg: RunConfig, prefixes: list[ScoredPrefix], pad
 
 def _micro_loss(model, cfg: RunConfig, chunk: list[ScoredPrefix], pad_id: int) -> tuple[torch.Tensor, dict[str, float]]:
     prompts, responses = _flat_PG(chunk)
+    P, G = len(chunk), len(chunk[0].responses_G_T)
     entropy_P_G_T = None
     if cfg.loss_cfg.entropy_coef > 0:
         new_logp_PG_T, response_mask_PG_T, entropy_PG_T = response_logprobs_and_entropy(model, prompts, responses,
-                                                                                       pad_id)
+                                                                                       pad_id, group_size=G)
     else:
-        new_logp_PG_T, response_mask_PG_T = response_logprobs(model, prompts, responses, pad_id)
-    P, G = len(chunk), len(chunk[0].responses_G_T)
+        new_logp_PG_T, response_mask_PG_T = response_logprobs(model, prompts, responses, pad_id, group_size=G)
     T = new_logp_PG_T.shape[-1]
     device = new_logp_PG_T.device
     new_logp_P_G_T = new_logp_PG_T.view(P, G, T)
