@@ -6,11 +6,13 @@
   repeated G times, every sequence forced to the same length);
 - scoring: the shared-prefix teacher scorer on a group (prompt once, G responses) vs a single forward
   over the group's unique tokens (the prompt once followed by all G responses, one sequence);
-- π_old: the training stage's recompute (``recompute_old_logprobs``, one micro-batch of P prefixes × G)
-  vs one plain no-grad forward over the same P·G padded sequences;
-- training: one optimizer step of the training stage's loss (``_micro_loss``: head-only logits, the SAPD
-  terms) with backward and AdamW, vs one plain forward + token NLL + backward + AdamW step over the same
-  P·G padded sequences;
+- π_old: the training stage's recompute (``recompute_old_logprobs``, one micro-batch of P prefixes × G;
+  each prompt run once, its cache repeated G times) vs one plain no-grad forward over the same P·G
+  padded prompt+response sequences — the path before the shared prefix, so a ratio well below 1 is
+  expected (the unique tokens are the real floor);
+- training: one optimizer step of the training stage's loss (``_micro_loss``: shared prompt, head-only
+  logits, the SAPD terms) with backward and AdamW, vs one plain forward + token NLL + backward + AdamW
+  step over the same P·G padded sequences (likewise);
 - DeepSpeed ranks: one whole training round (``sapd.cli train-round``, the cluster's training Job) of the
   same committed inputs (prefixes, round 0's scored shard, checkpoint 0) by the single-process torch
   engine, by DeepSpeed ZeRO on 1 rank with every CPU thread, and on 2 ranks (gloo) with half the threads
