@@ -112,7 +112,7 @@ def build_models(work: Path, shape: dict[str, int], dtype: str) -> tuple[str, st
 
 def run_config(root: Path, student: str, teacher: str, *, backend: str, engine: str, dry: bool,
                device: str, dtype: str, rounds: int, zero_stage: int = 2,
-               checkpointing: bool | None = None) -> dict[str, Any]:
+               checkpointing: bool | None = None, shared_prompt: str = "auto") -> dict[str, Any]:
     G, new = (2, 16) if dry else (8, 128)
     return {
         "run_root": str(root), "variant": "sapd",
@@ -123,7 +123,8 @@ def run_config(root: Path, student: str, teacher: str, *, backend: str, engine: 
                      "gpu_memory_utilization": 0.35},
         "train": {"rounds": rounds, "trajectories_per_round": 3, "minibatch_prefixes": 8,
                   "micro_batch_prefixes": 2 if dry else 4, "lr": 1e-6, "engine": engine, "zero_stage": zero_stage,
-                  "gradient_checkpointing": (not dry) if checkpointing is None else checkpointing},
+                  "gradient_checkpointing": (not dry) if checkpointing is None else checkpointing,
+                  "shared_prompt": shared_prompt},
     }
 
 
@@ -255,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
     ap.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                     help="training with gradient checkpointing (default: on for the GPU run, off for the dry "
-                         "run); off, training runs each prompt once over its repeated KV cache")
+                         "run); the KV cache is off under it, so train.shared_prompt has no effect")
+    ap.add_argument("--shared-prompt", choices=["auto", "on", "off"], default="auto",
+                    help="train.shared_prompt of every run (auto: off on a GPU)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's peak dense bf16 TFLOP/s for MFU (default: a small table by device name)")
     args = ap.parse_args(argv)
@@ -288,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = args.gradient_checkpointing
     results: dict[str, Any] = {
         "mode": ("dry-run (CPU)" if dry else f"GPU, Qwen2.5-{args.size} shape")
-        + ("" if ckpt is None else f", gradient checkpointing {'on' if ckpt else 'off'}"),
+        + ("" if ckpt is None else f", gradient checkpointing {'on' if ckpt else 'off'}")
+        + ("" if args.shared_prompt == "auto" else f", train.shared_prompt {args.shared_prompt}"),
         "device": torch.cuda.get_device_name(0) if cuda and not dry else platform.processor() or "cpu",
         "torch": torch.__version__, "shape": shape, "dtype": dtype,
     }
@@ -300,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     roots = {"hf_torch": work / "hf-torch", "vllm": work / "vllm-torch",
              "deepspeed_zero2": work / "hf-deepspeed", "deepspeed_zero3": work / "hf-deepspeed-zero3"}
     micro = run_config(work, "", "", backend="hf", engine="torch", dry=dry, device=device, dtype=dtype,
-                                          checkpointing=ckpt,
+                                          checkpointing=ckpt, shared_prompt=args.shared_prompt,
                        rounds=1)["train"]["micro_batch_prefixes"]
 
     def done(name: str) -> bool:
@@ -318,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     def hf_torch() -> dict[str, Any]:
         cfg = config_from_dict(run_config(roots["hf_torch"], paths["student"], paths["teacher"], backend="hf",
                                           engine="torch", dry=dry, device=device, dtype=dtype,
-                                          checkpointing=ckpt, rounds=2))
+                                          checkpointing=ckpt, shared_prompt=args.shared_prompt, rounds=2))
         run_pipeline(cfg, **quiet)
         return summarize_run(cfg.run_root)
 
@@ -349,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             raise _Skip("vLLM is not installed here" if not _importable("vllm") else "dry run (CPU): HF only")
         cfg = config_from_dict(run_config(roots["vllm"], paths["student"], paths["teacher"], backend="vllm",
                                           engine="torch", dry=dry, device=device, dtype=dtype,
-                                          checkpointing=ckpt, rounds=1))
+                                          checkpointing=ckpt, shared_prompt=args.shared_prompt, rounds=1))
         run_pipeline(cfg, **quiet)
         return summarize_run(cfg.run_root)
 
@@ -366,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copytree(src / part, root / part)
         cfg = config_from_dict(run_config(root, paths["student"], paths["teacher"], backend="hf", engine="deepspeed",
                                           dry=dry, device=device, dtype=dtype,
-                                          checkpointing=ckpt, rounds=1, zero_stage=stage))
+                                          checkpointing=ckpt, shared_prompt=args.shared_prompt, rounds=1,
+                                          zero_stage=stage))
         run_pipeline(cfg, **quiet)
         got = summarize_run(str(root))
         for key in ("generated_tokens", "sample_tokens_per_s", "score_tokens_per_s"):

@@ -167,7 +167,7 @@ def single_process_stages(args: argparse.Namespace, stages: list[str]) -> dict[s
     mask = torch.ones_like(seqs)
 
     def ours_old() -> None:
-        recompute_old_logprobs(model, prefixes, pad, P)
+        recompute_old_logprobs(model, prefixes, pad, P, shared_prompt="auto")
 
     def floor_old() -> None:
         with torch.no_grad():
@@ -176,7 +176,7 @@ def single_process_stages(args: argparse.Namespace, stages: list[str]) -> dict[s
     t_ours, t_floor = _best_pair(ours_old, floor_old, args.repeats)
     results["pi_old"] = {"tokens": seqs.numel(), "seconds": t_ours, "floor_seconds": t_floor, "ratio": t_ours / t_floor}
 
-    recompute_old_logprobs(model, prefixes, pad, P)
+    recompute_old_logprobs(model, prefixes, pad, P, shared_prompt="auto")
     cfg = config_from_dict({"variant": "sapd"})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     model.train()

@@ -82,7 +82,7 @@ class TrainConfig:
     # training and π_old run each prefix's prompt once over its repeated KV cache ("on"), or G full
     # prompt+response sequences in one batch ("off"). "auto": on for the torch engine on a CPU model —
     # measured (docs/results/EFFICIENCY.md): 0.22× the time on 2 CPU cores, but 1.2–3.4× on an H200
-    # (0.5B, one prefix at a time). Never under ZeRO-3 (its forward is a collective)
+    # (0.5B, one prefix at a time)
     shared_prompt: Literal["auto", "on", "off"] = "auto"
     engine: Literal["torch", "deepspeed"] = "torch"
     zero_stage: int = 2  # DeepSpeed ZeRO stage (engine: deepspeed)
@@ -320,10 +320,6 @@ def validate(cfg: RunConfig) -> None:
     if tc.minibatch_prefixes % tc.micro_batch_prefixes:
         raise ConfigError("train.minibatch_prefixes must be a multiple of train.micro_batch_prefixes",
                           "train.minibatch_prefixes")
-    if tc.shared_prompt == "on" and tc.engine == "deepspeed" and tc.zero_stage == 3:
-        raise ConfigError("train.shared_prompt: 'on' is not possible with ZeRO-3 (its forward is a collective, and "
-                          "ranks would run different numbers of forward calls); use 'auto' or 'off'",
-                          "train.shared_prompt")
     if cfg.workers < 1:
         raise ConfigError("workers: must be at least 1", "workers")
     for key in ("tensor_parallel_size", "teacher_tensor_parallel_size"):

@@ -64,8 +64,10 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_deepspeed_zero_on_two_ranks_matches_one_process(tmp_path, reference, zero_stage):
+# "auto" runs G full sequences under DeepSpeed; "on" runs each prompt once (two forward calls per
+# micro-batch on every rank, so ZeRO-3's collective forward stays in step across uneven shares)
+@pytest.mark.parametrize("zero_stage,shared_prompt", [(1, "auto"), (2, "auto"), (3, "auto"), (3, "on")])
+def test_deepspeed_zero_on_two_ranks_matches_one_process(tmp_path, reference, zero_stage, shared_prompt):
     from transformers import AutoModelForCausalLM
     models, root_a = reference
     root_b = tmp_path / "b"
@@ -77,7 +79,8 @@ def test_deepspeed_zero_on_two_ranks_matches_one_process(tmp_path, reference, ze
         shutil.copytree(root_a / rel, root_b / rel)
     # ZeRO-3 writes its checkpoints in several small shards, each gathered on its own
     shard = {"checkpoint_shard_mb": 0.1} if zero_stage == 3 else {}
-    cfg_b = tiny_config(str(root_b), *models, train={**TRAIN, "engine": "deepspeed", "zero_stage": zero_stage, **shard})
+    cfg_b = tiny_config(str(root_b), *models, train={**TRAIN, "engine": "deepspeed", "zero_stage": zero_stage,
+                                                     "shared_prompt": shared_prompt, **shard})
     cfg_path = tmp_path / "b.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg_b))
     seconds = []

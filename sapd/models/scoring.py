@@ -87,32 +87,36 @@ class HeadOnlyLM(torch.nn.Module):
 
 def shared_prefix_logits(base, head, lm, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
                          pad_id: int, T: int) -> torch.Tensor:
-    """Logits (ΣG, T, V) predicting each response token, for ``groups`` = [(prompt, [response × G])]:
-    each group's prompt runs **once** (its keys/values repeated G times), then its G responses as one
-    batch over that cache — the unique tokens, not G copies of the prompt. Differentiable: the prompt's
-    activations receive the gradient of all G responses through the repeated cache, which is the sum
-    the G separate sequences would give. Rows are group-major; responses right-padded to ``T``."""
+    """Logits (ΣG, T, V) predicting each response token, for ``groups`` = [(prompt, [response × G])]
+    (every group the same G): the unique tokens in two forward calls — all prompts once, left-padded in
+    one batch, their keys/values repeated G times, then all responses as one batch over that cache —
+    not G copies of each prompt. Differentiable: each prompt's activations receive the gradient of its G
+    responses through the repeated cache, the sum the G separate sequences would give. Rows are
+    group-major; responses right-padded to ``T``."""
     device = next(lm.parameters()).device
-    out = []
-    for prompt_ids, responses in groups:
-        prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-        res = base(input_ids=prompt, use_cache=True)
-        cache = output_cache(res)
-        G = len(responses)
-        cache.batch_repeat_interleave(G)
-        ids_G_T = torch.full((G, T), pad_id, dtype=torch.long, device=device)
-        for i, r in enumerate(responses):
-            if r:
-                ids_G_T[i, :len(r)] = torch.tensor(list(r), dtype=torch.long, device=device)
-        P = prompt.shape[1]
-        positions = torch.arange(P, P + T, device=device).expand(G, T)
-        # no attention mask: responses are right-padded, and under the causal mask a real token never
-        # sees the pads after it (as in the teacher's scorer)
-        cont = base(input_ids=ids_G_T, position_ids=positions, use_cache=False, **{cache_kwarg(base): cache})
-        last = res.last_hidden_state[:, -1:, :]  # predicts every response's first token
-        hidden_G_T_H = torch.cat([last.expand(G, 1, last.shape[-1]), cont.last_hidden_state[:, :-1, :]], dim=1)
-        out.append(head(hidden_G_T_H))
-    return torch.cat(out, dim=0)
+    P, G = len(groups), len(groups[0][1])
+    lengths = [len(p) for p, _ in groups]
+    L = max(lengths)
+    ids_P_L = torch.full((P, L), pad_id, dtype=torch.long, device=device)
+    attn_P_L = torch.zeros((P, L), dtype=torch.long, device=device)
+    for i, (prompt, _) in enumerate(groups):
+        ids_P_L[i, L - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long, device=device)
+        attn_P_L[i, L - len(prompt):] = 1
+    pos_P_L = (attn_P_L.cumsum(-1) - 1).clamp(min=0)
+    res = base(input_ids=ids_P_L, attention_mask=attn_P_L, position_ids=pos_P_L, use_cache=True)
+    cache = output_cache(res)
+    cache.batch_repeat_interleave(G)
+    ids_B_T = torch.full((P * G, T), pad_id, dtype=torch.long, device=device)
+    for b, r in enumerate(r for _, responses in groups for r in responses):
+        if r:
+            ids_B_T[b, :len(r)] = torch.tensor(list(r), dtype=torch.long, device=device)
+    # right-padded responses: under the causal mask a real token never sees the pads after it
+    attn_B_S = torch.cat([attn_P_L.repeat_interleave(G, 0), torch.ones((P * G, T), dtype=torch.long, device=device)], 1)
+    pos_B_T = torch.tensor(lengths, device=device).repeat_interleave(G)[:, None] + torch.arange(T, device=device)
+    cont = base(input_ids=ids_B_T, attention_mask=attn_B_S, position_ids=pos_B_T, use_cache=False,
+                **{cache_kwarg(base): cache})
+    last = res.last_hidden_state[:, -1:, :].repeat_interleave(G, 0)  # predicts each response's first token
+    return head(torch.cat([last, cont.last_hidden_state[:, :-1, :]], dim=1))
 
 
 def _groups(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], group_size: int | None):

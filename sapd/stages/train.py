@@ -201,10 +201,10 @@ def _flat_PG(prefixes: Sequence[ScoredPrefix]) -> tuple[list[list[int]], list[li
 
 def shared_prompt_group(mode: str, model, G: int, engine: str = "torch", zero_stage: int = 0) -> int | None:
     """The group size to pass to the log-prob functions when each prompt runs once over its repeated
-    KV cache (``train.shared_prompt``), else None (G full sequences in one batch). Never under ZeRO-3:
-    its forward is a collective, and ranks holding different numbers of prefixes would run different
-    numbers of forward calls. "auto": the torch engine on a CPU model only."""
-    if mode == "off" or G < 2 or (engine == "deepspeed" and zero_stage == 3):
+    KV cache (``train.shared_prompt``), else None (G full sequences in one batch). "auto": the torch
+    engine on a CPU model only (where it was measured faster). Every micro-batch is two forward calls
+    either way, so ZeRO-3 ranks (whose forward is a collective) stay in step."""
+    if mode == "off" or G < 2:
         return None
     if mode == "auto" and (engine != "torch" or next(model.parameters()).device.type != "cpu"):
         return None
