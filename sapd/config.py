@@ -81,8 +81,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30 % more time
     # training and π_old run each prefix's prompt once over its repeated KV cache ("on"), or G full
     # prompt+response sequences in one batch ("off"). "auto": on for the torch engine on a CPU model —
-    # measured (docs/results/EFFICIENCY.md): 0.22× the time on 2 CPU cores, but 1.2–3.4× on an H200
-    # (0.5B, one prefix at a time)
+    # measured (docs/results/EFFICIENCY.md): 0.22× the time on 2 CPU cores; no clear gain on an H200 at 0.5B
     shared_prompt: Literal["auto", "on", "off"] = "auto"
     engine: Literal["torch", "deepspeed"] = "torch"
     zero_stage: int = 2  # DeepSpeed ZeRO stage (engine: deepspeed)
