@@ -383,6 +383,34 @@ def main(argv: list[str] | None = None) -> int:
     def deepspeed_zero2() -> dict[str, Any]:
         return deepspeed_run(2)
 
+    def shared_prompt_ab() -> dict[str, Any]:
+        """One training round (torch engine, gradient checkpointing off) of the hf_torch run's committed
+        round 0, with ``train.shared_prompt`` off (G full sequences in one batch) and on (each prompt
+        once), alternated twice; each side's best training loop (π_old + optimizer steps)."""
+        from sapd.run.report import read_step_log
+        src = roots["hf_torch"]
+        if not checkpoints.is_committed(str(src), 1):
+            raise _Skip("the hf-torch section did not finish: nothing to train on")
+        best: dict[str, float] = {}
+        first_loss: dict[str, float] = {}
+        for rep in range(2):
+            for mode in ("off", "on"):
+                root = work / f"shared-prompt-{mode}-{rep}"
+                for part in ("prefixes", "checkpoints/000000", "rounds/000000"):
+                    (root / part).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copytree(src / part, root / part)
+                cfg = config_from_dict(run_config(root, paths["student"], paths["teacher"], backend="hf",
+                                                  engine="torch", dry=dry, device=device, dtype=dtype,
+                                                  checkpointing=False, shared_prompt=mode, rounds=1))
+                run_pipeline(cfg, **quiet)
+                steps = read_step_log(str(root))
+                loop = sum(x.get("step_seconds", 0.0) + x.get("old_logp_seconds", 0.0) for x in steps)
+                best[mode] = min(best.get(mode, float("inf")), loop)
+                first_loss[mode] = steps[0]["loss"]
+                shutil.rmtree(root, ignore_errors=True)
+        return {"off_loop_seconds": best["off"], "on_loop_seconds": best["on"],
+                "on_vs_off": best["on"] / best["off"], "first_loss_delta": abs(first_loss["on"] - first_loss["off"])}
+
     def deepspeed_zero3() -> dict[str, Any]:
         """ZeRO-3 on the same scored round, and what the training stage's ``load_partitioned`` returned:
         the student as built under ``zero.Init``, before ``deepspeed.initialize`` saw it (which would
@@ -589,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         _section(results, "vllm", vllm_sampling, log)
         # before DeepSpeed sets this process's torch.distributed variables, which vLLM's workers would inherit
         _section(results, "vllm_engine_reuse", vllm_engine_reuse, log)
+        _section(results, "shared_prompt_ab", shared_prompt_ab, log)
         _section(results, "deepspeed_zero2", deepspeed_zero2, log)
         _section(results, "deepspeed_zero3", deepspeed_zero3, log)
         _section(results, "pi_old_once", pi_old_once, log)
@@ -656,6 +685,14 @@ def render_table(results: dict[str, Any]) -> str:
                                  f"| {r['old_logp_seconds']:.3f} | {f(r['plain_forward_seconds'], '.3f')} "
                                  f"| {f(r['old_vs_plain_forward'], '.2f')} | {r['training_loop_seconds']:.3f} "
                                  f"| {f(r['old_vs_training_loop'], '.2f')} |")
+    ab = results.get("shared_prompt_ab")
+    if ab is not None:
+        if ab["status"] != "ok":
+            lines.append(f"\ntrain.shared_prompt on vs off: {not_ok(ab)}")
+        else:
+            lines.append(f"\ntrain.shared_prompt on vs off (torch engine, no checkpointing, same round, best of 2): "
+                         f"training loop {ab['on_loop_seconds']:.3f} s vs {ab['off_loop_seconds']:.3f} s "
+                         f"= {ab['on_vs_off']:.2f}×; first-loss Δ {ab['first_loss_delta']:.2e}")
     mfu = results.get("throughput_mfu")
     if mfu is not None:
         if mfu["status"] != "ok":

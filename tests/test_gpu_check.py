@@ -80,6 +80,12 @@ def test_gpu_check_dry_run(tmp_path):
     ds = res["deepspeed_zero2"]
     assert ds["status"] == "ok" and ds["rounds"] == 1 and ds["first_loss_vs_torch"] < 1e-5
 
+    ab = res["shared_prompt_ab"]  # the same round trained with each prompt once and with G full sequences
+    assert ab["status"] == "ok", ab
+    assert ab["first_loss_delta"] < 1e-5 and ab["on_loop_seconds"] > 0 and ab["off_loop_seconds"] > 0
+    assert ab["on_vs_off"] == pytest.approx(ab["on_loop_seconds"] / ab["off_loop_seconds"])
+    assert "train.shared_prompt on vs off" in proc.stdout
+
     z3 = res["deepspeed_zero3"]
     assert z3["status"] == "ok", z3
     assert z3["rounds"] == 1 and z3["optimizer_steps"] >= 1 and z3["first_loss_vs_torch"] < 1e-5
