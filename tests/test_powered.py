@@ -273,3 +273,12 @@ def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| sapd |"))
     assert "+0.250 [" in row and "+0.333 [" in row
     assert (tmp_path / "out" / "powered_curves.png").is_file()
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    from sapd.study.powered import wilson_interval
+    lo, hi = wilson_interval(0.5, 100)
+    assert abs(lo - 0.4038) < 5e-4 and abs(hi - 0.5962) < 5e-4  # 50 of 100: [0.404, 0.596]
+    lo, hi = wilson_interval(0.0, 10)
+    assert lo == 0.0 and abs(hi - 0.2775) < 5e-4  # 0 of 10: [0, 0.278]
+    assert wilson_interval(0.3, 0) == (0.0, 1.0)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -113,6 +114,7 @@ class PoweredConfig:
     gate_well_formed: float = 0.95  # the student, at T = 1 on validation prefixes × G, before any round
     gate_match_band: list[float] = field(default_factory=lambda: [0.35, 0.70])  # its greedy validation match
     gate_teacher_margin: float = 0.15  # teacher validation action match ≥ student's + this
+    gate_band_by_ci: bool = False  # the band passes when the match's 95 % Wilson interval overlaps it
     group_size: int = 8
     temperature: float = 1.0
     max_new_tokens: int = 64
@@ -401,10 +403,12 @@ class PoweredStudy:
         t_eval = self.evaluate_model(self._reference_root("teacher-val", models["teacher"]), 0, "val",
                                      models["teacher"])
         lo, hi = c.gate_match_band
+        ci = wilson_interval(s_eval["action_match"], s_eval["decisions"])
+        in_band = (ci[0] <= hi and ci[1] >= lo) if c.gate_band_by_ci else lo <= s_eval["action_match"] <= hi
         res = {"student_well_formed_T1": probe["well_formed"], "student_val": _public(s_eval),
-               "teacher_val": _public(t_eval),
+               "teacher_val": _public(t_eval), "student_match_ci95": list(ci),
                "passed": {"well_formed": probe["well_formed"] >= c.gate_well_formed,
-                          "match_band": lo <= s_eval["action_match"] <= hi,
+                          "match_band": in_band,
                           "teacher_margin": t_eval["action_match"] >= s_eval["action_match"] + c.gate_teacher_margin},
                "weights": {k: weights_hash(v) for k, v in models.items()}, "seconds": time.perf_counter() - t0}
         res["passed"]["all"] = all(res["passed"].values())
@@ -659,6 +663,16 @@ def _per_game_success(root: str, k: int) -> dict[str, int]:
 
 def _public(ev: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in ev.items() if k not in ("per_decision",)}
+
+
+def wilson_interval(p: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a proportion ``p`` measured on ``n`` trials."""
+    if n <= 0:
+        return (0.0, 1.0)
+    d = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def check_power(plan: PowerPlan, seeds: int) -> dict[str, Any]:
