@@ -1,21 +1,41 @@
 """GPU proof: the product's own pipeline on one GPU, timed — student sampling and teacher scoring (HF and,
-where installed, vLLM), the SAPD training stage with the torch engine and with DeepSpeed ZeRO, for a
-0.5B (or 1.5B) Qwen2.5-shaped model built from its config (random weights: no network, no download;
-throughput and step time do not depend on the weights' values). Prints a short table and writes
-``gpu_check.json`` and ``gpu_check.md`` into ``--out``.
+where installed, vLLM), the SAPD training stage with the torch engine and with DeepSpeed ZeRO-2 and
+ZeRO-3, for a 0.5B (or 1.5B) Qwen2.5-shaped model built from its config (random weights: no network, no
+download; throughput and step time do not depend on the weights' values). Prints a short table and
+writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out``.
 
-    python bench/gpu_check.py --out bench/results              # on the GPU machine (~10 min)
+    python bench/gpu_check.py --out bench/results              # on the GPU machine (~12 min)
     bash bench/gpu_check.sh                                    # the same, installing what is missing
     python bench/gpu_check.py --dry-run --out /tmp/gpu-dry     # CPU, tiny shape: the test suite's check
 
 Each section runs through the library exactly as ``sapd run`` does (``run_pipeline`` over a run root;
 the timings are read back from the round manifests and step logs), so what it times is what a user
 runs. A section whose dependency is missing (vLLM, DeepSpeed, CUDA) is reported as skipped with the
-reason, never silently dropped. The torch and DeepSpeed runs train on the same scored round (the
-DeepSpeed run root is seeded with a copy of it), so their first-step losses must agree; the table
-prints the difference. ``engine_reuse`` loads new weights into the live HF student engine (as the local
-pipeline does between rounds), times it against a fresh model load and checks that the tokens sampled
-after it equal a freshly built engine's on the same weights and seed.
+reason, never silently dropped; a section that fails is reported with its error and never hides the
+others. The sections:
+
+* ``hf_torch`` / ``vllm``: two (one) SAPD rounds with HF (vLLM) sampling and scoring, torch engine.
+* ``engine_reuse``: new weights loaded into the live HF student engine (as the local pipeline does
+  between rounds), timed against a fresh model load; the tokens sampled after it must equal a freshly
+  built engine's on the same weights and seed.
+* ``vllm_engine_reuse`` (vLLM on a GPU only): the same for the vLLM student engine
+  (``VLLMGenerator.load_weights``) against a fresh engine build, then ``release()`` (sleep level 2:
+  the freed GiB reported; a generate while asleep must be refused) and ``load_weights`` again (wake +
+  reload): the samples must still equal the fresh engine's.
+* ``deepspeed_zero2`` / ``deepspeed_zero3``: DeepSpeed on the torch run's scored round 0 (the run root
+  seeded with a copy), so the first-step losses must agree; the table prints the difference. ZeRO-3
+  also checks the student the training stage built: every parameter a DeepSpeed-partitioned one
+  (``zero.Init``), no whole tensor held, this rank's partitions covering its 1/W share (on one device
+  W = 1, so the partition is the whole model: what one device can prove is that the build went
+  through ``zero.Init`` and trains to the same loss).
+* ``pi_old_once``: π_old per round from the step logs (``old_logp_seconds``, ``old_logp_forward_passes``
+  of each round's first record): the forward passes must equal the round's micro-batches, and the time
+  is set beside one plain no-grad forward over the same sequences and beside the training loop.
+* ``throughput_mfu``: achieved model FLOP/s of training (6·N per token, N = non-embedding parameters,
+  plus the LM head at response positions and causal attention; activation recomputation not counted),
+  π_old (one forward), sampling and scoring (one forward, the prompt shared by its group), and their
+  fraction of the device's peak dense bf16 FLOP/s (MFU) from a small table by device name or
+  ``--peak-tflops``; an unknown device (the CPU of the dry run) gets FLOP/s only, peak "unknown".
 """
 
 from __future__ import annotations
@@ -28,7 +48,10 @@ import shutil
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from sapd.models.loading import DType
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "sapd" / "sample_data"
@@ -78,7 +101,8 @@ def build_models(work: Path, shape: dict[str, int], dtype: str) -> tuple[str, st
     for name, seed in (("student", 0), ("teacher", 1)):
         out = work / name
         if not (out / "config.json").is_file():
-            model = build_tiny_model(tok, out, seed=seed, max_positions=8192, **shape)
+            dims: dict[str, Any] = dict(shape)  # ints only: none of them is build_tiny_model's ``arch``
+            model = build_tiny_model(tok, out, seed=seed, max_positions=8192, **dims)
             if dtype == "bfloat16":  # store what the runs load: half the bytes to write and read back
                 model.to(torch.bfloat16).save_pretrained(str(out))
             del model
@@ -87,7 +111,8 @@ def build_models(work: Path, shape: dict[str, int], dtype: str) -> tuple[str, st
 
 
 def run_config(root: Path, student: str, teacher: str, *, backend: str, engine: str, dry: bool,
-               device: str, dtype: str, rounds: int) -> dict[str, Any]:
+               device: str, dtype: str, rounds: int, zero_stage: int = 2,
+               checkpointing: bool | None = None) -> dict[str, Any]:
     G, new = (2, 16) if dry else (8, 128)
     return {
         "run_root": str(root), "variant": "sapd",
@@ -97,8 +122,8 @@ def run_config(root: Path, student: str, teacher: str, *, backend: str, engine: 
         "sampling": {"backend": backend, "group_size": G, "max_new_tokens": new, "prompts_per_batch": 8,
                      "gpu_memory_utilization": 0.35},
         "train": {"rounds": rounds, "trajectories_per_round": 3, "minibatch_prefixes": 8,
-                  "micro_batch_prefixes": 2 if dry else 4, "lr": 1e-6, "engine": engine, "zero_stage": 2,
-                  "gradient_checkpointing": not dry},
+                  "micro_batch_prefixes": 2 if dry else 4, "lr": 1e-6, "engine": engine, "zero_stage": zero_stage,
+                  "gradient_checkpointing": (not dry) if checkpointing is None else checkpointing},
     }
 
 
@@ -121,6 +146,106 @@ def summarize_run(root: str) -> dict[str, Any]:
             "first_loss": steps[0]["loss"] if steps else None}
 
 
+# Peak dense bf16 tensor-core FLOP/s (no sparsity), from the vendors' data sheets, matched against
+# torch.cuda.get_device_name() in this order (the first entry whose words all occur wins)
+PEAK_BF16_TFLOPS: list[tuple[tuple[str, ...], float]] = [
+    (("H200",), 989.0),
+    (("H100", "PCIE"), 756.0),
+    (("H100",), 989.0),  # SXM (HBM3)
+    (("A100",), 312.0),
+    (("L40S",), 362.0),
+    (("L4",), 121.0),
+]
+
+
+def peak_flops(device_name: str, override_tflops: float | None = None) -> tuple[float | None, str]:
+    """The device's peak dense bf16 FLOP/s and where the figure comes from; ``(None, "unknown ...")``
+    for a device not in :data:`PEAK_BF16_TFLOPS` (a CPU among them) unless ``override_tflops`` is given."""
+    if override_tflops is not None:
+        return override_tflops * 1e12, "--peak-tflops"
+    name = device_name.upper()
+    for words, tflops in PEAK_BF16_TFLOPS:
+        if all(w in name for w in words):
+            return tflops * 1e12, f"table: {' '.join(words)} {tflops:g} TFLOP/s"
+    return None, f"unknown for {device_name!r} (pass --peak-tflops)"
+
+
+def model_dims(model: Any) -> dict[str, int]:
+    """What the FLOP counts need: N (parameters outside the embedding and the LM head, counted once
+    where tied), the hidden size, the query width of attention, layers and vocabulary."""
+    cfg = model.config
+    skip = {id(model.get_input_embeddings().weight)}
+    out_emb = model.get_output_embeddings()
+    if out_emb is not None:
+        skip.add(id(out_emb.weight))
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return {"non_embedding_parameters": sum(p.numel() for p in model.parameters() if id(p) not in skip),
+            "hidden_size": cfg.hidden_size, "attention_width": heads * head_dim, "layers": cfg.num_hidden_layers,
+            "vocab_size": cfg.vocab_size}
+
+
+def sequence_forward_flops(dims: dict[str, int], prompt: int, response: int) -> float:
+    """Model FLOPs of one forward over prompt + response as training and π_old run it (one row per
+    response, LM head at the response positions only): 2·N per token, 2·d·V per head position, and
+    causal attention (QKᵀ and AV: 4·L·width·context per token, summed over the positions)."""
+    S = prompt + response
+    attn = 2.0 * dims["layers"] * dims["attention_width"] * S * (S + 1)
+    return 2.0 * dims["non_embedding_parameters"] * S + 2.0 * dims["hidden_size"] * dims["vocab_size"] * response + attn
+
+
+def shared_prefix_forward_flops(dims: dict[str, int], prompt: int, responses: list[int]) -> float:
+    """Model FLOPs of sampling or scoring one prefix: the prompt once (its KV cache shared by the group),
+    then every response token attending to prompt + its own past, the LM head at every response token."""
+    L, w = dims["layers"], dims["attention_width"]
+    flops = 2.0 * dims["non_embedding_parameters"] * prompt + 2.0 * L * w * prompt * (prompt + 1)
+    for r in responses:
+        flops += 2.0 * dims["non_embedding_parameters"] * r + 2.0 * dims["hidden_size"] * dims["vocab_size"] * r
+        flops += 4.0 * L * w * (r * prompt + r * (r + 1) / 2)
+    return flops
+
+
+def round_prefixes(root: str, k: int) -> list[tuple[int, list[int]]]:
+    """(prompt length, [response lengths]) of every scored prefix of round k."""
+    from sapd.data.scored import read_scored, scored_prefixes
+    return [(len(sp.prompt), [len(r) for r in sp.responses_G_T]) for sp in scored_prefixes(read_scored(root, k))]
+
+
+def round_logs(root: str) -> dict[int, list[dict[str, Any]]]:
+    """The step records of each round's log ``logs/round-*.jsonl``, by round."""
+    from sapd.run.report import read_step_log
+    out: dict[int, list[dict[str, Any]]] = {}
+    for rec in read_step_log(root):
+        out.setdefault(int(rec["round"]), []).append(rec)
+    return out
+
+
+def training_flops(root: str, dims: dict[str, int], peak: float | None) -> dict[str, Any]:
+    """Training (forward + backward: 3 forwards' FLOPs per epoch over the round's sequences,
+    recomputation by activation checkpointing not counted) and π_old (one forward per round) FLOP/s of
+    every round of a run, from its step logs."""
+    logs = round_logs(root)
+    flops = train_s = old_s = old_flops = tokens = 0.0
+    for k, recs in sorted(logs.items()):
+        epochs = 1 + max(r["epoch"] for r in recs)
+        fwd = 0.0
+        for prompt, responses in round_prefixes(root, k):
+            fwd += sum(sequence_forward_flops(dims, prompt, r) for r in responses)
+            tokens += epochs * sum(prompt + r for r in responses)
+        flops += 3.0 * epochs * fwd
+        train_s += sum(r["step_seconds"] for r in recs)
+        if "old_logp_seconds" in recs[0]:
+            old_s += recs[0]["old_logp_seconds"]
+            old_flops += fwd
+    achieved = flops / train_s if train_s else 0.0
+    old_achieved = old_flops / old_s if old_s else 0.0
+    return {"train_tokens": tokens, "train_seconds": train_s,
+            "train_tokens_per_s": tokens / train_s if train_s else 0.0,
+            "train_flops": flops, "train_flops_per_s": achieved,
+            "train_mfu": achieved / peak if peak else None,
+            "old_logp_flops_per_s": old_achieved, "old_logp_mfu": old_achieved / peak if peak and old_s else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shape, short responses: checks the script")
@@ -128,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results", help="where gpu_check.json / gpu_check.md go")
     ap.add_argument("--work", default=None, help="scratch folder (default: OUT/gpu-check-work, removed after)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    ap.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                    help="training with gradient checkpointing (default: on for the GPU run, off for the dry "
+                         "run); off, training runs each prompt once over its repeated KV cache")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the device's peak dense bf16 TFLOP/s for MFU (default: a small table by device name)")
     args = ap.parse_args(argv)
 
     import torch
@@ -144,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     if not dry and not cuda:
         log("no CUDA device: run with --dry-run for the CPU check")
         return 2
-    device, dtype = ("cpu", "float32") if dry else ("cuda", "bfloat16")
+    device = "cpu" if dry else "cuda"
+    dtype: DType = "float32" if dry else "bfloat16"
     shape = SHAPES["dry" if dry else args.size]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,25 +285,40 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     if dry:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    ckpt = args.gradient_checkpointing
     results: dict[str, Any] = {
-        "mode": "dry-run (CPU)" if dry else f"GPU, Qwen2.5-{args.size} shape",
+        "mode": ("dry-run (CPU)" if dry else f"GPU, Qwen2.5-{args.size} shape")
+        + ("" if ckpt is None else f", gradient checkpointing {'on' if ckpt else 'off'}"),
         "device": torch.cuda.get_device_name(0) if cuda and not dry else platform.processor() or "cpu",
         "torch": torch.__version__, "shape": shape, "dtype": dtype,
     }
-    quiet = dict(log=lambda s: None, show_progress=False)
+    quiet: dict[str, Any] = dict(log=lambda s: None, show_progress=False)
     t_all = time.perf_counter()
     paths: dict[str, str] = {}
+    dims: dict[str, int] = {}
+    # the run roots of the training sections, for the π_old and FLOP/s read-backs
+    roots = {"hf_torch": work / "hf-torch", "vllm": work / "vllm-torch",
+             "deepspeed_zero2": work / "hf-deepspeed", "deepspeed_zero3": work / "hf-deepspeed-zero3"}
+    micro = run_config(work, "", "", backend="hf", engine="torch", dry=dry, device=device, dtype=dtype,
+                                          checkpointing=ckpt,
+                       rounds=1)["train"]["micro_batch_prefixes"]
+
+    def done(name: str) -> bool:
+        return isinstance(results.get(name), dict) and results[name].get("status") == "ok"
 
     def models() -> dict[str, Any]:
         paths["student"], paths["teacher"] = build_models(work, shape, dtype)
         from sapd.models.loading import load_causal_lm
-        n = sum(p.numel() for p in load_causal_lm(paths["student"], dtype=dtype).parameters())
+        model = load_causal_lm(paths["student"], dtype=dtype)
+        n = sum(p.numel() for p in model.parameters())
         results["parameters"] = n
-        return {"parameters": n}
+        dims.update(model_dims(model))
+        return {"parameters": n, **dims}
 
     def hf_torch() -> dict[str, Any]:
-        cfg = config_from_dict(run_config(work / "hf-torch", paths["student"], paths["teacher"], backend="hf",
-                                          engine="torch", dry=dry, device=device, dtype=dtype, rounds=2))
+        cfg = config_from_dict(run_config(roots["hf_torch"], paths["student"], paths["teacher"], backend="hf",
+                                          engine="torch", dry=dry, device=device, dtype=dtype,
+                                          checkpointing=ckpt, rounds=2))
         run_pipeline(cfg, **quiet)
         return summarize_run(cfg.run_root)
 
@@ -201,24 +347,26 @@ def main(argv: list[str] | None = None) -> int:
     def vllm_sampling() -> dict[str, Any]:
         if dry or not _importable("vllm"):
             raise _Skip("vLLM is not installed here" if not _importable("vllm") else "dry run (CPU): HF only")
-        cfg = config_from_dict(run_config(work / "vllm-torch", paths["student"], paths["teacher"], backend="vllm",
-                                          engine="torch", dry=dry, device=device, dtype=dtype, rounds=1))
+        cfg = config_from_dict(run_config(roots["vllm"], paths["student"], paths["teacher"], backend="vllm",
+                                          engine="torch", dry=dry, device=device, dtype=dtype,
+                                          checkpointing=ckpt, rounds=1))
         run_pipeline(cfg, **quiet)
         return summarize_run(cfg.run_root)
 
-    def deepspeed_zero2() -> dict[str, Any]:
+    def deepspeed_run(stage: int) -> dict[str, Any]:
         if not _importable("deepspeed"):
             raise _Skip("DeepSpeed is not installed here (pip install deepspeed)")
-        src = work / "hf-torch"
+        src = roots["hf_torch"]
         if not checkpoints.is_committed(str(src), 1):
             raise _Skip("the hf-torch section did not finish: nothing to compare against")
-        root = work / "hf-deepspeed"
+        root = roots[f"deepspeed_zero{stage}"]
         # the same prefixes, checkpoint 0 and scored round 0 as the torch run: the first losses must agree
         for part in ("prefixes", "checkpoints/000000", "rounds/000000"):
             (root / part).parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(src / part, root / part)
-        cfg = config_from_dict(run_config(root, paths["student"], paths["teacher"], backend="hf",
-                                          engine="deepspeed", dry=dry, device=device, dtype=dtype, rounds=1))
+        cfg = config_from_dict(run_config(root, paths["student"], paths["teacher"], backend="hf", engine="deepspeed",
+                                          dry=dry, device=device, dtype=dtype,
+                                          checkpointing=ckpt, rounds=1, zero_stage=stage))
         run_pipeline(cfg, **quiet)
         got = summarize_run(str(root))
         for key in ("generated_tokens", "sample_tokens_per_s", "score_tokens_per_s"):
@@ -227,12 +375,219 @@ def main(argv: list[str] | None = None) -> int:
         got["first_loss_vs_torch"] = abs(got["first_loss"] - ref["loss"])
         return got
 
+    def deepspeed_zero2() -> dict[str, Any]:
+        return deepspeed_run(2)
+
+    def deepspeed_zero3() -> dict[str, Any]:
+        """ZeRO-3 on the same scored round, and what the training stage's ``load_partitioned`` returned:
+        the student as built under ``zero.Init``, before ``deepspeed.initialize`` saw it (which would
+        otherwise partition a whole model itself). Every parameter must be a DeepSpeed-partitioned one
+        (``ds_id``), hold no whole tensor (``.data`` empty: the values live in ``ds_tensor``), and the
+        partitions of the W ranks must cover the model (on one device, W = 1: the one partition is it)."""
+        from sapd.stages import train as train_stage
+        built: dict[str, Any] = {}
+        original = train_stage.load_partitioned
+
+        def observed(path: str, cfg: Any) -> Any:
+            model = original(path, cfg)
+            ps = list(model.parameters())
+            built.update(
+                world_size=torch.distributed.get_world_size(), parameter_tensors=len(ps),
+                ds_parameter_tensors=sum(hasattr(p, "ds_id") for p in ps),
+                local_numel=sum(p.data.numel() for p in ps),
+                partition_numel=sum(p.ds_tensor.numel() for p in ps if hasattr(p, "ds_tensor")),
+                full_numel=sum(p.ds_numel for p in ps if hasattr(p, "ds_numel")))
+            return model
+
+        train_stage.load_partitioned = observed  # observes only: the model it returns is the stage's own
+        try:
+            got = deepspeed_run(3)
+        finally:
+            train_stage.load_partitioned = original
+        if not built:
+            raise RuntimeError("the ZeRO-3 training stage did not build its student through load_partitioned")
+        W, n = built["world_size"], built["parameter_tensors"]
+        problems = []
+        if built["ds_parameter_tensors"] != n:
+            problems.append(f"{n - built['ds_parameter_tensors']} of {n} parameters are not DeepSpeed-partitioned")
+        if built["local_numel"] != 0:
+            problems.append(f"{built['local_numel']} elements held as whole tensors outside the partitions")
+        if built["full_numel"] != results["parameters"]:
+            problems.append(f"partitioned parameters describe {built['full_numel']} elements, "
+                            f"the model has {results['parameters']}")
+        if not built["full_numel"] <= built["partition_numel"] * W <= built["full_numel"] + W * n:
+            problems.append(f"partition of {built['partition_numel']} elements × {W} ranks does not cover "
+                            f"{built['full_numel']} (plus at most one pad element per tensor and rank)")
+        if problems:
+            raise RuntimeError("ZeRO-3 student not built partitioned: " + "; ".join(problems))
+        built["partition_fraction"] = built["partition_numel"] / built["full_numel"]
+        return {**got, "partitioned_init": built}
+
+    def pi_old_once() -> dict[str, Any]:
+        """π_old is computed once per round: each run's step log says how long it took and how many
+        forward passes rank 0 made; the passes must equal the round's micro-batches (each forwarded
+        once), and the time is set beside one plain no-grad forward over the same sequences (the same
+        checkpoint and micro-batches; after a warm-up pass, the best of two) and beside the training loop."""
+        from sapd.data.scored import read_scored, scored_prefixes
+        from sapd.models.loading import load_tokenizer
+        from sapd.models.scoring import response_logprobs
+        if not done("hf_torch"):
+            raise _Skip("the hf-torch section did not finish: no step logs")
+        pad = load_tokenizer(paths["student"]).pad_token_id
+
+        def sync() -> None:
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        plain: dict[int, float] = {}
+        src = str(roots["hf_torch"])
+        for k in sorted(round_logs(src)):
+            prefixes = scored_prefixes(read_scored(src, k))
+            model = checkpoints.load_checkpoint_model(src, k, dtype, device, trainable=True)
+            model.eval()
+            chunks = [prefixes[s:s + micro] for s in range(0, len(prefixes), micro)]
+            with torch.no_grad():
+                for rep in range(3):  # a warm-up pass, then the best of two timed ones
+                    sync()
+                    t0 = time.perf_counter()
+                    for chunk in chunks:
+                        response_logprobs(model, [sp.prompt for sp in chunk for _ in sp.responses_G_T],
+                                          [r for sp in chunk for r in sp.responses_G_T], pad)
+                    sync()
+                    if rep:
+                        plain[k] = min(plain.get(k, float("inf")), time.perf_counter() - t0)
+            del model
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for name in ("hf_torch", "deepspeed_zero2", "deepspeed_zero3"):
+            if not done(name):
+                continue
+            rows = []
+            for k, recs in sorted(round_logs(str(roots[name])).items()):
+                first, n_prefixes = recs[0], len(round_prefixes(str(roots[name]), k))
+                expected = -(-n_prefixes // micro)
+                if first.get("old_logp_forward_passes") != expected:
+                    raise RuntimeError(f"{name} round {k}: π_old took {first.get('old_logp_forward_passes')} "
+                                       f"forward passes for {expected} micro-batches")
+                loop = sum(r["step_seconds"] for r in recs)
+                old = first["old_logp_seconds"]
+                rows.append({"round": k, "prefixes": n_prefixes, "micro_batches": expected,
+                             "forward_passes": first["old_logp_forward_passes"], "old_logp_seconds": old,
+                             "plain_forward_seconds": plain.get(k),
+                             "old_vs_plain_forward": old / plain[k] if plain.get(k) else None,
+                             "training_loop_seconds": loop, "old_vs_training_loop": old / loop if loop else None})
+            runs[name] = rows
+        return {"micro_batch_prefixes": micro, "runs": runs}
+
+    def throughput_mfu() -> dict[str, Any]:
+        """Achieved model FLOP/s and their fraction of the device's peak dense bf16 FLOP/s: training
+        (6·N per token plus the LM head at response positions and attention), π_old (one forward), and
+        the sampling and scoring stages (a forward with the prompt shared by its group)."""
+        from sapd.run.report import round_timings
+        if not dims:
+            raise _Skip("no model dimensions (the models section failed)")
+        peak, source = peak_flops(results["device"], args.peak_tflops)
+        N = dims["non_embedding_parameters"]
+        out: dict[str, Any] = {"peak_flops_per_s": peak, "peak_source": source, "non_embedding_parameters": N,
+                               "train_flops_per_token_dense": 6 * N, "forward_flops_per_token_dense": 2 * N}
+        for name in ("hf_torch", "deepspeed_zero2", "deepspeed_zero3", "vllm"):
+            if not done(name):
+                continue
+            root = str(roots[name])
+            r = training_flops(root, dims, peak)
+            fwd = tokens = sample_s = score_s = 0.0
+            # the DeepSpeed runs train on a round the torch run sampled and scored (its manifest copied)
+            for t in round_timings(root) if not name.startswith("deepspeed") else []:
+                shapes = round_prefixes(root, t["round"])
+                fwd += sum(shared_prefix_forward_flops(dims, p, rs) for p, rs in shapes)
+                tokens += sum(sum(rs) for _, rs in shapes)
+                sample_s += t["sample_seconds"]
+                score_s += t.get("score_seconds", 0.0)
+            if sample_s and score_s:
+                r.update(sampled_tokens=tokens, sample_flops_per_s=fwd / sample_s, score_flops_per_s=fwd / score_s,
+                         sample_mfu=fwd / sample_s / peak if peak else None,
+                         score_mfu=fwd / score_s / peak if peak else None)
+            out[name] = r
+        if not any(isinstance(v, dict) for v in out.values()):
+            raise _Skip("no training section finished")
+        return out
+
+    def vllm_engine_reuse() -> dict[str, Any]:
+        """The vLLM student engine kept across rounds: built on the student, the teacher's weights loaded
+        in place (``reload_weights``) against a fresh engine build on them; the samples of both must be
+        equal (same weights, same seed). Then ``release()`` (sleep level 2 where sleep mode is on: the
+        weights and KV cache freed), a generate refused while asleep, and ``load_weights`` (wake +
+        reload): the samples must still equal the fresh engine's."""
+        if dry or not _importable("vllm"):
+            raise _Skip("vLLM is not installed here" if not _importable("vllm") else "dry run (CPU): HF only")
+        import gc
+
+        from sapd.models.generation import SamplingParams
+        from sapd.models.vllm_backend import VLLMGenerator
+
+        def build(path: str) -> tuple[VLLMGenerator, float]:
+            t0 = time.perf_counter()
+            return VLLMGenerator.from_path(path, dtype=dtype, gpu_memory_utilization=0.3), time.perf_counter() - t0
+
+        def free_gib() -> float:
+            return torch.cuda.mem_get_info()[0] / 2**30
+
+        params = SamplingParams(n=4, temperature=1.0, top_p=1.0, max_new_tokens=64, stop=(), seed=0)
+        prompts = ["You are in a kitchen. Your task is to: heat some water.", "Find a red mug under 10 dollars.",
+                   "You are in the middle of a room. Your task is to: put a clean plate in the cabinet."]
+
+        def ids(groups: list[list[Any]]) -> list[list[list[int]]]:
+            return [[s.token_ids for s in g] for g in groups]
+
+        live, student_build = build(paths["student"])
+        before = live.generate(prompts, params)
+        t0 = time.perf_counter()
+        live.load_weights(paths["teacher"])
+        in_place = time.perf_counter() - t0
+        after = live.generate(prompts, params)
+        out: dict[str, Any] = {"student_build_seconds": student_build, "in_place_seconds": in_place,
+                               "sleeps": live.sleeps}
+        free0 = free_gib()
+        live.release()
+        out["freed_by_release_gib"] = free_gib() - free0
+        if live.sleeps:
+            try:
+                live.generate(prompts, params)
+                out["generate_refused_while_asleep"] = False
+            except RuntimeError:
+                out["generate_refused_while_asleep"] = True
+        t0 = time.perf_counter()
+        live.load_weights(paths["teacher"])  # wakes the engine, then reloads
+        out["wake_reload_seconds"] = time.perf_counter() - t0
+        woken = live.generate(prompts, params)
+        del live  # the fresh engine is built alone on the device, as a per-round rebuild would be
+        gc.collect()
+        torch.cuda.empty_cache()
+        fresh, out["rebuild_seconds"] = build(paths["teacher"])
+        ref = fresh.generate(prompts, params)
+        del fresh
+        gc.collect()
+        torch.cuda.empty_cache()
+        out.update(differs_before_update=ids(before) != ids(after), tokens_match_fresh=ids(after) == ids(ref),
+                   tokens_match_after_release=ids(woken) == ids(ref),
+                   max_logprob_diff=max(abs(x - y) for ga, gb in zip(after, ref) for sa, sb in zip(ga, gb)
+                                        for x, y in zip(sa.logprobs, sb.logprobs)) if ids(after) == ids(ref) else None)
+        bad = [k for k in ("differs_before_update", "tokens_match_fresh", "tokens_match_after_release",
+                           "generate_refused_while_asleep") if out.get(k) is False]
+        if bad:
+            raise RuntimeError(f"vLLM engine reuse: {', '.join(bad)} is False ({json.dumps(out, default=str)})")
+        return out
+
     _section(results, "models", models, log)
     if results["models"]["status"] == "ok":
         _section(results, "hf_torch", hf_torch, log)
         _section(results, "engine_reuse", engine_reuse, log)
         _section(results, "vllm", vllm_sampling, log)
+        # before DeepSpeed sets this process's torch.distributed variables, which vLLM's workers would inherit
+        _section(results, "vllm_engine_reuse", vllm_engine_reuse, log)
         _section(results, "deepspeed_zero2", deepspeed_zero2, log)
+        _section(results, "deepspeed_zero3", deepspeed_zero3, log)
+        _section(results, "pi_old_once", pi_old_once, log)
+        _section(results, "throughput_mfu", throughput_mfu, log)
         if cuda and not dry:
             results["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     results["seconds"] = time.perf_counter() - t_all
@@ -255,7 +610,7 @@ def render_table(results: dict[str, Any]) -> str:
              "",
              "| section | status | sample tok/s | score tok/s | step s (median) | first-loss Δ vs torch |",
              "|---|---|---|---|---|---|"]
-    for name in ("hf_torch", "vllm", "deepspeed_zero2"):
+    for name in ("hf_torch", "vllm", "deepspeed_zero2", "deepspeed_zero3"):
         r = results.get(name)
         if r is None:
             continue
@@ -271,6 +626,67 @@ def render_table(results: dict[str, Any]) -> str:
             f"; in-place weight load {reuse['in_place_seconds']:.2f} s vs rebuild {reuse['rebuild_seconds']:.2f} s; "
             f"tokens match a fresh engine: {reuse['tokens_match_fresh']}" if reuse["status"] == "ok"
             else f": {reuse['reason'].splitlines()[0][:80]}"))
+
+    def not_ok(r: dict[str, Any]) -> str:
+        return f"{r['status']}: {r['reason'].splitlines()[0][:100]}"
+
+    z3 = results.get("deepspeed_zero3")
+    if z3 is not None and z3["status"] == "ok":
+        b = z3["partitioned_init"]
+        lines.append(f"\nZeRO-3 partitioned init (zero.Init, world size {b['world_size']}): "
+                     f"{b['ds_parameter_tensors']}/{b['parameter_tensors']} parameters DeepSpeed-partitioned, "
+                     f"{b['local_numel']} elements held whole, this rank's partitions "
+                     f"{b['partition_numel']:,} of {b['full_numel']:,} ({b['partition_fraction']:.3f})")
+    old = results.get("pi_old_once")
+    if old is not None:
+        if old["status"] != "ok":
+            lines.append(f"\nπ_old once per round: {not_ok(old)}")
+        else:
+            lines += ["\nπ_old once per round (first step record of each round's log):", "",
+                      "| run | round | forward passes / micro-batches | π_old s | plain no-grad forward s "
+                      "| π_old / plain | training loop s | π_old / loop |", "|---|---|---|---|---|---|---|---|"]
+            for run, rows in old["runs"].items():
+                for r in rows:
+                    lines.append(f"| {run} | {r['round']} | {r['forward_passes']} / {r['micro_batches']} "
+                                 f"| {r['old_logp_seconds']:.3f} | {f(r['plain_forward_seconds'], '.3f')} "
+                                 f"| {f(r['old_vs_plain_forward'], '.2f')} | {r['training_loop_seconds']:.3f} "
+                                 f"| {f(r['old_vs_training_loop'], '.2f')} |")
+    mfu = results.get("throughput_mfu")
+    if mfu is not None:
+        if mfu["status"] != "ok":
+            lines.append(f"\nFLOP/s and MFU: {not_ok(mfu)}")
+        else:
+            peak = mfu["peak_flops_per_s"]
+            lines += [f"\nFLOP/s and MFU (model FLOPs: 6·N per trained token, 2·N per forward token, "
+                      f"N = {mfu['non_embedding_parameters']:,} non-embedding parameters, plus LM head and "
+                      f"attention); peak bf16: " + (f"{peak / 1e12:.0f} TFLOP/s ({mfu['peak_source']})" if peak
+                                                   else f"peak {mfu['peak_source']}"), "",
+                      "| run | train tok/s | train TFLOP/s | train MFU | π_old TFLOP/s | π_old MFU "
+                      "| sample TFLOP/s | sample MFU | score TFLOP/s | score MFU |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
+
+            def tf(x: Any) -> str:
+                return "—" if x is None else f"{x / 1e12:.4g}"
+
+            def pct(x: Any) -> str:
+                return "—" if x is None else f"{100 * x:.1f}%"
+
+            for run, r in mfu.items():
+                if not isinstance(r, dict):
+                    continue
+                lines.append(f"| {run} | {r['train_tokens_per_s']:.0f} | {tf(r['train_flops_per_s'])} "
+                             f"| {pct(r['train_mfu'])} | {tf(r['old_logp_flops_per_s'])} | {pct(r['old_logp_mfu'])} "
+                             f"| {tf(r.get('sample_flops_per_s'))} | {pct(r.get('sample_mfu'))} "
+                             f"| {tf(r.get('score_flops_per_s'))} | {pct(r.get('score_mfu'))} |")
+    vr = results.get("vllm_engine_reuse")
+    if vr is not None:
+        lines.append("\nvLLM student engine reuse: " + (not_ok(vr) if vr["status"] != "ok" else (
+            f"ok; in-place load_weights {vr['in_place_seconds']:.2f} s vs fresh engine {vr['rebuild_seconds']:.2f} s; "
+            f"tokens match a fresh engine: {vr['tokens_match_fresh']} (max log-prob Δ "
+            f"{f(vr['max_logprob_diff'], '.1e')}); release() sleeps: {vr['sleeps']}, freed "
+            f"{vr['freed_by_release_gib']:.1f} GiB, generate while asleep refused: "
+            f"{vr.get('generate_refused_while_asleep', '—')}; wake + reload {vr['wake_reload_seconds']:.2f} s, "
+            f"tokens still match: {vr['tokens_match_after_release']}")))
     if "max_memory_allocated_gib" in results:
         lines.append(f"\npeak GPU memory allocated: {results['max_memory_allocated_gib']:.1f} GiB")
     lines.append(f"\ntotal {results['seconds']:.0f} s")

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The GPU proof, one short run (~10 min on one GPU, no network): installs sapd (and DeepSpeed, pure
+# The GPU proof, one short run (~12 min on one GPU, no network): installs sapd (and DeepSpeed, pure
 # Python with DS_BUILD_OPS=0) into the machine's Python if missing, then runs bench/gpu_check.py and
-# leaves its table in bench/results/gpu_check.{md,json}. Pass --dry-run for the CPU check, --size 1.5b
-# for the larger shape. vLLM is used when the image has it (its wheel is too large to carry).
+# leaves its table in bench/results/gpu_check.{md,json}: sampling/scoring/training throughput, DeepSpeed
+# ZeRO-2 and ZeRO-3 (partitioned init) against the torch engine, π_old computed once per round, FLOP/s
+# and MFU against the device's bf16 peak (--peak-tflops N overrides the table), HF and vLLM engine reuse.
+# Pass --dry-run for the CPU check, --size 1.5b for the larger shape. vLLM is used when the image has it
+# (its wheel is too large to carry).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -89,10 +89,12 @@ def check_plain_reload(root: str, k: int) -> dict[str, Any]:
     ours = checkpoints.load_checkpoint_model(root, k)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Your task is to: take the coin."}],
                                      tokenize=False, add_generation_prompt=True)
-    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
+    ids = enc["input_ids"]
     with torch.no_grad():
         a, b = plain(ids).logits, ours(ids).logits
-        out = plain.generate(ids, max_new_tokens=12, do_sample=False)
+        out = plain.generate(ids, attention_mask=enc["attention_mask"], max_new_tokens=12, do_sample=False,
+                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     return {"folder": folder, "model_type": plain.config.model_type,
             "parameters": sum(p.numel() for p in plain.parameters()),
             "max_logit_difference": float((a - b).abs().max()),

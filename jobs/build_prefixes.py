@@ -15,17 +15,15 @@ import argparse
 import sys
 from typing import Sequence
 
-from sapd.config import load_config
-from sapd.entry import log_line, run_main
+from sapd.entry import add_config_flags, config_from_args, log_line, run_main
 from sapd.metrics import Metrics
+from sapd.run.check import preflight
 from sapd.stages import build_prefixes
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jobs.build_prefixes", description=__doc__.splitlines()[0])
-    p.add_argument("--config", nargs="+", required=True, help="YAML overlays, applied in order over the defaults")
-    p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_config_flags(p)
     return p
 
 
@@ -33,7 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
 
     def body() -> None:
-        cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+        cfg = config_from_args(args)
+        if not args.no_check:
+            preflight(cfg, "build-prefixes", log=log_line)
         metrics = Metrics.from_env("build_prefixes")
         build_prefixes.run(cfg, log=log_line, show_progress=not args.no_progress, metrics=metrics)
         metrics.mark_success()

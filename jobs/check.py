@@ -1,77 +1,42 @@
-"""Job: preflight checks before a run spends GPUs (the chart's `helm test` pod): the run config loads,
-the S3 credentials work and the run root's bucket exists, the data input and both model prefixes are
-there, and the Pushgateway answers. One line per check; every check runs even after one failed.
+"""Job: the checks of ``sapd check`` before a run spends GPUs (the chart's `helm test` pod): the run
+config loads, the run root is reachable and writable with the given credentials (a probe object is
+written and deleted), it holds no different committed config, a sample of the data input parses, both
+model folders have a config and a tokenizer with a chat template (no weights are read) and the
+tokenizers are identical, the memory estimate per stage, and the Pushgateway answers. One line per
+check; every check runs even after one failed (:func:`sapd.run.check.run_checks`).
 
 Local:   python -m jobs.check --config run.yaml
 Cluster: helm test <release>   (the pod `<release>-preflight`)
-Exit codes: 0 every check passed, 1 a check failed (the line says which and why), 2 bad config.
+Exit codes (sapd.entry): 0 every check passed, 2 a user error (bad config, input, credentials: the
+FAILED line says what to fix), 75 a service was unreachable (retry later), 1 another failure.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import urllib.request
-from typing import Callable, Sequence
+from typing import Sequence
 
-from sapd import storage
-from sapd.config import ConfigError, load_config
+from sapd.entry import EXIT_USER_ERROR, add_config_flags, config_from_args, log_line
+from sapd.run.check import check_command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jobs.check", description=__doc__.splitlines()[0])
+    add_config_flags(p, progress=False, check=False)
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="compare the memory estimate against this much device memory (default: the device here)")
+    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.check", description=__doc__.splitlines()[0])
-    p.add_argument("--config", nargs="+", required=True, help="YAML overlays, applied in order over the defaults")
-    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        cfg = load_config(*args.config)
-    except (ConfigError, OSError) as e:
-        print(f"check config: FAILED: {e}", flush=True)
-        return 2
-    print(f"check config: ok (run root {cfg.run_root}, benchmark {cfg.data.benchmark})", flush=True)
-
-    def present(uri: str) -> str:
-        if not uri.endswith("/") and storage.exists(uri):
-            return "a file"
-        files = storage.list_files(uri)
-        if not files:
-            raise FileNotFoundError(f"nothing at {uri}")
-        return f"{len(files)} files"
-
-    def model(uri: str) -> str:
-        if storage.is_s3(uri):
-            if not storage.exists(storage.join(uri, "config.json")):
-                raise FileNotFoundError(f"{uri}: no config.json (not an HF model folder)")
-            return "an HF model folder"
-        if not os.path.isfile(os.path.join(uri, "config.json")):
-            raise FileNotFoundError(f"{uri}: no config.json (not an HF model folder)")
-        return "an HF model folder"
-
-    def run_root() -> str:
-        n = len(storage.list_files(cfg.run_root))
-        return f"reachable, {n} files committed so far"
-
-    def pushgateway() -> str:
-        url = os.environ.get("SAPD_PUSHGATEWAY_URL")
-        if not url:
-            return "not configured (nothing is pushed)"
-        with urllib.request.urlopen(url.rstrip("/") + "/-/ready", timeout=10) as r:
-            return f"{url} answers {r.status}"
-
-    checks: list[tuple[str, Callable[[], str]]] = [
-        ("run root", run_root), ("data input", lambda: present(cfg.data.input)),
-        ("student model", lambda: model(cfg.model.student)), ("teacher model", lambda: model(cfg.model.teacher)),
-        ("pushgateway", pushgateway)]
-    failed = 0
-    for name, fn in checks:
-        try:
-            print(f"check {name}: ok ({fn()})", flush=True)
-        except Exception as e:  # noqa: BLE001 - every check reports, none stops the others
-            failed += 1
-            print(f"check {name}: FAILED: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
-                  flush=True)
-    print(f"check: {len(checks) - failed}/{len(checks)} passed", flush=True)
-    return 1 if failed else 0
+        cfg = config_from_args(args)
+    except (ValueError, OSError) as e:
+        log_line(f"check config: FAILED: {e}")
+        return EXIT_USER_ERROR
+    return check_command(cfg, device_memory_gib=args.device_memory_gib, log=log_line)
 
 
 if __name__ == "__main__":

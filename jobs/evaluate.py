@@ -18,17 +18,24 @@ import argparse
 import sys
 from typing import Sequence
 
-from sapd.config import load_config
-from sapd.entry import add_panel_flags, env_timeout, log_line, panel_from_args, run_main
+from sapd.entry import (
+    add_config_flags,
+    add_panel_flags,
+    config_from_args,
+    env_timeout,
+    log_line,
+    panel_from_args,
+    run_main,
+)
 from sapd.metrics import Metrics
+from sapd.run.check import preflight
 from sapd.stages import evaluate
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.splitlines()[0])
-    p.add_argument("--config", nargs="+", required=True, help="YAML overlays, applied in order over the defaults")
+    add_config_flags(p)
     p.add_argument("--checkpoint", default="latest", help="checkpoint index, or 'latest' (default)")
-    p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
     add_panel_flags(p, benchmark_default=None)
     p.add_argument("--horizon", type=int, default=None, help="max steps per episode (default: the benchmark's)")
     p.add_argument("--device", default=None, help="torch device (default: the config's model.device)")
@@ -36,7 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="response budget (default: the config's sampling.max_new_tokens)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples, seeded by --seed (SDAR validates at 0.4)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 
@@ -44,7 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
 
     def body() -> None:
-        cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+        cfg = config_from_args(args)
+        if not args.no_check:
+            preflight(cfg, "evaluate", log=log_line)
         metrics = Metrics.from_env("evaluate")
         panel = panel_from_args(args, benchmark=args.benchmark or cfg.data.benchmark)
         evaluate.run(cfg, args.checkpoint, panel, horizon=args.horizon, env_timeout_s=env_timeout(args),

@@ -14,6 +14,8 @@ Cluster: helm install sapd-alfworld charts/sapd -f charts/sapd/values/alfworld.y
          (mode: pipeline, the default: the driver Job <release>-pipeline-<revision> creates the stage Jobs)
 Local:   python -m jobs.pipeline --config run.yaml --release sapd-alfworld --namespace sapd \
              --templates rendered-templates/ --kubeconfig ~/.kube/config
+First it runs the checks of `sapd check` (storage, run root, data sample, models and tokenizers; memory is
+checked by each stage pod on its own device): a failure exits before any Job is created (--no-check skips).
 Exit codes (sapd.entry): 0 run complete, 1 a stage kept failing (the message names the Job and what to
 do), 2 bad config or templates, 3 Kubernetes API error or a wait ran out, 75 storage unreachable.
 """
@@ -28,14 +30,14 @@ from typing import Sequence
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from sapd.config import load_config
-from sapd.entry import log_line, run_main
+from sapd.entry import add_config_flags, config_from_args, log_line, run_main
+from sapd.run.check import preflight
 from sapd.run.k8s import Driver, KubeError, StageTemplates, current_namespace, load_api_client
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jobs.pipeline", description=__doc__.splitlines()[0])
-    p.add_argument("--config", nargs="+", required=True, help="YAML overlays, applied in order over the defaults")
+    add_config_flags(p, progress=False)
     p.add_argument("--release", required=True, help="the Helm release (only used in log lines)")
     p.add_argument("--templates", default="/etc/sapd-pipeline",
                    help="folder of stage manifests (<stage>.yaml; default /etc/sapd-pipeline)")
@@ -50,7 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--owner-job", default=os.environ.get("SAPD_DRIVER_JOB"),
                    help="own Job name, made the owner of the stage Jobs (default $SAPD_DRIVER_JOB)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster config inside a pod)")
-    p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
     return p
 
 
@@ -58,7 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
 
     def body() -> None:
-        cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+        cfg = config_from_args(args)
+        if not args.no_check:
+            preflight(cfg, "driver", log=log_line)  # before any stage Job is created
         templates = StageTemplates.from_dir(args.templates)
         namespace = current_namespace(args.namespace)
         log_line(f"pipeline: release {args.release}, templates {args.templates} ({', '.join(sorted(templates.texts))})")

@@ -22,23 +22,21 @@ import os
 import sys
 from typing import Sequence
 
-from sapd.config import load_config
 from sapd.data.scored import commit_round
-from sapd.entry import log_line, run_main
+from sapd.entry import add_config_flags, config_from_args, log_line, run_main
 from sapd.metrics import Metrics
+from sapd.run.check import preflight
 from sapd.stages import teacher_scores
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jobs.teacher_scores", description=__doc__.splitlines()[0])
-    p.add_argument("--config", nargs="+", required=True, help="YAML overlays, applied in order over the defaults")
+    add_config_flags(p)
     p.add_argument("--round", type=int, required=True, metavar="K", help="the round to score")
     p.add_argument("--worker", type=int, default=None,
                    help="this worker's index (default: $JOB_COMPLETION_INDEX, set by an Indexed Job)")
     p.add_argument("--commit", action="store_true",
                    help="commit round K once every worker is done, instead of computing a part")
-    p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (plain log lines only)")
     return p
 
 
@@ -56,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
 
     def body() -> None:
-        cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+        cfg = config_from_args(args)
+        if not args.no_check:
+            preflight(cfg, "teacher-scores-commit" if args.commit else "teacher-scores", log=log_line)
         k = args.round
         metrics = Metrics.from_env("teacher_scores")
         if args.commit:

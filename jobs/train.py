@@ -19,17 +19,15 @@ import os
 import sys
 from typing import Sequence
 
-from sapd.config import load_config
-from sapd.entry import log_line, run_main
+from sapd.entry import add_config_flags, config_from_args, log_line, run_main
+from sapd.run.check import preflight
 from sapd.stages import train
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", nargs="+", required=True, help="YAML overlays, applied in order over the defaults")
+    add_config_flags(p)
     p.add_argument("--round", type=int, required=True, metavar="K", help="the round to train")
-    p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 
@@ -37,7 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
 
     def body() -> None:
-        cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+        cfg = config_from_args(args)
+        if not args.no_check:
+            preflight(cfg, "train", log=log_line)
         port = os.environ.get("SAPD_METRICS_PORT")
         train.run(cfg, args.round, log=log_line, show_progress=not args.no_progress,
                   metrics_port=int(port) if port else None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
 import tempfile
 import time
 import uuid
@@ -27,7 +28,7 @@ from typing import Any, ContextManager
 import torch
 
 from sapd import layout, storage
-from sapd.models.loading import load_causal_lm, resolve_model_dir
+from sapd.models.loading import load_causal_lm, model_folder, resolve_model_dir
 
 
 def is_committed(root: str, k: int) -> bool:
@@ -167,3 +168,49 @@ def load_trainer_state(root: str, k: int) -> dict[str, Any] | None:
         return None
     data = storage.read_bytes(storage.join(layout.checkpoint_state_dir(root, k), "trainer.pt"))
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def export_model(source: str, out: str, *, checkpoint: int | None = None) -> str:
+    """Copy a run root's model (checkpoint ``checkpoint``, default the newest committed one) — or a model
+    folder — to ``out`` as a self-contained Hugging Face folder (weights, config, tokenizer, chat template)
+    that ``AutoModelForCausalLM.from_pretrained`` loads. A local ``out`` is written beside itself and
+    renamed into place, replacing an earlier export; returns ``out``."""
+    if checkpoint is None:
+        src = model_folder(source)
+    elif not is_committed(source, checkpoint):
+        raise FileNotFoundError(f"{source}: checkpoint {checkpoint} is not committed (committed: "
+                                f"{layout.committed_checkpoints(source) or 'none'}); pick one of those")
+    else:
+        src = layout.checkpoint_model_dir(source, checkpoint)
+    files = storage.list_files(src)
+    if not any(f.endswith("/config.json") for f in files):
+        raise FileNotFoundError(f"{src}: no config.json; not a model folder or a sapd run root")
+    rel = [f[len(src.rstrip("/")) + 1:] for f in files]
+    if storage.is_s3(out):
+        for name, f in zip(rel, files):
+            dest = storage.join(out, name)
+            if storage.is_s3(f):  # streamed through a local file: weights can be larger than memory
+                with tempfile.TemporaryDirectory(prefix="sapd-export-") as scratch:
+                    storage.download_to(f, Path(scratch) / "file")
+                    storage.write_file_from(str(Path(scratch) / "file"), dest)
+            else:
+                storage.write_file_from(str(Path(f.removeprefix("file://"))), dest)
+        return out
+    final = Path(out.removeprefix("file://"))
+    if final.resolve() == Path(src.removeprefix("file://")).resolve():
+        return out
+    tmp = final.with_name(f".{final.name}.export-{uuid.uuid4().hex[:8]}")
+    for name, f in zip(rel, files):
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        storage.download_to(f, tmp / name)
+    if final.exists():
+        if not (final / "config.json").is_file():
+            raise FileExistsError(f"{final}: exists and is not a model folder; choose another destination")
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(final)
+    return out

@@ -266,6 +266,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from sapd.checkpoints import export_model
+    from sapd.models.loading import model_folder
+    src = model_folder(args.run) if args.checkpoint is None else args.run
+    export_model(args.run, args.out, checkpoint=args.checkpoint)
+    print(f"exported {src if args.checkpoint is None else f'{args.run} checkpoint {args.checkpoint}'} → {args.out} "
+          "(a Hugging Face model folder: from_pretrained loads it)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sapd", description="Step-Advantage Policy Distillation from recorded "
                                                                "agent trajectories")
@@ -408,6 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="the run root")
     p.add_argument("--out", default=None, help="output folder (default: RUN/report)")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("export", help="copy a run root's newest committed (or a given) checkpoint's model to a "
+                                      "self-contained Hugging Face model folder")
+    p.add_argument("run", help="the run root (local or s3://)")
+    p.add_argument("out", help="the model folder to write (local or s3://); an earlier export there is replaced")
+    p.add_argument("--checkpoint", type=int, default=None, metavar="K", help="this checkpoint (default: the newest "
+                                                                             "committed one)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("demo", help="the embedded default: TextWorld games → expert pool → SFT teacher → SAPD → "
                                     "evaluation, on this CPU")

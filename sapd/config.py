@@ -79,6 +79,11 @@ class TrainConfig:
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30 % more time
+    # training and π_old run each prefix's prompt once over its repeated KV cache ("on"), or G full
+    # prompt+response sequences in one batch ("off"). "auto": on for the torch engine on a CPU model —
+    # measured (docs/results/EFFICIENCY.md): 0.22× the time on 2 CPU cores, but 1.2–3.4× on an H200
+    # (0.5B, one prefix at a time). Never under ZeRO-3 (its forward is a collective)
+    shared_prompt: Literal["auto", "on", "off"] = "auto"
     engine: Literal["torch", "deepspeed"] = "torch"
     zero_stage: int = 2  # DeepSpeed ZeRO stage (engine: deepspeed)
     # largest safetensors shard of a checkpoint; shards are gathered (ZeRO-3) and written one at a time
@@ -315,6 +320,10 @@ def validate(cfg: RunConfig) -> None:
     if tc.minibatch_prefixes % tc.micro_batch_prefixes:
         raise ConfigError("train.minibatch_prefixes must be a multiple of train.micro_batch_prefixes",
                           "train.minibatch_prefixes")
+    if tc.shared_prompt == "on" and tc.engine == "deepspeed" and tc.zero_stage == 3:
+        raise ConfigError("train.shared_prompt: 'on' is not possible with ZeRO-3 (its forward is a collective, and "
+                          "ranks would run different numbers of forward calls); use 'auto' or 'off'",
+                          "train.shared_prompt")
     if cfg.workers < 1:
         raise ConfigError("workers: must be at least 1", "workers")
     for key in ("tensor_parallel_size", "teacher_tensor_parallel_size"):

@@ -18,7 +18,7 @@ import gc
 import sys
 from typing import Callable
 
-from sapd.config import ConfigError
+from sapd.config import ConfigError, RunConfig, load_config
 from sapd.data.errors import InvalidRecordError
 from sapd.data.shards import ShardError
 from sapd.envs.panels import PanelSpec
@@ -73,6 +73,27 @@ def run_main(prog: str, fn: Callable[[], int | None]) -> int:
 def log_line(line: str) -> None:
     """How front doors log: one flushed line on stdout (what `kubectl logs` shows)."""
     print(line, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the run-config flags every job takes
+
+
+def add_config_flags(p: argparse.ArgumentParser, *, progress: bool = True, check: bool = True) -> None:
+    """``--config`` (overlays), ``--run-root``, and optionally ``--no-progress`` and ``--no-check`` (skip the
+    checks a job runs before its stage: :func:`sapd.run.check.preflight`)."""
+    p.add_argument("--config", nargs="+", required=True, help="YAML overlays, applied in order over the defaults")
+    p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
+    if progress:
+        p.add_argument("--no-progress", action="store_true", help="no progress bars (plain log lines only)")
+    if check:
+        p.add_argument("--no-check", action="store_true",
+                       help="skip the checks run before the stage (storage, inputs, models: see `sapd check`)")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The run config of :func:`add_config_flags`' flags."""
+    return load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -335,6 +335,7 @@ def test_train_rendezvous_goes_through_the_headless_service():
     assert "--node-rank=$(NODE_RANK)" in cmd and cmd[cmd.index("-m") + 1] == "jobs.train"
     env = env_of(c)
     assert "job-completion-index" in env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert env["OMP_WAIT_POLICY"]["value"] == "PASSIVE"  # spinning OpenMP threads starve DeepSpeed/gloo on CPU
     assert env["SAPD_METRICS_ADDR"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     port = int(cmd[[a.startswith("--master-port=") for a in cmd].index(True)].split("=")[1])
     assert port in [p["port"] for p in svc["spec"]["ports"]]

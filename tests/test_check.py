@@ -119,6 +119,14 @@ def test_storage_credentials_and_reachability_on_real_s3(s3_server, tmp_path, mo
     bad = check(s3_server.access_key, "wrong-secret", s3_server.endpoint_url)
     assert bad.returncode == EXIT_USER_ERROR, bad.stdout + bad.stderr
     assert "check storage: FAILED" in bad.stdout
+    # a stage's job stops at its checks with the same verdict, one line naming what to fix
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": "wrong-secret",
+           "SAPD_S3_ENDPOINT_URL": s3_server.endpoint_url, "AWS_DEFAULT_REGION": "us-east-1", "SAPD_S3_MAX_ATTEMPTS": "1"}
+    job = subprocess.run([sys.executable, "-m", "jobs.build_prefixes", "--config", str(cfg), "--no-progress"], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert job.returncode == EXIT_USER_ERROR, job.stdout + job.stderr
+    assert "check storage: FAILED" in job.stdout and job.stderr.startswith("build_prefixes: error: check storage")
+    assert "prefixes" not in job.stdout
     from tests.conftest import free_port
     gone = check(s3_server.access_key, s3_server.secret_key, f"http://127.0.0.1:{free_port()}")
     assert gone.returncode == EXIT_UNAVAILABLE, gone.stdout + gone.stderr

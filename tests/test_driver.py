@@ -281,7 +281,9 @@ class Env:
             "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u", "namespace": NS}}]}))
 
     def argv(self, *extra: str) -> list[str]:
-        return ["--config", str(self.config), "--run-root", self.root, "--release", RELEASE,
+        # --no-check: the config names S3 inputs the stand-in stage pods never read (the driver's checks,
+        # which run before it creates anything, are tested in tests/test_jobs.py)
+        return ["--no-check", "--config", str(self.config), "--run-root", self.root, "--release", RELEASE,
                 "--templates", str(self.templates), "--namespace", NS, "--kubeconfig", str(self.kubeconfig),
                 "--poll-seconds", "0", "--owner-job", self.driver_job["metadata"]["name"], *extra]
 
@@ -307,6 +309,16 @@ ORDER = [f"{RELEASE}-build-prefixes", f"{RELEASE}-teacher-scores-r0", f"{RELEASE
 
 
 # ------------------------------------------------------------------------------------------ tests
+
+
+def test_the_driver_checks_first_and_creates_no_job_when_a_check_fails(env, capsys):
+    """Here the data and models are simulated S3 URIs no server holds: the driver's checks (its first
+    step in the chart) stop it with exit 2 and a line naming the input, before any Job exists."""
+    from jobs import pipeline
+    assert pipeline.main([a for a in env.argv() if a != "--no-check"]) == 2
+    cap = capsys.readouterr()
+    assert "check data: FAILED" in cap.out and "check data: FAILED" in cap.err
+    assert env.kube.posted_jobs() == []
 
 
 def test_two_rounds_in_order_with_valid_manifests(env, capsys):

@@ -1,9 +1,12 @@
 """bench/gpu_check.py in its CPU dry-run mode: the GPU proof script itself works end to end (models built
-from a config, the HF pipeline timed, DeepSpeed ZeRO-2 on the same scored round agreeing with the torch
-engine, vLLM reported as skipped where it is not installed) and writes its table."""
+from a config, the HF pipeline timed, DeepSpeed ZeRO-2 and ZeRO-3 on the same scored round agreeing with
+the torch engine, ZeRO-3's student built partitioned, π_old computed once per round, FLOP/s with the peak
+unknown on a CPU, vLLM reported as skipped where it is not installed) and writes its table; and its FLOP
+accounting and peak table, checked by hand."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +16,52 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_peak_table_by_device_name():
+    gc = _gpu_check()
+    assert gc.peak_flops("NVIDIA H200")[0] == 989e12
+    assert gc.peak_flops("NVIDIA H100 80GB HBM3")[0] == 989e12
+    assert gc.peak_flops("NVIDIA H100 PCIe")[0] == 756e12  # not the SXM part's figure
+    assert gc.peak_flops("NVIDIA A100-SXM4-80GB")[0] == 312e12
+    assert gc.peak_flops("NVIDIA L40S")[0] == 362e12
+    peak, source = gc.peak_flops("x86_64")
+    assert peak is None and "unknown" in source
+    assert gc.peak_flops("x86_64", 100.0) == (100e12, "--peak-tflops")
+    assert gc.peak_flops("NVIDIA H200", 500.0)[0] == 500e12  # the flag wins over the table
+
+
+def test_flop_counts_by_hand():
+    gc = _gpu_check()
+    dims = {"non_embedding_parameters": 100, "hidden_size": 4, "attention_width": 4, "layers": 2, "vocab_size": 10}
+    # prompt 3 + response 2: 2·N·5 tokens, the head at 2 positions (2·4·10 each), attention 4·L·w·t at t = 1..5
+    attn = sum(4 * 2 * 4 * t for t in range(1, 6))
+    assert gc.sequence_forward_flops(dims, 3, 2) == 2 * 100 * 5 + 2 * 2 * 4 * 10 + attn
+    # one response: sharing the prompt changes nothing; three: the prompt is computed once instead of 3 times
+    assert gc.shared_prefix_forward_flops(dims, 3, [2]) == gc.sequence_forward_flops(dims, 3, 2)
+    prompt_once = 2 * 100 * 3 + sum(4 * 2 * 4 * t for t in range(1, 4))
+    assert gc.shared_prefix_forward_flops(dims, 3, [2, 2, 2]) == \
+        3 * gc.sequence_forward_flops(dims, 3, 2) - 2 * prompt_once
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_dims_leave_out_the_embedding_and_head(tied):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    gc = _gpu_check()
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, intermediate_size=32, tie_word_embeddings=tied))
+    dims = gc.model_dims(model)
+    total = sum(p.numel() for p in model.parameters())
+    assert dims["non_embedding_parameters"] == total - (1 if tied else 2) * 64 * 16
+    assert (dims["hidden_size"], dims["attention_width"], dims["layers"], dims["vocab_size"]) == (16, 16, 1, 64)
 
 
 @pytest.mark.slow
@@ -30,11 +79,52 @@ def test_gpu_check_dry_run(tmp_path):
     assert hf["sample_tokens_per_s"] > 0 and hf["score_tokens_per_s"] > 0 and hf["step_seconds_median"] > 0
     ds = res["deepspeed_zero2"]
     assert ds["status"] == "ok" and ds["rounds"] == 1 and ds["first_loss_vs_torch"] < 1e-5
+
+    z3 = res["deepspeed_zero3"]
+    assert z3["status"] == "ok", z3
+    assert z3["rounds"] == 1 and z3["optimizer_steps"] >= 1 and z3["first_loss_vs_torch"] < 1e-5
+    built = z3["partitioned_init"]  # the student the training stage built, before deepspeed.initialize
+    assert built["world_size"] == 1 and built["parameter_tensors"] > 0
+    assert built["ds_parameter_tensors"] == built["parameter_tensors"]  # every one a zero.Init parameter
+    assert built["local_numel"] == 0  # no whole tensor: the values live in the partitions
+    assert built["full_numel"] == res["parameters"] and built["partition_numel"] >= built["full_numel"]
+
+    old = res["pi_old_once"]
+    assert old["status"] == "ok", old
+    assert [len(old["runs"][k]) for k in ("hf_torch", "deepspeed_zero2", "deepspeed_zero3")] == [2, 1, 1]
+    for rows in old["runs"].values():
+        for r in rows:
+            assert r["forward_passes"] == r["micro_batches"] == -(-r["prefixes"] // old["micro_batch_prefixes"])
+            assert r["old_logp_seconds"] > 0 and r["plain_forward_seconds"] > 0 and r["training_loop_seconds"] > 0
+            assert r["old_vs_plain_forward"] == pytest.approx(r["old_logp_seconds"] / r["plain_forward_seconds"])
+            assert r["old_vs_training_loop"] == pytest.approx(r["old_logp_seconds"] / r["training_loop_seconds"])
+
+    mfu = res["throughput_mfu"]
+    assert mfu["status"] == "ok", mfu
+    assert mfu["peak_flops_per_s"] is None and "unknown" in mfu["peak_source"]
+    assert 0 < mfu["non_embedding_parameters"] < res["parameters"]
+    N = mfu["non_embedding_parameters"]
+    for name in ("hf_torch", "deepspeed_zero2", "deepspeed_zero3"):
+        r = mfu[name]
+        assert r["train_flops_per_s"] > 0 and r["old_logp_flops_per_s"] > 0 and r["train_tokens_per_s"] > 0
+        assert r["train_mfu"] is None and r["old_logp_mfu"] is None  # no peak: no fraction
+        assert r["train_flops"] >= 6 * N * r["train_tokens"]  # 6·N per token plus the head and attention
+        assert r["train_flops_per_s"] == pytest.approx(r["train_flops"] / r["train_seconds"])
+    assert mfu["hf_torch"]["sample_flops_per_s"] > 0 and mfu["hf_torch"]["score_flops_per_s"] > 0
+    assert mfu["hf_torch"]["sampled_tokens"] == hf["generated_tokens"]  # the FLOPs count what was sampled
+    assert "sample_flops_per_s" not in mfu["deepspeed_zero2"]  # its round was sampled by the torch run
+    assert "vllm" not in mfu
+
     reuse = res["engine_reuse"]
     assert reuse["status"] == "ok" and reuse["tokens_match_fresh"] is True and reuse["in_place_seconds"] > 0
     vllm = res["vllm"]
     assert vllm["status"] == "skipped" and vllm["reason"]
+    vreuse = res["vllm_engine_reuse"]
+    assert vreuse["status"] == "skipped" and vreuse["reason"]
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| hf_torch | ok |" in md and "| deepspeed_zero2 | ok |" in md and "| vllm | skipped" in md
+    assert "| deepspeed_zero3 | ok |" in md and "ZeRO-3 partitioned init (zero.Init, world size 1)" in md
+    assert "π_old once per round" in md and "| hf_torch | 1 |" in md
+    assert "peak unknown" in md and "vLLM student engine reuse: skipped" in md
     assert "student engine reuse: ok; in-place weight load" in md
     assert not (tmp_path / "gpu-check-work").exists()  # scratch removed

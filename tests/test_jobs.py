@@ -163,13 +163,80 @@ def test_check_reports_each_preflight_item(tmp_path, models, capsys, monkeypatch
     config.write_text(yaml.safe_dump(tiny_config(str(tmp_path / "run"), *models)))
     assert check.main(["--config", str(config)]) == 0
     out = capsys.readouterr().out
-    assert "check student model: ok (an HF model folder)" in out and "check: 5/5 passed" in out
+    assert "check student: ok" in out and "check storage: ok" in out and "check: 8/8 passed" in out, out
     config.write_text(yaml.safe_dump(tiny_config(str(tmp_path / "run"), str(tmp_path / "nope"), models[1])))
     monkeypatch.setenv("SAPD_PUSHGATEWAY_URL", "http://127.0.0.1:1")
-    assert check.main(["--config", str(config)]) == 1
+    assert check.main(["--config", str(config)]) == 2  # a user error first; the Pushgateway is only unreachable
     out = capsys.readouterr().out
-    assert "check student model: FAILED" in out and "nope" in out and "check pushgateway: FAILED" in out
-    assert "check teacher model: ok" in out and "check: 3/5 passed" in out
+    assert "check student: FAILED" in out and "nope" in out and "check pushgateway: FAILED" in out
+    assert "check teacher: ok" in out
+    config.write_text("run_root: [unclosed\n")
+    assert check.main(["--config", str(config)]) == 2
+    assert "check config: FAILED" in capsys.readouterr().out
+
+
+def _no_work(monkeypatch):
+    """Every stage's work raises: a job that reaches it did not stop at its checks."""
+    import sapd.stages.build_prefixes as bp
+    import sapd.stages.evaluate as ev
+    import sapd.stages.teacher_scores as ts
+    import sapd.stages.train as tr
+
+    def work(*a, **kw):
+        raise AssertionError("the stage's work started")
+    for mod in (bp, ev, ts, tr):
+        monkeypatch.setattr(mod, "run", work)
+
+
+@pytest.mark.parametrize("job, extra", [("build_prefixes", []), ("teacher_scores", ["--round", "0", "--worker", "0"]),
+                                        ("train", ["--round", "1"])])
+def test_each_job_checks_its_inputs_before_its_work(tmp_path, models, monkeypatch, capsys, job, extra):
+    import importlib
+    mod = importlib.import_module(f"jobs.{job}")
+    _no_work(monkeypatch)
+    config = tmp_path / "config.yaml"
+    missing = tmp_path / "no-such-student"
+    bad = tiny_config(str(tmp_path / "run"), str(missing), models[1])
+    bad["data"]["input"] = str(tmp_path / "no-such-data.json")
+    config.write_text(yaml.safe_dump(bad))
+    assert mod.main(["--config", str(config), "--no-progress", *extra]) == 2
+    out, err = capsys.readouterr()
+    assert "check student: FAILED" in out and "no-such-student" in out
+    assert len([line for line in err.splitlines() if line.strip()]) == 1, err
+    assert f"{job}: error: check " in err and "--no-check" in err
+    assert not (tmp_path / "run").exists()  # nothing written, the probe removed
+    with pytest.raises(AssertionError, match="the stage's work started"):  # --no-check: straight to the work
+        mod.main(["--config", str(config), "--no-progress", "--no-check", *extra])
+    assert "check " not in capsys.readouterr().out
+
+
+def test_the_commit_step_and_evaluate_check_storage_only(tmp_path, models, monkeypatch, capsys):
+    from jobs import evaluate, teacher_scores
+    _no_work(monkeypatch)
+    config = tmp_path / "config.yaml"
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder\n")
+    config.write_text(yaml.safe_dump(tiny_config(str(blocker / "run"), str(tmp_path / "absent"), models[1])))
+    assert evaluate.main(["--config", str(config), "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert "check storage: FAILED" in out and "check student" not in out and err.startswith("evaluate: error: check storage")
+    assert teacher_scores.main(["--config", str(config), "--round", "0", "--commit"]) == 2
+    out, err = capsys.readouterr()
+    assert "check storage: FAILED" in out and "check student" not in out
+
+
+def test_the_pipeline_driver_checks_before_it_reads_its_templates(tmp_path, models, capsys):
+    from jobs import pipeline
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(str(tmp_path / "run"), *models, data={"input": str(tmp_path / "x.json")})))
+    args = ["--config", str(config), "--release", "r", "--templates", str(tmp_path / "no-templates")]
+    assert pipeline.main(args) == 2
+    out, err = capsys.readouterr()
+    assert "check data: FAILED" in out and "x.json" in out and "pipeline: error: check data" in err
+    assert "templates" not in out
+    assert pipeline.main([*args, "--no-check"]) == 2  # unchecked, it gets as far as the templates
+    out, err = capsys.readouterr()
+    assert "check " not in out and "no-templates" in err
 
 
 def test_evaluate_takes_device_and_budget_from_the_config_and_skips_a_run_without_checkpoints(tmp_path, monkeypatch, capsys):

@@ -160,6 +160,54 @@ def test_response_logprobs_head_only_path_equals_the_full_forward(tiny, arch):
         assert not mask[b, len(r):].any() and bool((logp[b, len(r):] == 0).all())
 
 
+@pytest.mark.parametrize("arch", ["qwen", "llama"])
+def test_shared_prefix_training_path_equals_g_full_sequences(tiny, arch, monkeypatch):
+    """Training's forward with each prefix's prompt run once (its cache repeated G times) gives the
+    log-probs, entropies **and gradients** of G separate prompt+response sequences — directly and
+    through HeadOnlyLM (the module DeepSpeed wraps) — and with gradient checkpointing on (no KV cache)
+    it takes the full-sequence path."""
+    import sapd.models.scoring as scoring
+    from sapd.models.scoring import HeadOnlyLM, response_logprobs_and_entropy
+    model = load_causal_lm(str(tiny / arch))
+    model.train()
+    model.requires_grad_(True)
+    g = torch.Generator().manual_seed(3)
+    G, prompts, responses = 4, [], []
+    for n in (30, 12, 50):
+        prompt = torch.randint(5, 500, (n,), generator=g).tolist()
+        for i in range(G):  # ragged responses, one empty
+            prompts.append(prompt)
+            responses.append(torch.randint(5, 500, ((n + 3 * i) % 11,), generator=g).tolist())
+    calls: list[int] = []
+    shared = scoring.shared_prefix_logits
+    monkeypatch.setattr(scoring, "shared_prefix_logits", lambda *a, **k: calls.append(1) or shared(*a, **k))
+
+    def run(m, group_size, backward=True):
+        model.zero_grad(set_to_none=True)
+        logp, mask, ent = response_logprobs_and_entropy(m, prompts, responses, 0, group_size=group_size)
+        if not backward:
+            return None
+        (logp.sum() + 0.1 * ent.sum()).backward()
+        return logp.detach(), mask, ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref = run(model, None)
+    assert not calls
+    for m in (model, HeadOnlyLM(model)):
+        got = run(m, G)
+        assert calls and torch.equal(got[1], ref[1])
+        calls.clear()
+        torch.testing.assert_close(got[0], ref[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got[2], ref[2], rtol=0, atol=1e-4)
+        for name, grad in ref[3].items():
+            torch.testing.assert_close(got[3][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    model.gradient_checkpointing_enable()
+    run(model, G, backward=False)
+    assert not calls  # the cache is off under checkpointing: the full-sequence path
+    prompts[1] = prompts[1][:-1]  # rows that do not share their group's prompt: the full-sequence path
+    model.gradient_checkpointing_disable()
+    run(model, G, backward=False)
+    assert not calls
+
+
 def test_in_place_weight_update_samples_like_a_fresh_engine(tiny):
     """Engine reuse across rounds: an engine built on one checkpoint that takes another's weights in
     place samples exactly the tokens (and log-probs) of an engine freshly built on that checkpoint."""
@@ -203,3 +251,24 @@ def test_loading_a_model_prints_no_deepspeed_accelerator_warning(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("cpu")  # DeepSpeed still runs on the CPU here
     assert "Setting accelerator" not in out.stderr
+
+
+def test_shared_prompt_mode_auto_is_on_for_cpu_models_only():
+    """train.shared_prompt: "auto" runs each prompt once on a CPU model and G full sequences on an
+    accelerator (where one prefix at a time measured slower); "on" / "off" force it."""
+    from sapd.stages.train import shared_prompt_group
+    cpu, elsewhere = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta")
+    assert shared_prompt_group("auto", cpu, 8) == 8 and shared_prompt_group("auto", elsewhere, 8) is None
+    assert shared_prompt_group("on", elsewhere, 8) == 8 and shared_prompt_group("off", cpu, 8) is None
+    assert shared_prompt_group("on", cpu, 1) is None  # one response: nothing to share
+
+
+def test_shared_prompt_is_never_used_under_zero3():
+    from sapd.config import ConfigError, config_from_dict
+    from sapd.stages.train import shared_prompt_group
+    cpu = torch.nn.Linear(2, 2)
+    assert shared_prompt_group("on", cpu, 8, "deepspeed", 3) is None
+    assert shared_prompt_group("on", cpu, 8, "deepspeed", 2) == 8
+    assert shared_prompt_group("auto", cpu, 8, "deepspeed", 2) is None  # auto: the torch engine only
+    with pytest.raises(ConfigError, match="train.shared_prompt: 'on' is not possible with ZeRO-3"):
+        config_from_dict({"train": {"shared_prompt": "on", "engine": "deepspeed", "zero_stage": 3}})

@@ -133,3 +133,38 @@ def test_the_whole_study_at_toy_size_and_resumed(tmp_path):
     again = json.loads((results / "study.json").read_text())
     assert again["runs"] == res["runs"] and again["table3"]["sapd-s0"]["matrix"] == seq["matrix"]
     assert time.perf_counter() - t0 < 120
+
+
+def test_sft_models_train_in_runs_and_are_exported_to_models(tmp_path, monkeypatch):
+    """A new study folder: runs/<name> is the run root, models/<name> a plain HF folder; a study folder
+    from before keeps its run root in models/<name> (resumed, not retrained)."""
+    import sapd.study.run as study_run
+    from sapd import checkpoints
+    from sapd.models.loading import load_causal_lm, load_tokenizer
+    from tests.pipeline_util import make_models
+    student, _ = make_models(tmp_path / "tiny")
+    trained: list[str] = []
+
+    def fake_pipeline(cfg, **kw):  # one committed checkpoint per round, as the real pipeline leaves it
+        trained.append(cfg.run_root)
+        for k in range(cfg.train.rounds + 1):
+            if not checkpoints.is_committed(cfg.run_root, k):
+                checkpoints.save_checkpoint(cfg.run_root, k, load_causal_lm(student), load_tokenizer(student), None)
+        return {}
+    monkeypatch.setattr(study_run, "run_pipeline", fake_pipeline)
+    monkeypatch.setattr(Study, "_count_trajectories", staticmethod(lambda data_input: 4))
+    study = Study(load_study_config(str(SMOKE)), tmp_path / "new", log=lambda s: None)
+    final = study._run_sft("student", student, "pool.jsonl", 1.0)
+    assert trained == [str(tmp_path / "new" / "runs" / "student")] and "/runs/student/checkpoints/" in final
+    exported = tmp_path / "new" / "models" / "student"
+    assert (exported / "config.json").is_file() and not (exported / "config.yaml").exists()
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(exported) is not None
+
+    legacy = tmp_path / "old"
+    old_root = legacy / "models" / "student"
+    (old_root).mkdir(parents=True)
+    (old_root / "config.yaml").write_text("run_root: x\n")
+    trained.clear()
+    final = Study(load_study_config(str(SMOKE)), legacy, log=lambda s: None)._run_sft("student", student, "p", 1.0)
+    assert trained == [str(old_root)] and final.startswith(str(old_root)) and not (legacy / "runs").exists()

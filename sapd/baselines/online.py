@@ -53,7 +53,7 @@ from sapd.method.rules import RuleWeights
 from sapd.models.generation import Sample, SamplingParams, stops_for
 from sapd.models.loading import check_same_tokenizer, load_tokenizer
 from sapd.stages.build_prefixes import ensure_initial_checkpoint
-from sapd.stages.teacher_scores import TeacherScorer, student_generator, teacher_scorer
+from sapd.stages.teacher_scores import TeacherScorer, release_student, student_generator, teacher_scorer
 from sapd.stages.train import EngineFactory, run_train_stage
 
 METHOD_VARIANT: dict[str, str] = {"online_opd": "opd", "grpo": "grpo"}
@@ -277,8 +277,7 @@ def run_online(cfg: RunConfig, specs_factory: Callable[[int], Sequence[EpisodeSp
                                           teacher=scorer,
                                           episodes_per_game=episodes_per_game, horizon=horizon, reward=reward,
                                           env_timeout_s=env_timeout_s, log=log, show_progress=show_progress))
-            if cfg.sampling.backend == "vllm":
-                student = None  # vLLM engines are rebuilt per round (see student_generator): free it before training
+            release_student(student)  # the engine stays up; training gets the device
         run_train_stage(cfg, k, engine_factory=engine_factory, log=log, show_progress=show_progress)
         log(f"online round {k}: checkpoint {k + 1} committed")
     return {"run_root": root, "method": method, "checkpoints": layout.committed_checkpoints(root),

@@ -79,9 +79,10 @@ def scored_row(prefix: dict[str, Any], prompt_ids: Sequence[int], responses_G: S
 
 
 def write_worker_part(out_dir: str, worker: int, rows: list[dict[str, Any]], timings: dict[str, float],
-                      generated_tokens: int, workers: int = 1) -> int:
+                      generated_tokens: int, workers: int = 1, teacher: str | None = None) -> int:
     """Write worker ``worker``'s part (of ``workers``), then its done-marker (rows, bytes, sha256, timings,
-    the number of workers the round was split into). → rows."""
+    the number of workers the round was split into, the teacher folder that scored it — a teacher given
+    as a run root resolved to one checkpoint). → rows."""
     table = pa.Table.from_pylist(rows, schema=SCORED_SCHEMA)
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
@@ -90,7 +91,7 @@ def write_worker_part(out_dir: str, worker: int, rows: list[dict[str, Any]], tim
     storage.write_json(worker_done_marker(out_dir, worker),
                        {"worker": worker, "workers": workers, "rows": table.num_rows, "bytes": len(data),
                         "sha256": hashlib.sha256(data).hexdigest(), "timings": timings,
-                        "generated_tokens": generated_tokens})
+                        "generated_tokens": generated_tokens, "teacher": teacher})
     return table.num_rows
 
 
@@ -120,6 +121,7 @@ def commit_round(cfg: RunConfig, k: int) -> dict[str, Any]:
     parts: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
     tokens = 0
+    teachers: list[str] = []
     for w in range(cfg.workers):
         done = worker_marker(cfg, k, w)
         if done is None:
@@ -128,9 +130,14 @@ def commit_round(cfg: RunConfig, k: int) -> dict[str, Any]:
         for key, v in done.get("timings", {}).items():
             timings[key] = max(timings.get(key, 0.0), v)  # workers run in parallel: the slowest decides
         tokens += done.get("generated_tokens", 0)
+        if done.get("teacher") and done["teacher"] not in teachers:
+            teachers.append(done["teacher"])
     manifest = {"kind": SCORED_KIND, "schema_version": SCORED_SCHEMA_VERSION, "round": k,
                 "rows": sum(p["rows"] for p in parts), "parts": parts, "workers": cfg.workers,
                 "timings": timings, "generated_tokens": tokens,
+                # the teacher folder(s) that scored the round: more than one means a teacher run root
+                # committed a new checkpoint while the round's workers ran
+                "teacher": teachers[0] if len(teachers) == 1 else (teachers or None),
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     shards.commit_manifest(out_dir, manifest)
     return manifest

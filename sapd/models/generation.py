@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol, Sequence, cast
 
 import torch
 
@@ -78,6 +78,7 @@ class HFGenerator:
     prompts_per_batch: int = 4  # prompts prefilled together; each becomes G sequences in the decode batch
     device: str = "cpu"
     _stop_token_ids: set[int] = field(default_factory=set)
+    _offloaded: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         eos = self.tokenizer.eos_token_id
@@ -117,10 +118,27 @@ class HFGenerator:
         missing = [n for n in live if n not in seen and live[n].data_ptr() not in loaded]
         if missing:
             raise ValueError(f"{model_dir}: the checkpoint lacks {missing[:5]} (of {len(missing)} missing)")
+        self._return_to_device()
+
+    def release(self) -> None:
+        """Before training: on an accelerator the kept model moves to host memory, so the training stage
+        has the device to itself (the weights are overwritten by the next :meth:`load_weights` anyway); on
+        a CPU nothing moves."""
+        if torch.device(self.device).type != "cpu" and not self._offloaded:
+            cast(Any, self.model).to("cpu")  # transformers types .to() narrowly
+            self._offloaded = True
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def _return_to_device(self) -> None:
+        if self._offloaded:
+            cast(Any, self.model).to(self.device)
+            self._offloaded = False
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[str], params: SamplingParams,
                  progress: Callable[[int], None] | None = None) -> list[list[Sample]]:
+        self._return_to_device()
         gen = torch.Generator(device=self.device).manual_seed(params.seed)
         out: list[list[Sample]] = []
         for start in range(0, len(prompts), self.prompts_per_batch):

@@ -5,9 +5,10 @@ signal d = log π_T − log π_old is only meaningful over the same token ids)."
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -45,7 +46,7 @@ def default_cache_dir() -> Path:
 
 def model_folder(path_or_uri: str) -> str:
     """The model folder ``path_or_uri`` names: itself when it holds a ``config.json``; for a sapd run root
-    (what ``sapd run``, ``sapd demo`` and ``sapd study`` write, e.g. ``demo-out/models/sft_teacher``) the
+    (what ``sapd run``, ``sapd demo`` and ``sapd study`` write, e.g. ``demo-out/runs/sft_teacher``) the
     model folder of its newest committed checkpoint, so what one command writes is what the next one takes;
     a run root without a committed checkpoint is an error saying so."""
     if storage.is_s3(path_or_uri) or Path(path_or_uri.removeprefix("file://")).is_dir():
@@ -59,6 +60,17 @@ def model_folder(path_or_uri: str) -> str:
                                         "model folder; finish its first round, or name a model folder")
             return layout.checkpoint_model_dir(path_or_uri, committed[-1])
     return path_or_uri
+
+
+def pin_model_path(path_or_uri: str, field: str, log: Callable[[str], None]) -> str:
+    """The model folder ``path_or_uri`` stands for (:func:`model_folder`), fixed once for a stage so a run
+    root that commits a newer checkpoint meanwhile does not change it halfway; a run root is logged as
+    one line naming the checkpoint it resolved to (``model.teacher: ROOT → checkpoint 12``)."""
+    folder = model_folder(path_or_uri)
+    if folder != path_or_uri:
+        k = folder.rstrip("/").split("/")[-2]
+        log(f"{field}: {path_or_uri} → checkpoint {int(k) if k.isdigit() else k} ({folder})")
+    return folder
 
 
 def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cache_key: str = "") -> Path:
@@ -146,6 +158,35 @@ def read_model_config(path_or_uri: str, cache_dir: str | Path | None = None) -> 
     return json.loads(p.read_text(encoding="utf-8"))
 
 
+# flags that only matter when sampling / in beam search: a model folder's generation_config.json that sets
+# them without do_sample / num_beams > 1 makes transformers print "generation flags are not valid and
+# may be ignored" at every load (and refuse to save it again); sapd never calls ``generate`` with them
+SAMPLING_ONLY = ("temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+BEAM_ONLY = ("early_stopping", "length_penalty")
+
+
+def generation_config_of(folder: str | Path):
+    """The folder's ``generation_config.json`` as a consistent ``GenerationConfig`` (None when there is
+    none): sampling-only flags dropped when ``do_sample`` is not set, beam-only ones when ``num_beams`` ≤ 1
+    — what transformers' own notice says to do — so loading is quiet and the checkpoints sapd writes
+    from it save and load cleanly."""
+    from transformers import GenerationConfig
+    f = Path(folder) / "generation_config.json"
+    if not f.is_file():
+        return None
+    try:
+        raw = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{f}: not a readable JSON generation config ({e}); fix or delete it") from e
+    if not raw.get("do_sample"):
+        for k in SAMPLING_ONLY:
+            raw.pop(k, None)
+    if (raw.get("num_beams") or 1) <= 1:
+        for k in BEAM_ONLY:
+            raw.pop(k, None)
+    return GenerationConfig.from_dict(raw)
+
+
 def load_causal_lm(path_or_uri: str, dtype: DType = "float32", device: str = "cpu",
                    cache_dir: str | Path | None = None, trainable: bool = False):
     from transformers import AutoModelForCausalLM
@@ -153,7 +194,9 @@ def load_causal_lm(path_or_uri: str, dtype: DType = "float32", device: str = "cp
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}")
     p = resolve_model_dir(path_or_uri, cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=_DTYPES[dtype])
+    gen = generation_config_of(p)
+    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=_DTYPES[dtype],
+                                                 **({"generation_config": gen} if gen is not None else {}))
     model = model.to(device)  # type: ignore[arg-type]  # transformers' stub types .to's self badly
     model.train(trainable)
     if not trainable:

@@ -62,10 +62,11 @@ def decoder_and_head(model):
 
 class HeadOnlyLM(torch.nn.Module):
     """A causal LM whose forward projects to the vocabulary at the given positions only: ``forward(
-    input_ids, attention_mask, pred_pos_B_T)`` → logits (B, T, V), never (B, S, V). The module a
-    training engine (DeepSpeed) wraps, so that the head-only path runs through the engine's own
-    forward (ZeRO-3's parameter gathering hooks on every submodule, the root's end-of-forward hook
-    included). Same parameters, same order, as the LM inside (``lm``)."""
+    input_ids, attention_mask, pred_pos_B_T)`` → logits (B, T, V), never (B, S, V); or, with
+    ``groups`` (see :func:`shared_prefix_logits`), each group's prompt run once. The module a training
+    engine (DeepSpeed) wraps, so that the head-only path runs through the engine's own forward (ZeRO-3's
+    parameter gathering hooks on every submodule, the root's end-of-forward hook included). Same
+    parameters, same order, as the LM inside (``lm``)."""
 
     def __init__(self, lm):
         super().__init__()
@@ -74,10 +75,63 @@ class HeadOnlyLM(torch.nn.Module):
             raise ValueError(f"{type(lm).__name__}: no plain LM head to apply at selected positions")
         self.lm = lm
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pred_pos_B_T: torch.Tensor):
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                pred_pos_B_T: torch.Tensor | None = None, groups=None, pad_id: int = 0, T: int = 1):
         base, head = decoder_and_head(self.lm)
+        if groups is not None:
+            return shared_prefix_logits(base, head, self.lm, groups, pad_id, T)
+        assert input_ids is not None and attention_mask is not None and pred_pos_B_T is not None
         hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, S, H)
         return head(hidden.gather(1, pred_pos_B_T.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])))
+
+
+def shared_prefix_logits(base, head, lm, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+                         pad_id: int, T: int) -> torch.Tensor:
+    """Logits (ΣG, T, V) predicting each response token, for ``groups`` = [(prompt, [response × G])]:
+    each group's prompt runs **once** (its keys/values repeated G times), then its G responses as one
+    batch over that cache — the unique tokens, not G copies of the prompt. Differentiable: the prompt's
+    activations receive the gradient of all G responses through the repeated cache, which is the sum
+    the G separate sequences would give. Rows are group-major; responses right-padded to ``T``."""
+    device = next(lm.parameters()).device
+    out = []
+    for prompt_ids, responses in groups:
+        prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+        res = base(input_ids=prompt, use_cache=True)
+        cache = output_cache(res)
+        G = len(responses)
+        cache.batch_repeat_interleave(G)
+        ids_G_T = torch.full((G, T), pad_id, dtype=torch.long, device=device)
+        for i, r in enumerate(responses):
+            if r:
+                ids_G_T[i, :len(r)] = torch.tensor(list(r), dtype=torch.long, device=device)
+        P = prompt.shape[1]
+        positions = torch.arange(P, P + T, device=device).expand(G, T)
+        # no attention mask: responses are right-padded, and under the causal mask a real token never
+        # sees the pads after it (as in the teacher's scorer)
+        cont = base(input_ids=ids_G_T, position_ids=positions, use_cache=False, **{cache_kwarg(base): cache})
+        last = res.last_hidden_state[:, -1:, :]  # predicts every response's first token
+        hidden_G_T_H = torch.cat([last.expand(G, 1, last.shape[-1]), cont.last_hidden_state[:, :-1, :]], dim=1)
+        out.append(head(hidden_G_T_H))
+    return torch.cat(out, dim=0)
+
+
+def _groups(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], group_size: int | None):
+    """[(prompt, responses)] when the rows come in runs of ``group_size`` sharing one prompt, else None."""
+    G = group_size or 0
+    if G < 2 or len(prompts) % G:
+        return None
+    groups = []
+    for s in range(0, len(prompts), G):
+        if any(prompts[s + i] != prompts[s] for i in range(1, G)):
+            return None
+        groups.append((prompts[s], responses[s:s + G]))
+    return groups
+
+
+def _checkpointing(lm) -> bool:
+    """Gradient (activation) checkpointing is on: transformers then turns the KV cache off."""
+    new = hasattr(type(lm), "is_activation_checkpointing")  # the old name warns in transformers ≥ 5
+    return bool(getattr(lm, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False))
 
 
 def _head_only_module(model) -> bool:
@@ -86,9 +140,26 @@ def _head_only_module(model) -> bool:
 
 
 def _response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                     pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits_B_T_V at response positions, target tokens_B_T, response_mask_B_T)."""
+                     pad_id: int, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits_B_T_V at response positions, target tokens_B_T, response_mask_B_T). Rows that come in
+    groups of ``group_size`` sharing one prompt run each prompt once (:func:`shared_prefix_logits`)
+    where the model has a plain LM head and gradient checkpointing is off (it turns the KV cache off)."""
     device = next(model.parameters()).device
+    inner = getattr(model, "module", model)
+    lm = inner.lm if isinstance(inner, HeadOnlyLM) else inner
+    groups = None if _checkpointing(lm) else _groups(prompts, responses, group_size)
+    if groups is not None and decoder_and_head(lm)[0] is not None:
+        T = max(max((len(r) for r in responses), default=0), 1)
+        mask = torch.zeros((len(responses), T), dtype=torch.bool, device=device)
+        targets = torch.full((len(responses), T), pad_id, dtype=torch.long, device=device)
+        for b, r in enumerate(responses):
+            if r:
+                mask[b, :len(r)] = True
+                targets[b, :len(r)] = torch.tensor(list(r), dtype=torch.long, device=device)
+        if _head_only_module(model):  # through the engine's forward
+            return model(groups=groups, pad_id=pad_id, T=T), targets, mask
+        base, head = decoder_and_head(lm)
+        return shared_prefix_logits(base, head, lm, groups, pad_id, T), targets, mask
     ids, attn, pos, mask = pad_sequences(prompts, responses, pad_id, device)
     # the output at position s predicts token s+1: response token at position t is predicted from t−1
     pred_pos = (pos - 1).clamp(min=0)
@@ -107,19 +178,21 @@ def _response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequenc
 
 
 def response_logprobs(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                      pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      pad_id: int, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(response token k | prompt, response<k) for every row → (logp_B_T, response_mask_B_T).
-    Prompt positions are gathered out, so they can never receive gradient from a loss on these."""
-    logits_B_T_V, targets, mask = _response_logits(model, prompts, responses, pad_id)
+    Prompt positions are gathered out, so they can never receive gradient from a loss on these. Rows in
+    runs of ``group_size`` with one prompt (a prefix's G responses) run that prompt once."""
+    logits_B_T_V, targets, mask = _response_logits(model, prompts, responses, pad_id, group_size)
     logp = token_logprobs(logits_B_T_V, targets)
     return torch.where(mask, logp, torch.zeros_like(logp)), mask
 
 
 def response_logprobs_and_entropy(model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                  pad_id: int, group_size: int | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`response_logprobs` plus the policy's entropy at every response position (differentiable;
     0 on padding) → (logp_B_T, response_mask_B_T, entropy_B_T). For the entropy bonus (``loss.entropy_coef``)."""
-    logits_B_T_V, targets, mask = _response_logits(model, prompts, responses, pad_id)
+    logits_B_T_V, targets, mask = _response_logits(model, prompts, responses, pad_id, group_size)
     logp = token_logprobs(logits_B_T_V, targets)
     ent = token_entropy(logits_B_T_V)
     zero = torch.zeros_like(logp)

@@ -23,6 +23,15 @@ vLLM features used, and why:
   position is really computed, and produces them chunk by chunk along with chunked prefill.
 * ``kv_cache_memory_bytes`` — an explicit KV-cache size that both the GPU and the CPU workers honour
   (on CPU it replaces the integer-GiB ``VLLM_CPU_KVCACHE_SPACE`` variable).
+* ``reload_weights`` (a worker call, through ``LLM.collective_rpc``) — the student engine stays up across
+  rounds and takes each round's checkpoint in place (:meth:`VLLMGenerator.load_weights`). Two things
+  derived from the old weights are redone by hand: the prefix cache is reset (its blocks hold the old
+  keys/values), and on the CPU backend every linear layer whose weight stays materialised is re-packed —
+  vLLM re-packs the layers it reloads, but a LM head **tied** to the embeddings is not reloaded itself
+  and kept the oneDNN handle packed from the old embedding matrix (samples then differed from a fresh
+  engine's). Where the platform has it (CUDA/ROCm), the engine sleeps during training
+  (``sleep(level=2)``: weights and KV cache freed; :meth:`VLLMGenerator.release`) and wakes for the next
+  round's weights.
 
 vLLM is imported lazily, inside the functions that need it, so this module imports (and its types
 can be named) where vLLM is not installed, e.g. in the main environment.
@@ -73,6 +82,26 @@ def make_llm(model_dir: str | Path, *, dtype: DType = "float32", seed: int = 0,
     return LLM(**kwargs)
 
 
+def _repack_cpu_gemms(worker: Any) -> int:
+    """Run inside each vLLM worker after ``reload_weights`` on the CPU backend: rebuild the packed GEMM of
+    every linear layer whose weight is still materialised (a tied LM head, the embeddings), so that none
+    keeps a handle packed from the old weights. Layers whose weight vLLM removed after packing were
+    re-packed by the reload itself. Returns how many layers were re-packed."""
+    import torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    model = worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.get_model()
+    n = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (not hasattr(module, "cpu_linear") or getattr(module, "_cpu_skip_gemm_dispatch", False)
+                or not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.numel() == 0):
+            continue
+        dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+        n += 1
+    return n
+
+
 def _max_model_len(llm: LLM) -> int:
     return int(llm.llm_engine.model_config.max_model_len)
 
@@ -104,7 +133,9 @@ class VLLMGenerator:
     llm: LLM
     tokenizer: Any = None
     prompts_per_call: int = 256
+    cache_dir: str | Path | None = None
     _eos_ids: set[int] = field(default_factory=set, init=False, repr=False)
+    _asleep: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:
@@ -125,10 +156,45 @@ class VLLMGenerator:
         """Load the model into vLLM and the tokenizer with :func:`sapd.models.loading.load_tokenizer`
         (the same tokenizer object type, and so the same ids, as the HF path)."""
 
+        from vllm.platforms import current_platform
+
+        if current_platform.is_sleep_mode_available():  # so that release() can free the GPU for training
+            llm_kwargs.setdefault("enable_sleep_mode", True)
         llm = make_llm(model_dir, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, enforce_eager=enforce_eager,
                        kv_cache_memory_bytes=kv_cache_memory_bytes, cache_dir=cache_dir, **llm_kwargs)
-        return cls(llm, tokenizer=load_tokenizer(str(model_dir), cache_dir))
+        return cls(llm, tokenizer=load_tokenizer(str(model_dir), cache_dir), cache_dir=cache_dir)
+
+    @property
+    def sleeps(self) -> bool:
+        """Whether :meth:`release` frees the engine's memory (sleep mode: CUDA/ROCm engines built by
+        :meth:`from_path`)."""
+        return bool(getattr(self.llm.llm_engine.vllm_config.model_config, "enable_sleep_mode", False))
+
+    def release(self) -> None:
+        """Before training: free the engine's weights and KV cache where vLLM's sleep mode is on
+        (level 2: the weights are reloaded from the next checkpoint anyway). Elsewhere (the CPU backend)
+        the engine stays resident. :meth:`load_weights` wakes it."""
+        if self.sleeps and not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep = True
+
+    def load_weights(self, model_dir: str | Path) -> None:
+        """Take new weights in place (the next round's checkpoint, same architecture) through vLLM's
+        ``reload_weights``: the engine, its KV cache and compiled graphs stay up. Then what was derived
+        from the old weights is redone: the CPU backend's packed GEMMs of layers the reload leaves alone
+        (a tied LM head), and the prefix cache. Samples afterwards equal a fresh engine's on the same
+        weights and seed (tests/vllm)."""
+        from vllm.platforms import current_platform
+
+        path = resolve_model_dir(str(model_dir), self.cache_dir)
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        if current_platform.is_cpu():
+            self.llm.collective_rpc(_repack_cpu_gemms)
+        self.llm.reset_prefix_cache()
 
     def _sampling_params(self, params: SamplingParams, prompt_index: int):
         import vllm
@@ -143,6 +209,8 @@ class VLLMGenerator:
         """For each prompt, ``params.n`` samples with their token ids and temperature-1 log-probs."""
         from vllm.inputs import TokensPrompt
 
+        if self._asleep:
+            raise RuntimeError("the vLLM student engine was released for training: load_weights() wakes it")
         limit = _max_model_len(self.llm)
         out: list[list[Sample]] = []
         for start in range(0, len(prompts), self.prompts_per_call):

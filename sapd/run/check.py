@@ -40,8 +40,12 @@ from sapd.run.starter import PLACEHOLDER
 STAGE_CHECKS: dict[str, tuple[str, ...]] = {
     "build-prefixes": ("storage", "run root", "data", "student", "teacher", "tokenizers"),
     "teacher-scores": ("storage", "run root", "student", "teacher", "tokenizers", "memory"),
+    "teacher-scores-commit": ("storage", "run root"),  # it joins the workers' parts, no model
     "train": ("storage", "run root", "student", "memory"),
     "evaluate": ("storage",),  # it loads the run's checkpoints, not model.student
+    # the cluster's pipeline driver, before it creates any stage Job: everything but memory, which each
+    # stage pod checks against its own device (the driver's pod has none of theirs)
+    "driver": ("storage", "run root", "data", "student", "teacher", "tokenizers"),
 }
 SAMPLE_RECORDS = 20
 
@@ -323,7 +327,9 @@ def preflight(cfg: RunConfig, stage: str | None = None, *, log: Callable[[str], 
     outcomes = run_checks(cfg, stage=stage, log=log, verbose=verbose, memory_fails=False, pushgateway=False)
     failed = [o for o in outcomes if not o.ok]
     if failed:
-        raise CheckFailed(f"{len(failed)} check{'s' if len(failed) > 1 else ''} failed before "
-                          f"{stage or 'the run'} started (the lines above; `sapd check` shows them all)",
+        more = f" (and {len(failed) - 1} more above)" if len(failed) > 1 else ""
+        raise CheckFailed(f"{failed[0].line()}{more} — nothing of {stage or 'the run'} was started; fix it and "
+                          "run again (`sapd check CONFIG` shows every check; --no-check skips them)",
                           summary_code(outcomes))
-    log(f"preflight: {len(outcomes)} checks passed ({', '.join(o.name for o in outcomes)})")
+    plural = "s" if len(outcomes) != 1 else ""
+    log(f"preflight: {len(outcomes)} check{plural} passed ({', '.join(o.name for o in outcomes)})")

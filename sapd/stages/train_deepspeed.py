@@ -3,7 +3,10 @@ methods as :class:`sapd.stages.train.TorchEngine`. The only module that imports 
 
 Launch one round on N processes (the round's scored shards and checkpoint K committed already)::
 
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node N -m sapd.cli train-round CONFIG... --round K
+    DS_ACCELERATOR=cpu OMP_WAIT_POLICY=PASSIVE torchrun --nproc_per_node N -m sapd.cli train-round CONFIG... --round K
+
+(on CPU, OpenMP threads that spin while waiting starve DeepSpeed's and gloo's threads when a rank's
+threads take every core; the chart's training pods set ``OMP_WAIT_POLICY=PASSIVE``).
 
 How it matches the single-process engine, step for step:
 

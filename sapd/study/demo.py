@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from sapd import checkpoints
 from sapd.run.report import write_report
 from sapd.study.run import Study, load_study_config
 
@@ -117,6 +118,7 @@ def run_demo(out: Path, *, log: Callable[[str], None] = print, show_progress: bo
         "no environment")
     root = str(study.runs / "sapd")
     study.run_method("sapd", DEMO_VARIANT, "sft_teacher", 0, models, evaluate=False)
+    checkpoints.export_model(root, str(study.models / "sapd_student"), checkpoint=cfg.rounds)
     lap("SAPD")
     log(f"[5/6] evaluation: greedy episodes on the {len(panels['heldout'])} held-out games")
     evals = {"student before": study.evaluate_model_dir("student", models["student"]),
@@ -145,7 +147,13 @@ def run_demo(out: Path, *, log: Callable[[str], None] = print, show_progress: bo
           "## Held-out results", "", _markdown(rows), "", "![success by family](success.png)", "",
           "## Stage timings", "", _markdown([["stage", "seconds"], *([s, f"{v:.1f}"] for s, v in timings.items()),
                                              ["total", f"{seconds:.1f}"]]), "",
-          "Training report (loss terms, signals, SAPD stage times): `runs/sapd/report/training.png`.", ""]
+          "Training report (loss terms, signals, SAPD stage times): `runs/sapd/report/training.png`.", "",
+          "## Models", "",
+          "`models/student`, `models/sft_teacher` and `models/sapd_student` (the student after SAPD) are plain "
+          "Hugging Face folders (weights, config, tokenizer, chat template): `AutoModelForCausalLM.from_pretrained` "
+          "loads them, and they go as they are into a run config's `model.student` / `model.teacher`. Their run "
+          "roots, with every checkpoint, are `runs/student`, `runs/sft_teacher` and `runs/sapd` "
+          "(`sapd export RUN OUT [--checkpoint K]` copies any checkpoint out the same way).", ""]
     (out / "REPORT.md").write_text("\n".join(md))
     summary = {"evals": evals, "report": training_report, "timings": timings, "seconds": seconds,
                "files": {"report": str(out / "REPORT.md"), "evaluation": str(out / "evaluation.json"),

@@ -250,9 +250,12 @@ class Study:
                                vocab_size=self.cfg.tokenizer_vocab)
 
     def _run_sft(self, name: str, init: str, data_input: str, epochs: float) -> str:
-        """SFT ``init`` on ``data_input`` for ``epochs`` passes; returns the final model folder."""
+        """SFT ``init`` on ``data_input`` for ``epochs`` passes in the run root ``runs/<name>``, its final
+        model exported to ``models/<name>`` (a plain Hugging Face folder); returns the final checkpoint's
+        model folder. A study folder from before the exports keeps its run root at ``models/<name>``."""
         c = self.cfg
-        root = self.models / name
+        legacy = self.models / name
+        root = legacy if (legacy / "config.yaml").is_file() else self.runs / name
         n_traj = self._count_trajectories(data_input)
         rounds = max(1, round(epochs * n_traj / c.sft_trajectories_per_round))
         cfg = config_from_dict({
@@ -268,7 +271,10 @@ class Study:
         run_pipeline(cfg, log=self._round_log(name, rounds), show_progress=self.show_progress)
         if time.perf_counter() - t0 > 1:
             self.log(f"{name}: done in {time.perf_counter() - t0:.0f} s")
-        return layout.checkpoint_model_dir(str(root), rounds)
+        final = layout.checkpoint_model_dir(str(root), rounds)
+        if root != legacy and not (legacy / "config.json").is_file():
+            checkpoints.export_model(str(root), str(legacy), checkpoint=rounds)
+        return final
 
     def _round_log(self, name: str, rounds: int) -> Callable[[str], None]:
         """Without progress bars, a pipeline's round lines at about every quarter of its rounds."""

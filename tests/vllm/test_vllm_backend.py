@@ -232,3 +232,30 @@ def test_generator_refuses_too_long_prompt(generator, tokenizer) -> None:
     long_prompt = "apple " * (MAX_MODEL_LEN * 2)
     with pytest.raises(ValueError, match="prompt 1 has"):
         generator.generate(["short", long_prompt], SamplingParams(n=1, max_new_tokens=2))
+
+
+def test_load_weights_in_place_samples_like_a_fresh_engine(model_dir, generator, stop_samples, prompts,
+                                                          tmp_path) -> None:
+    """The student engine kept across rounds: an engine started on other weights, then given the model's
+    weights in place (reload_weights, the CPU backend's packed GEMMs rebuilt — the tied LM head among
+    them — and the prefix cache reset), samples exactly what a freshly started engine samples on those
+    weights with the same seed; and before the update it did not."""
+    tok = load_tokenizer(str(model_dir))
+    other = tmp_path / "other"
+    build_tiny_model(tok, other, hidden_size=128, heads=4, kv_heads=2, intermediate_size=256, layers=2, seed=5)
+    params, fresh = stop_samples
+    kept = VLLMGenerator.from_path(other, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                                   kv_cache_memory_bytes=128 * 2**20)
+    assert kept.llm.llm_engine.model_config.hf_config.tie_word_embeddings  # the case vLLM's reload missed
+    before = kept.generate(prompts, params)  # also fills the prefix cache with the old weights' blocks
+    assert [[s.token_ids for s in g] for g in before] != [[s.token_ids for s in g] for g in fresh]
+    kept.release()  # no sleep mode on the CPU backend: stays resident, still usable after load_weights
+    kept.load_weights(model_dir)
+    after = kept.generate(prompts, params)
+    assert [[s.token_ids for s in g] for g in after] == [[s.token_ids for s in g] for g in fresh]
+    assert _max_abs_diff([s.logprobs for g in after for s in g], [s.logprobs for g in fresh for s in g]) < 1e-5
+    # and back: the update is not one-way
+    kept.load_weights(other)
+    assert [[s.token_ids for s in g] for g in kept.generate(prompts, params)] == \
+        [[s.token_ids for s in g] for g in before]
+    del kept

@@ -136,6 +136,10 @@ containers:
 {{- end -}}
 
 {{- define "sapd.trainEnv" -}}
+# OpenMP threads that spin while waiting starve DeepSpeed's and gloo's own threads when a rank's
+# threads take every CPU core (a tiny model's steps ran 15-20x slower on CPU: docs/results/EFFICIENCY.md)
+- name: OMP_WAIT_POLICY
+  value: PASSIVE
 - name: NODE_RANK
   valueFrom:
     fieldRef:
