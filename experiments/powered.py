@@ -8,6 +8,10 @@
     .venv/bin/python -m experiments.powered status
 
 Each finished unit is a JSON under experiments/powered/ (commit it); a rerun skips recorded units.
+Several processes of `sweep` (or `final`) on one machine split the units: each claims the next unit no
+other live process holds, e.g. two processes of one thread each on two cores:
+
+    for i in 1 2; do .venv/bin/python -m experiments.powered sweep --threads 1 & done
 """
 
 from __future__ import annotations
@@ -32,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ledger", default=str(HERE / "powered"))
     p.add_argument("--cache", default=".cache/powered")
     p.add_argument("--max-units", type=int, default=None, help="sweep/final: stop after this many new units")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads of this process")
     args = p.parse_args(argv)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
 
     def log(line: str) -> None:

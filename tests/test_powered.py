@@ -273,3 +273,44 @@ def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| sapd |"))
     assert "+0.250 [" in row and "+0.333 [" in row
     assert (tmp_path / "out" / "powered_curves.png").is_file()
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    from sapd.study.powered import wilson_interval
+    lo, hi = wilson_interval(0.5, 100)
+    assert abs(lo - 0.4038) < 5e-4 and abs(hi - 0.5962) < 5e-4  # 50 of 100: [0.404, 0.596]
+    lo, hi = wilson_interval(0.0, 10)
+    assert lo == 0.0 and abs(hi - 0.2775) < 5e-4  # 0 of 10: [0, 0.278]
+    assert wilson_interval(0.3, 0) == (0.0, 1.0)
+
+
+def test_claims_split_units_between_processes_and_stale_claims_are_taken_over(tmp_path):
+    """Two processes of the same sweep: a unit claimed by a live process is skipped, one whose process
+    is gone is taken over, and nothing is run twice."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sapd.study.powered import PoweredStudy, load_powered_config
+    cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
+    study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
+    ran: list[str] = []
+
+    def fake_train(unit, variant, loss, lr, seed, panel="val"):
+        ran.append(unit)
+        return study.ledger.put(unit, {"eval": {"action_match": 0.5, "tll_sum": -1.0}})
+    study.train_and_validate = fake_train  # type: ignore[method-assign]
+    first, second = (u for u, *_ in study.sweep_units()[:2])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        claim = study.claims._path(first)
+        claim.parent.mkdir(parents=True)
+        claim.write_text(str(other.pid))
+        assert not study.claims.take(first)  # a live process holds it
+        assert study.sweep(max_units=1) == [second] and ran == [second]
+        assert study.claims.holder(second) is None  # released when done
+    finally:
+        other.kill()
+        other.wait()
+    assert study.sweep(max_units=1) == [first]  # the holder is gone: its claim is stale
+    assert ran == [second, first] and study.claims.holder(first) is None

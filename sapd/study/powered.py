@@ -12,7 +12,9 @@ committed ledger folder (``experiments/powered/``); a rerun skips every unit rec
 artefacts (games, pools, the tokenizer, the models, run roots) live in an ignored cache
 (``.cache/powered/``) and are rebuilt deterministically when missing (seeded games, expert and noise;
 seeded training) — each unit records the hash of the weights it started from, and a unit whose
-starting weights no longer match is reported, not silently reused.
+starting weights no longer match is reported, not silently reused. Several processes may run the sweep
+or the final runs at once: each claims its unit (``.cache/powered/claims/``) and skips those claimed by
+another live process.
 
 Run it piece by piece (each step does only what is not yet recorded)::
 
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -113,6 +117,7 @@ class PoweredConfig:
     gate_well_formed: float = 0.95  # the student, at T = 1 on validation prefixes × G, before any round
     gate_match_band: list[float] = field(default_factory=lambda: [0.35, 0.70])  # its greedy validation match
     gate_teacher_margin: float = 0.15  # teacher validation action match ≥ student's + this
+    gate_band_by_ci: bool = False  # the band passes when the match's 95 % Wilson interval overlaps it
     group_size: int = 8
     temperature: float = 1.0
     max_new_tokens: int = 64
@@ -185,6 +190,60 @@ class Ledger:
         return sorted(str(p.relative_to(self.folder).with_suffix("")) for p in self.folder.rglob("*.json"))
 
 
+class Claims:
+    """One claim file per unit in progress, so that several processes of the same study on one machine
+    split the units between them. A claim names its process; one whose process is gone is stale and is
+    taken over (a unit stopped half-way resumes from its run root)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+
+    def _path(self, unit: str) -> Path:
+        return self.folder / (unit.replace("/", "-") + ".pid")
+
+    def take(self, unit: str) -> bool:
+        """Claim ``unit`` for this process; False when a live process holds it."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self._path(unit)
+        tmp = self.folder / f".{os.getpid()}.tmp"
+        tmp.write_text(str(os.getpid()))
+        try:
+            for _ in range(2):
+                try:
+                    os.link(tmp, path)  # atomic: fails when the claim exists, and its content is whole
+                    return True
+                except FileExistsError:
+                    holder = self.holder(unit)
+                    if holder == os.getpid():
+                        return True
+                    if holder is not None and _alive(holder):
+                        return False
+                    path.unlink(missing_ok=True)  # stale
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def holder(self, unit: str) -> int | None:
+        try:
+            return int(self._path(unit).read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def release(self, unit: str) -> None:
+        if self.holder(unit) == os.getpid():
+            self._path(unit).unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def weights_hash(model_dir: str | Path) -> str:
     """sha256 of a model folder's weight files (to tell whether a rebuilt model is the recorded one)."""
     h = hashlib.sha256()
@@ -206,6 +265,8 @@ class PoweredStudy:
         self.pools = self.cache / "pools"
         self.models = self.cache / "models"
         self.runs = self.cache / "runs"
+        self.claims = Claims(self.cache / "claims")
+        self.wait_seconds = 30.0  # a process with nothing to claim waits this long for the others
 
     # -- panels, games, pools -------------------------------------------------------------------------
 
@@ -401,10 +462,12 @@ class PoweredStudy:
         t_eval = self.evaluate_model(self._reference_root("teacher-val", models["teacher"]), 0, "val",
                                      models["teacher"])
         lo, hi = c.gate_match_band
+        ci = wilson_interval(s_eval["action_match"], s_eval["decisions"])
+        in_band = (ci[0] <= hi and ci[1] >= lo) if c.gate_band_by_ci else lo <= s_eval["action_match"] <= hi
         res = {"student_well_formed_T1": probe["well_formed"], "student_val": _public(s_eval),
-               "teacher_val": _public(t_eval),
+               "teacher_val": _public(t_eval), "student_match_ci95": list(ci),
                "passed": {"well_formed": probe["well_formed"] >= c.gate_well_formed,
-                          "match_band": lo <= s_eval["action_match"] <= hi,
+                          "match_band": in_band,
                           "teacher_margin": t_eval["action_match"] >= s_eval["action_match"] + c.gate_teacher_margin},
                "weights": {k: weights_hash(v) for k, v in models.items()}, "seconds": time.perf_counter() - t0}
         res["passed"]["all"] = all(res["passed"].values())
@@ -560,17 +623,45 @@ class PoweredStudy:
             out.append({"round": k, **summarize_decisions(recs)})
         return out
 
+    def _run_claimed(self, unit: str, *args: Any, **kwargs: Any) -> bool:
+        """Train and evaluate ``unit`` if this process can claim it and it is not yet recorded."""
+        if not self.claims.take(unit):
+            return False
+        try:
+            if self.ledger.get(unit) is not None:  # another process finished it meanwhile
+                return False
+            self.train_and_validate(unit, *args, **kwargs)
+            return True
+        finally:
+            self.claims.release(unit)
+
     def sweep(self, max_units: int | None = None) -> list[str]:
+        """Runs the pending sweep units in order. Several processes may run it at once: each takes the
+        first unit no other live process has claimed, and waits while all pending units are claimed."""
         done: list[str] = []
         while max_units is None or len(done) < max_units:
             # recomputed after each unit: the other "chosen" arms appear once the treatment is chosen
             pending = [u for u in self.sweep_units() if self.ledger.get(u[0]) is None]
-            if not pending:
+            if not pending and len(self.sweep_units()) == self.sweep_size():
                 break
-            unit, variant, loss, lr = pending[0]
-            self.train_and_validate(unit, variant, loss, lr, self.cfg.sweep_seed)
-            done.append(unit)
+            ran = False
+            for unit, variant, loss, lr in pending:
+                if self._run_claimed(unit, variant, loss, lr, self.cfg.sweep_seed):
+                    done.append(unit)
+                    ran = True
+                    break
+            if not ran:
+                if not self._others_working():
+                    break
+                self.log(f"sweep: every pending unit is claimed by another process; waiting {self.wait_seconds:g} s")
+                time.sleep(self.wait_seconds)
         return done
+
+    def _others_working(self) -> bool:
+        folder = self.claims.folder
+        return folder.is_dir() and any(
+            (pid := self.claims.holder(p.stem)) is not None and pid != os.getpid() and _alive(pid)
+            for p in folder.glob("*.pid"))
 
     def selection(self) -> dict[str, Any] | None:
         """The pre-registered choices from the finished sweep (None until it is complete): the no-action
@@ -606,9 +697,9 @@ class PoweredStudy:
                     continue
                 if max_units is not None and len(done) >= max_units:
                     return done
-                self.train_and_validate(unit, arm["variant"], arm["loss"], arm["lr"], seed,
-                                        panel="test" if evaluate_test else "val")
-                done.append(unit)
+                if self._run_claimed(unit, arm["variant"], arm["loss"], arm["lr"], seed,
+                                     panel="test" if evaluate_test else "val"):
+                    done.append(unit)
         return done
 
     def plan_is_committed(self) -> bool:
@@ -659,6 +750,16 @@ def _per_game_success(root: str, k: int) -> dict[str, int]:
 
 def _public(ev: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in ev.items() if k not in ("per_decision",)}
+
+
+def wilson_interval(p: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a proportion ``p`` measured on ``n`` trials."""
+    if n <= 0:
+        return (0.0, 1.0)
+    d = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def check_power(plan: PowerPlan, seeds: int) -> dict[str, Any]:
