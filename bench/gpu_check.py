@@ -128,6 +128,13 @@ def run_config(root: Path, student: str, teacher: str, *, backend: str, engine: 
     }
 
 
+def seed_root(src: Path, root: Path) -> None:
+    """Copy a run's prefixes, checkpoint 0 and scored round 0 into ``root``: round 0 trains on them."""
+    for part in ("prefixes", "checkpoints/000000", "rounds/000000"):
+        (root / part).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src / part, root / part)
+
+
 def summarize_run(root: str) -> dict[str, Any]:
     """Sampling / scoring throughput from the round manifests, step times from the step logs."""
     from sapd.run.report import read_step_log, round_timings
@@ -364,10 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         if not checkpoints.is_committed(str(src), 1):
             raise _Skip("the hf-torch section did not finish: nothing to compare against")
         root = roots[f"deepspeed_zero{stage}"]
-        # the same prefixes, checkpoint 0 and scored round 0 as the torch run: the first losses must agree
-        for part in ("prefixes", "checkpoints/000000", "rounds/000000"):
-            (root / part).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copytree(src / part, root / part)
+        seed_root(src, root)  # the torch run's inputs: the first losses must agree
         cfg = config_from_dict(run_config(root, paths["student"], paths["teacher"], backend="hf", engine="deepspeed",
                                           dry=dry, device=device, dtype=dtype,
                                           checkpointing=ckpt, shared_prompt=args.shared_prompt, rounds=1,
@@ -396,9 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(2):
             for mode in ("off", "on"):
                 root = work / f"shared-prompt-{mode}-{rep}"
-                for part in ("prefixes", "checkpoints/000000", "rounds/000000"):
-                    (root / part).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copytree(src / part, root / part)
+                seed_root(src, root)
                 cfg = config_from_dict(run_config(root, paths["student"], paths["teacher"], backend="hf",
                                                   engine="torch", dry=dry, device=device, dtype=dtype,
                                                   checkpointing=False, shared_prompt=mode, rounds=1))

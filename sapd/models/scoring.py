@@ -76,23 +76,23 @@ class HeadOnlyLM(torch.nn.Module):
         self.lm = lm
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                pred_pos_B_T: torch.Tensor | None = None, groups=None, pad_id: int = 0, T: int = 1):
+                pred_pos_B_T: torch.Tensor | None = None, groups=None, pad_id: int = 0):
         base, head = decoder_and_head(self.lm)
         if groups is not None:
-            return shared_prefix_logits(base, head, self.lm, groups, pad_id, T)
+            return shared_prefix_logits(base, head, self.lm, groups, pad_id)
         assert input_ids is not None and attention_mask is not None and pred_pos_B_T is not None
         hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, S, H)
         return head(hidden.gather(1, pred_pos_B_T.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])))
 
 
 def shared_prefix_logits(base, head, lm, groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
-                         pad_id: int, T: int) -> torch.Tensor:
+                         pad_id: int) -> torch.Tensor:
     """Logits (ΣG, T, V) predicting each response token, for ``groups`` = [(prompt, [response × G])]
     (every group the same G): the unique tokens in two forward calls — all prompts once, left-padded in
     one batch, their keys/values repeated G times, then all responses as one batch over that cache —
     not G copies of each prompt. Differentiable: each prompt's activations receive the gradient of its G
     responses through the repeated cache, the sum the G separate sequences would give. Rows are
-    group-major; responses right-padded to ``T``."""
+    group-major; responses right-padded to the longest (:func:`_pad_right`)."""
     device = next(lm.parameters()).device
     P, G = len(groups), len(groups[0][1])
     lengths = [len(p) for p, _ in groups]
@@ -106,10 +106,8 @@ def shared_prefix_logits(base, head, lm, groups: Sequence[tuple[Sequence[int], S
     res = base(input_ids=ids_P_L, attention_mask=attn_P_L, position_ids=pos_P_L, use_cache=True)
     cache = output_cache(res)
     cache.batch_repeat_interleave(G)
-    ids_B_T = torch.full((P * G, T), pad_id, dtype=torch.long, device=device)
-    for b, r in enumerate(r for _, responses in groups for r in responses):
-        if r:
-            ids_B_T[b, :len(r)] = torch.tensor(list(r), dtype=torch.long, device=device)
+    ids_B_T, _ = _pad_right([r for _, responses in groups for r in responses], pad_id, device)
+    T = ids_B_T.shape[1]
     # right-padded responses: under the causal mask a real token never sees the pads after it
     attn_B_S = torch.cat([attn_P_L.repeat_interleave(G, 0), torch.ones((P * G, T), dtype=torch.long, device=device)], 1)
     pos_B_T = torch.tensor(lengths, device=device).repeat_interleave(G)[:, None] + torch.arange(T, device=device)
@@ -153,17 +151,11 @@ def _response_logits(model, prompts: Sequence[Sequence[int]], responses: Sequenc
     lm = inner.lm if isinstance(inner, HeadOnlyLM) else inner
     groups = None if _checkpointing(lm) else _groups(prompts, responses, group_size)
     if groups is not None and decoder_and_head(lm)[0] is not None:
-        T = max(max((len(r) for r in responses), default=0), 1)
-        mask = torch.zeros((len(responses), T), dtype=torch.bool, device=device)
-        targets = torch.full((len(responses), T), pad_id, dtype=torch.long, device=device)
-        for b, r in enumerate(responses):
-            if r:
-                mask[b, :len(r)] = True
-                targets[b, :len(r)] = torch.tensor(list(r), dtype=torch.long, device=device)
+        targets, mask = _pad_right(responses, pad_id, device)
         if _head_only_module(model):  # through the engine's forward
-            return model(groups=groups, pad_id=pad_id, T=T), targets, mask
+            return model(groups=groups, pad_id=pad_id), targets, mask
         base, head = decoder_and_head(lm)
-        return shared_prefix_logits(base, head, lm, groups, pad_id, T), targets, mask
+        return shared_prefix_logits(base, head, lm, groups, pad_id), targets, mask
     ids, attn, pos, mask = pad_sequences(prompts, responses, pad_id, device)
     # the output at position s predicts token s+1: response token at position t is predicted from t−1
     pred_pos = (pos - 1).clamp(min=0)
