@@ -5,6 +5,7 @@
     .venv/bin/python -m experiments.powered smollm2           # the same probe with SmolLM2-135M (~25 min)
     .venv/bin/python -m experiments.powered sweep --max-units 3
     .venv/bin/python -m experiments.powered final             # refused until the plan is committed
+    .venv/bin/python -m experiments.powered final --arms sapd,sapd_paper,opd_rule   # these arms first
     .venv/bin/python -m experiments.powered status
 
 Each finished unit is a JSON under experiments/powered/ (commit it); a rerun skips recorded units.
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ledger", default=str(HERE / "powered"))
     p.add_argument("--cache", default=".cache/powered")
     p.add_argument("--max-units", type=int, default=None, help="sweep/final: stop after this many new units")
+    p.add_argument("--arms", default=None,
+                   help="final: comma-separated arms (and 'student', 'teacher' for the reference rows) to run, "
+                        "in this order (the order of work only; default: every arm, then the references)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads of this process")
     args = p.parse_args(argv)
     if args.threads:
@@ -68,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         elif step == "sweep":
             log(f"sweep: finished {study.sweep(args.max_units)}")
         elif step == "final":
-            log(f"final: finished {study.final(args.max_units)}")
+            arms = args.arms.split(",") if args.arms else None
+            log(f"final: finished {study.final(args.max_units, arms=arms)}")
         elif step == "report":
             from sapd.study.powered_report import render_powered
             log(f"report: {render_powered(study, args.results)}")

@@ -4,6 +4,7 @@ its held-out metrics and round-0 signal probe on tiny real models, and the per-r
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -314,3 +315,44 @@ def test_claims_split_units_between_processes_and_stale_claims_are_taken_over(tm
         other.wait()
     assert study.sweep(max_units=1) == [first]  # the holder is gone: its claim is stale
     assert ran == [second, first] and study.claims.holder(first) is None
+
+
+def test_final_runs_the_arms_in_the_order_asked_then_the_reference_rows(tmp_path):
+    """`final --arms` orders the work (never a result): the named arms' seeds, then the student and the
+    teacher on the test panel (reference rows); an unknown arm is refused before anything runs."""
+    from pathlib import Path
+
+    from sapd.study.powered import PoweredStudy, load_powered_config
+    cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
+    cfg.final_seeds = [1, 2]
+    study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
+    # a finished sweep: penalty wins the treatment choice
+    for unit, *_ in study.sweep_units():
+        study.ledger.put(unit, {"train_seconds": 1.0, "eval": {"action_match": 0.9 if "penalty" in unit else 0.5,
+                                                               "tll_sum": -1.0, "seconds": 1.0}})
+    for unit, *_ in study.sweep_units():  # wo_rule appears once the treatment is chosen
+        if study.ledger.get(unit) is None:
+            study.ledger.put(unit, {"train_seconds": 1.0, "eval": {"action_match": 0.5, "tll_sum": -1.0,
+                                                                   "seconds": 1.0}})
+    ran: list[tuple[str, str, Any]] = []
+
+    def fake_train(unit, variant, loss, lr, seed, panel="val"):
+        ran.append((unit, panel, loss.get("no_action_step")))
+        return study.ledger.put(unit, {"eval": {}})
+
+    def fake_reference(unit, who, panel):
+        ran.append((unit, panel, who))
+        return study.ledger.put(unit, {"eval": {}})
+    study.train_and_validate = fake_train  # type: ignore[method-assign]
+    study.evaluate_reference = fake_reference  # type: ignore[method-assign]
+    study.plan_is_committed = lambda: True  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="unknown arm"):
+        study.final(arms=["sapd", "nope"])
+    assert ran == []
+    assert study.final(max_units=3, arms=["wo_rule", "student", "sapd"]) == \
+        ["final/wo_rule-s1", "final/wo_rule-s2", "final/reference-student"]
+    assert ran[0] == ("final/wo_rule-s1", "test", "penalty")  # the chosen treatment, on the test panel
+    assert study.final() == ["final/opd-s1", "final/opd-s2", "final/sapd-s1", "final/sapd-s2",
+                             "final/reference-teacher"]  # the rest, in the config's order
+    assert study.ledger.get("selection")["treatment"] == "penalty"
+    assert study.status()["final"] == "8/8"

@@ -625,12 +625,16 @@ class PoweredStudy:
 
     def _run_claimed(self, unit: str, *args: Any, **kwargs: Any) -> bool:
         """Train and evaluate ``unit`` if this process can claim it and it is not yet recorded."""
+        return self._claimed(unit, lambda: self.train_and_validate(unit, *args, **kwargs))
+
+    def _claimed(self, unit: str, work: Callable[[], Any]) -> bool:
+        """Run ``work`` for ``unit`` if this process can claim it and it is not yet recorded."""
         if not self.claims.take(unit):
             return False
         try:
             if self.ledger.get(unit) is not None:  # another process finished it meanwhile
                 return False
-            self.train_and_validate(unit, *args, **kwargs)
+            work()
             return True
         finally:
             self.claims.release(unit)
@@ -679,28 +683,54 @@ class PoweredStudy:
             out["arms"][name] = {"variant": v, "loss": loss, "lr": lr, "unit": best}
         return out
 
-    def final(self, max_units: int | None = None, evaluate_test: bool = True) -> list[str]:
-        """The chosen configuration of every arm, fresh seeds, each evaluated on the test panel. Refused
-        unless the sweep is complete and the plan and config are committed and unmodified."""
+    REFERENCES = ("student", "teacher")  # descriptive test-panel rows: the models every arm starts from / learns from
+
+    def final(self, max_units: int | None = None, evaluate_test: bool = True,
+              arms: list[str] | None = None) -> list[str]:
+        """The chosen configuration of every arm, fresh seeds, each evaluated on the test panel; then the
+        reference rows (the student before any round and the teacher on the same panel, descriptive, not
+        compared). ``arms`` sets which arms (and references) run and in what order — only the order of
+        work, never a result. Refused unless the sweep is complete and the plan and config are committed
+        and unmodified."""
         sel = self.selection()
         if sel is None:
             raise RuntimeError("the validation sweep is not complete: run 'sweep' first")
+        order = list(arms) if arms else [*sel["arms"], *self.REFERENCES]
+        unknown = [a for a in order if a not in sel["arms"] and a not in self.REFERENCES]
+        if unknown:
+            raise ValueError(f"final: unknown arm(s) {unknown}; arms are {[*sel['arms'], *self.REFERENCES]}")
         if not self.plan_is_committed():
             raise RuntimeError("commit experiments/powered.yaml and docs/results/ANALYSIS_PLAN.md (unmodified) "
                                "before any test-panel evaluation")
         self.ledger.put("selection", sel)
+        panel = "test" if evaluate_test else "val"
         done: list[str] = []
-        for name, arm in sel["arms"].items():
-            for seed in self.cfg.final_seeds:
-                unit = f"final/{name}-s{seed}"
+        for name in order:
+            units = ([(f"final/reference-{name}", None)] if name in self.REFERENCES else
+                     [(f"final/{name}-s{seed}", seed) for seed in self.cfg.final_seeds])
+            for unit, seed in units:
                 if self.ledger.get(unit) is not None:
                     continue
                 if max_units is not None and len(done) >= max_units:
                     return done
-                if self._run_claimed(unit, arm["variant"], arm["loss"], arm["lr"], seed,
-                                     panel="test" if evaluate_test else "val"):
+                if seed is None:
+                    ran = self._claimed(unit, lambda u=unit, who=name: self.evaluate_reference(u, who, panel))
+                else:
+                    arm = sel["arms"][name]
+                    ran = self._run_claimed(unit, arm["variant"], arm["loss"], arm["lr"], seed, panel=panel)
+                if ran:
                     done.append(unit)
         return done
+
+    def evaluate_reference(self, unit: str, who: str, panel: str) -> dict[str, Any]:
+        """``who`` ("student" or "teacher") as it was built, evaluated on ``panel`` like a final run."""
+        models = self.ensure_models()
+        root = self._reference_root(f"{who}-{panel}", models[who])
+        self.log(f"{unit}: the {who} on the {panel} panel")
+        ev = self.evaluate_model(root, 0, panel, models["teacher"])
+        self.log(f"{unit}: {panel} action match {ev['action_match']:.3f}, success {ev['success']:.3f}")
+        return self.ledger.put(unit, {"variant": "reference", "model": who, "eval": ev,
+                                      "weights": {k: weights_hash(v) for k, v in models.items()}})
 
     def plan_is_committed(self) -> bool:
         """The config and docs/results/ANALYSIS_PLAN.md are committed and unmodified in git."""
@@ -725,7 +755,8 @@ class PoweredStudy:
         n_sweep = self.sweep_size()
         costs = [self.ledger.get(u) for u in sweep_done]
         per_run = (sum(r["train_seconds"] + r["eval"]["seconds"] for r in costs if r) / len(costs)) if costs else None
-        final = [f"final/{a}-s{s}" for a in self.cfg.arms for s in self.cfg.final_seeds]
+        final = [f"final/{a}-s{s}" for a in self.cfg.arms for s in self.cfg.final_seeds] + \
+            [f"final/reference-{who}" for who in self.REFERENCES]
         remaining = n_sweep - len(sweep_done) + len([u for u in final if u not in recorded])
         return {"recorded": sorted(recorded), "sweep": f"{len(sweep_done)}/{n_sweep}",
                 "final": f"{len([u for u in final if u in recorded])}/{len(final)}",
