@@ -714,7 +714,7 @@ class PoweredStudy:
                 if max_units is not None and len(done) >= max_units:
                     return done
                 if seed is None:
-                    ran = self._claimed(unit, lambda u=unit, who=name: self.evaluate_reference(u, who, panel))
+                    ran = self._claimed(unit, partial(self.evaluate_reference, unit, name, panel))
                 else:
                     arm = sel["arms"][name]
                     ran = self._run_claimed(unit, arm["variant"], arm["loss"], arm["lr"], seed, panel=panel)
