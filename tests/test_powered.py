@@ -258,22 +258,50 @@ def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
     cfg.final_seeds = [1, 2]
     study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
 
-    def final(arm, seed, matches, wins):
-        ev = {"per_decision": {f"d{i}": [m, -1.0] for i, m in enumerate(matches)},
+    def final(arm, seed, matches, wins, tll):
+        ev = {"per_decision": {f"d{i}": [m, None if m is None else tll] for i, m in enumerate(matches)},
               "per_game": {f"g{i}": w for i, w in enumerate(wins)}}
-        curve = [{"round": 0, "action_match": 0.2}, {"round": 1, "action_match": sum(matches) / len(matches)}]
-        study.ledger.put(f"final/{arm}-s{seed}", {"seed": seed, "eval": ev, "curve": curve})
+        ms = [m or 0 for m in matches]
+        ev.update(action_match=sum(ms) / len(ms), tll_sum=tll, success=sum(wins) / len(wins), sll_expert=-2.0,
+                  format_valid=1.0)
+        curve = [{"round": 0, "action_match": 0.2}, {"round": 1, "action_match": sum(ms) / len(ms)}]
+        health = [{"round": 1, "well_formed": 0.9, "action_less": 0.1, "all_no_action_groups": 0.0}]
+        study.ledger.put(f"final/{arm}-s{seed}", {"seed": seed, "eval": ev, "curve": curve, "health": health})
     for seed in (1, 2):
-        final("opd_rule", seed, [1, 0, 0, 0], [0, 0, 1])
-        final("sapd", seed, [1, 1, 0, 0], [1, 0, 1])
+        final("opd_rule", seed, [1, 0, 0, 0], [0, 0, 1], -2.0)
+        final("sapd", seed, [1, 1, 0, 0], [1, 0, 1], -1.5)
+    study.ledger.put("final/reference-student", {"eval": {"action_match": 0.1, "tll_sum": -3.0, "success": 0.0,
+                                                          "sll_expert": -4.0, "format_valid": 0.95}})
     cfg.arms = {"opd_rule": cfg.arms["opd"], **cfg.arms}
     text = render_powered(study, tmp_path / "out").read_text()
     assert "Validation sweep (0 of" in text and "Still to run:" in text  # nothing invented for the sweep
     assert "Test panel (4 of" in text
-    # action match 0.5 − 0.25, success 2/3 − 1/3; identical seeds: every interval has width ≥ 0
-    row = next(line for line in text.splitlines() if line.startswith("| sapd |"))
-    assert "+0.250 [" in row and "+0.333 [" in row
-    assert (tmp_path / "out" / "powered_curves.png").is_file()
+    # the absolute rows: the reference as recorded, each arm as the mean over its seeds
+    assert "| *student (reference)* | – | 0.100 | -3.000 | 0.000 |" in text
+    assert next(x for x in text.splitlines() if x.startswith("| sapd | 2 |")).startswith(
+        "| sapd | 2 | 0.500 ± 0.000 | -1.500 ± 0.000 | 0.667 ± 0.000 |")
+    # action match 0.5 − 0.25, TLL −1.5 − (−2.0), success 2/3 − 1/3, paired; identical seeds
+    row = next(line for line in text.splitlines() if line.startswith("| C1: SAPD (chosen treatment) − OPD+Rule |"))
+    assert "| 2 / 2 | +0.250 [" in row and "+0.500 [" in row and "+0.333 [" in row
+    assert "Reading of C1 by the plan's rule" in text  # decided by the plan's code, not by hand
+    for fig in ("powered_curves.png", "powered_differences.png", "powered_final_health.png"):
+        assert (tmp_path / "out" / fig).is_file() and f"]({fig})" in text, fig
+
+
+def test_c1_and_default_readings_follow_the_plan():
+    from sapd.study.powered_report import c1_reading, default_reading
+
+    def c(m, t=(0.1, 0.05, 0.2), s=(0.0, -0.05, 0.05)):
+        return {"match": dict(zip(("diff", "lo", "hi"), m)), "tll": dict(zip(("diff", "lo", "hi"), t)),
+                "success": dict(zip(("diff", "lo", "hi"), s))}
+    assert "supported" in c1_reading(c((0.10, 0.07, 0.13)), 0.061)
+    assert "not separable" in c1_reading(c((0.10, 0.07, 0.13), t=(0.1, -0.1, 0.2)), 0.061)  # TLL not above 0
+    assert "refuted" in c1_reading(c((0.0, -0.03, 0.03)), 0.061)  # a large effect is excluded
+    assert "not separable" in c1_reading(c((0.03, -0.01, 0.07)), 0.061)
+    assert default_reading(c((0.0, -0.02, 0.02)), paper_collapsed=True).startswith("change")
+    assert default_reading(c((0.0, -0.02, 0.02)), paper_collapsed=False).startswith("keep")
+    assert default_reading(c((0.05, 0.01, 0.09)), paper_collapsed=False).startswith("change")
+    assert default_reading(c((-0.05, -0.09, -0.01)), paper_collapsed=True).startswith("keep")
 
 
 def test_wilson_interval_matches_the_textbook_values():

@@ -92,11 +92,101 @@ def curves_figure(finals: dict[str, list[dict[str, Any]]], dest: Path) -> str:
     return path.name
 
 
-def _outcomes(runs: list[dict[str, Any]], key: str) -> dict[int, dict[str, float]]:
-    """{seed: {unit: 0/1}} of the final runs: per decision (match) or per game (won)."""
-    def value(v: Any) -> float:
-        return float(v[0]) if isinstance(v, list) else float(v)
-    return {r["seed"]: {k: value(v) for k, v in r["eval"][key].items()} for r in runs}
+def _outcomes(runs: list[dict[str, Any]], key: str, index: int = 0) -> dict[int, dict[str, float]]:
+    """{seed: {unit: value}} of the final runs: per decision (match: index 0, TLL: index 1; decisions
+    without a value are left out) or per game (won)."""
+    def value(v: Any) -> float | None:
+        x = v[index] if isinstance(v, list) else v
+        return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+    return {r["seed"]: {k: x for k, v in r["eval"][key].items() if (x := value(v)) is not None} for r in runs}
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else float("nan"))
+
+
+# the pre-registered contrasts (ANALYSIS_PLAN.md §6): (a, b, question)
+CONTRASTS = [("sapd", "opd_rule", "C1: SAPD (chosen treatment) − OPD+Rule"),
+             ("sapd", "sapd_paper", "no-action treatment: chosen − Eq. 6 as written"),
+             ("sapd", "wo_rule", "C2: SAPD − w/o Rule"),
+             ("sapd", "full_token", "C3: action-only − full-token scoring"),
+             ("sft", "opd_rule", "SFT on the logs − OPD+Rule"),
+             ("opd", "opd_rule", "OPD − OPD+Rule")]
+
+
+def contrast(finals: dict[str, list[dict[str, Any]]], a: str, b: str) -> dict[str, dict[str, float]] | None:
+    """a − b on the test panel: action match and TLL paired by decision, success paired by game."""
+    if not finals.get(a) or not finals.get(b):
+        return None
+    return {"match": paired_bootstrap(_outcomes(finals[a], "per_decision"), _outcomes(finals[b], "per_decision")),
+            "tll": paired_bootstrap(_outcomes(finals[a], "per_decision", 1), _outcomes(finals[b], "per_decision", 1)),
+            "success": paired_bootstrap(_outcomes(finals[a], "per_game"), _outcomes(finals[b], "per_game"))}
+
+
+def c1_reading(c: dict[str, dict[str, float]], mde: float) -> str:
+    """ANALYSIS_PLAN.md §6, fixed before the test evaluation."""
+    m, t, s = c["match"], c["tll"], c["success"]
+    if m["diff"] > mde and m["lo"] > 0 and t["lo"] > 0 and s["hi"] >= 0:
+        return "**C1 supported**"
+    if m["hi"] < mde:
+        return f"**C1 refuted at this scale** (the action-match interval lies below the MDE, {mde:.3f})"
+    return "**not separable at this power**"
+
+
+def default_reading(c: dict[str, dict[str, float]], paper_collapsed: bool) -> str:
+    """ANALYSIS_PLAN.md §6: the product default changes to the chosen treatment only if it is not worse
+    than Eq. 6 as written on action match and either that collapses or the chosen one is better."""
+    m = c["match"]
+    change = m["hi"] >= 0 and (paper_collapsed or m["lo"] > 0)
+    return ("change the default to the chosen treatment" if change else "keep `no_action_step: zero`")
+
+
+def forest_figure(rows: list[tuple[str, dict[str, dict[str, float]]]], dest: Path) -> str:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(11, 0.5 * len(rows) + 1.6), sharey=True)
+    for ax, key, title in zip(axes, ("match", "tll", "success"),
+                              ("Δ action match", "Δ TLL (nats)", "Δ success")):
+        for i, (_, c) in enumerate(rows):
+            d = c[key]
+            ax.errorbar([d["diff"]], [i], xerr=[[d["diff"] - d["lo"]], [d["hi"] - d["diff"]]], fmt="o", capsize=3)
+        ax.axvline(0, color="grey", lw=0.8, ls="--")
+        ax.set_title(title, fontsize=9)
+    axes[0].set_yticks(range(len(rows)), [q for q, _ in rows], fontsize=7)
+    axes[0].invert_yaxis()
+    fig.suptitle("Test panel: pre-registered differences, 95 % two-level bootstrap", fontsize=10)
+    fig.tight_layout()
+    path = dest / "powered_differences.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def final_health_figure(finals: dict[str, list[dict[str, Any]]], dest: Path) -> str:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), sharex=True)
+    keys = (("well_formed", "well-formed share (T = 1 samples)"), ("action_less", "action-less share"),
+            ("all_no_action_groups", "groups with no action at all"))
+    for arm, runs in sorted(finals.items()):
+        hs = [r.get("health") or [] for r in runs]
+        if not hs or not hs[0]:
+            continue
+        rounds = [h["round"] for h in hs[0]]
+        for ax, (key, title) in zip(axes, keys):
+            vals = [[h[i].get(key, float("nan")) for h in hs if i < len(h)] for i in range(len(rounds))]
+            mean = [sum(v) / len(v) for v in vals]
+            line, = ax.plot(rounds, mean, lw=1, label=arm)
+            ax.fill_between(rounds, [min(v) for v in vals], [max(v) for v in vals], alpha=0.15, color=line.get_color())
+            ax.set_title(title, fontsize=9)
+            ax.set_ylim(-0.02, 1.02)
+            ax.set_xlabel("round")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Health per round of the final runs (band: min–max over seeds)", fontsize=10)
+    fig.tight_layout()
+    path = dest / "powered_final_health.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
 
 
 def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
@@ -167,19 +257,58 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
     n_final = sum(len(v) for v in finals.values())
     n_planned = len(study.cfg.arms) * len(study.cfg.final_seeds)
     lines += [f"## Test panel ({n_final} of {n_planned} final runs finished)", ""]
-    ref = "opd_rule"
-    if finals.get(ref) and n_final:
-        lines += ["Differences to OPD+Rule with two-level bootstrap 95 % intervals (paired by game / decision):", "",
-                  "| arm | seeds | Δ action match [95 % CI] | Δ success [95 % CI] |", "|---|---|---|---|"]
+    refs = {who: ru for who in study.REFERENCES if (ru := led.get(f"final/reference-{who}")) is not None}
+    if n_final or refs:
+        lines += ["Each arm at its chosen lr (unit `selection`), mean over its seeds (± the standard deviation "
+                  "between seeds); the reference rows are the student before any round and the teacher.", "",
+                  "| arm | seeds | action match | TLL | success | student LL of the expert action | well-formed "
+                  "(greedy) | last-round well-formed (T = 1) |", "|---|---|---|---|---|---|---|---|"]
+        for who, ru in refs.items():
+            ev = ru["eval"]
+            lines.append(f"| *{who} (reference)* | – | {_f(ev['action_match'])} | {_f(ev['tll_sum'])} | "
+                         f"{_f(ev['success'])} | {_f(ev['sll_expert'])} | {_f(ev['format_valid'])} | – |")
         for arm, runs in finals.items():
-            if arm == ref or not runs:
+            if not runs:
                 continue
-            m = paired_bootstrap(_outcomes(runs, "per_decision"), _outcomes(finals[ref], "per_decision"))
-            s = paired_bootstrap(_outcomes(runs, "per_game"), _outcomes(finals[ref], "per_game"))
-            lines.append(f"| {arm} | {len(runs)} | {m['diff']:+.3f} [{m['lo']:+.3f}, {m['hi']:+.3f}] | "
-                         f"{s['diff']:+.3f} [{s['lo']:+.3f}, {s['hi']:+.3f}] |")
+            cells = []
+            for key in ("action_match", "tll_sum", "success", "sll_expert", "format_valid"):
+                m, sd = _mean_sd([float(r["eval"][key]) for r in runs])
+                cells.append(f"{m:.3f} ± {sd:.3f}" if sd == sd else f"{m:.3f}")
+            last = [h[-1].get("well_formed", float("nan")) for r in runs if (h := r.get("health"))]
+            cells.append(_f(sum(last) / len(last)) if last else "–")
+            lines.append(f"| {arm} | {len(runs)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    contrasts = [(q, c) for a, b, q in CONTRASTS if (c := contrast(finals, a, b)) is not None]
+    if contrasts:
+        lines += ["Pre-registered differences (a − b), two-level bootstrap 95 % intervals: seeds resampled within "
+                  "each arm, then decisions (action match, TLL) or games (success) resampled once for both arms.",
+                  "", "| contrast | seeds a / b | Δ action match | Δ TLL | Δ success |", "|---|---|---|---|---|"]
+        for q, c in contrasts:
+            seeds = f"{c['match']['seeds_a']} / {c['match']['seeds_b']}"
+            cells = [f"{d['diff']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]" for d in (c["match"], c["tll"], c["success"])]
+            lines.append(f"| {q} | {seeds} | " + " | ".join(cells) + " |")
+        lines.append("")
+        full = {a: len(finals.get(a) or []) == len(study.cfg.final_seeds) for a in study.cfg.arms}
+        c1 = contrast(finals, "sapd", "opd_rule")
+        if c1 is not None:
+            partial_note = "" if full["sapd"] and full["opd_rule"] else " (provisional: not every seed has finished)"
+            lines += [f"- Reading of C1 by the plan's rule{partial_note}: {c1_reading(c1, study.cfg.power.match_mde)}.",
+                      ""]
+        cp = contrast(finals, "sapd", "sapd_paper")
+        if cp is not None:
+            paper_last = [h[-1].get("well_formed", 1.0) for r in finals["sapd_paper"] if (h := r.get("health"))]
+            collapsed = bool(paper_last) and max(paper_last) < 0.9
+            partial_note = "" if full["sapd"] and full["sapd_paper"] else " (provisional)"
+            lines += [f"- The product default by the plan's rule{partial_note}: `sapd_paper` "
+                      f"{'collapsed' if collapsed else 'did not collapse'} (last-round well-formed share "
+                      f"{', '.join(f'{x:.2f}' for x in paper_last)}); so: {default_reading(cp, collapsed)}.", ""]
+        figures.append(forest_figure(contrasts, dest))
+        lines += [f"![differences]({figures[-1]})", ""]
+    if n_final:
         figures.append(curves_figure(finals, dest))
-        lines += ["", f"![curves]({figures[-1]})", ""]
+        lines += [f"![curves]({figures[-1]})", ""]
+        figures.append(final_health_figure(finals, dest))
+        lines += [f"![final health]({figures[-1]})", ""]
     else:
         lines += ["No test-panel result yet: the final runs start once the sweep is complete.", ""]
     st = study.status()
