@@ -362,6 +362,8 @@ def test_final_runs_the_arms_in_the_order_asked_then_the_reference_rows(tmp_path
         if study.ledger.get(unit) is None:
             study.ledger.put(unit, {"train_seconds": 1.0, "eval": {"action_match": 0.5, "tll_sum": -1.0,
                                                                    "seconds": 1.0}})
+    # the measured cost: each unit's training and evaluation seconds, summed over the ledger
+    assert study.spent_seconds() == pytest.approx(2.0 * len(study.sweep_units()))
     ran: list[tuple[str, str, Any]] = []
 
     def fake_train(unit, variant, loss, lr, seed, panel="val"):

@@ -759,9 +759,26 @@ class PoweredStudy:
             [f"final/reference-{who}" for who in self.REFERENCES]
         remaining = n_sweep - len(sweep_done) + len([u for u in final if u not in recorded])
         return {"recorded": sorted(recorded), "sweep": f"{len(sweep_done)}/{n_sweep}",
+                "spent_hours": self.spent_seconds() / 3600,
                 "final": f"{len([u for u in final if u in recorded])}/{len(final)}",
                 "seconds_per_run": per_run,
                 "remaining_cpu_hours": (remaining * per_run / 3600) if per_run else None}
+
+
+    def spent_seconds(self) -> float:
+        """The wall seconds every recorded unit reports (games, pools and models in the pilot, evaluation
+        and probe seconds, each run's training and evaluation), summed over the whole ledger, including the
+        recorded failed gate attempts: the study's measured cost so far."""
+        total = 0.0
+        for unit in self.ledger.units():
+            r = self.ledger.get(unit) or {}
+            total += sum(float(v) for k, v in r.items() if k.endswith("seconds") and isinstance(v, (int, float)))
+            ev = r.get("eval")
+            if isinstance(ev, dict) and isinstance(ev.get("seconds"), (int, float)):
+                total += float(ev["seconds"])
+            if unit == "pilot" and isinstance(r.get("pools"), dict):  # the pools' first collection (attempts reused it)
+                total += sum(float(v.get("seconds", 0.0)) for v in r["pools"].values() if isinstance(v, dict))
+        return total
 
 
 def layout_config_text(cfg) -> str:

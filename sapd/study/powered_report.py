@@ -316,7 +316,12 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
               f"Sweep {st['sweep']}, final {st['final']}. "
               + (f"Mean recorded cost per run {st['seconds_per_run']:.0f} s; the remaining runs need about "
                  f"{st['remaining_cpu_hours']:.1f} h on this machine." if st["seconds_per_run"] else
-                 "No run has finished yet, so no measured per-run cost."), ""]
+                 "No run has finished yet, so no measured per-run cost."),
+              "",
+              f"**Measured cost so far: {st['spent_hours']:.1f} h** — the sum of the wall times every recorded "
+              "unit reports (game generation, expert pools, student and teacher SFT, the failed gate attempts, "
+              "probes, every run's training and evaluation). Units ran on one or both of the machine's two "
+              "cores (parallel workers used one thread each), so this is close to core-hours.", ""]
     path = dest / "POWERED.md"
     path.write_text("\n".join(lines))
     return path
