@@ -27,6 +27,20 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def _band(ax, xs: list[int], per_x: list[list[float]], label: str, alpha: float = 0.2):
+    """The mean over seeds as a line and their min–max as a band (one list of seed values per x)."""
+    line, = ax.plot(xs, [sum(v) / len(v) for v in per_x], lw=1, label=label)
+    ax.fill_between(xs, [min(v) for v in per_x], [max(v) for v in per_x], alpha=alpha, color=line.get_color())
+    return line
+
+
 def probe_figure(probes: dict[str, dict[str, Any]], dest: Path) -> str:
     plt = _plt()
     kinds = ["auc_action_sum", "auc_action_mean", "auc_thought_sum", "auc_full_sum"]
@@ -41,11 +55,7 @@ def probe_figure(probes: dict[str, dict[str, Any]], dest: Path) -> str:
     ax.set_ylabel("within-group AUC")
     ax.set_title("Round 0: does the step score rank correct actions first?")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = dest / "powered_probe_auc.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return _save(plt, fig, dest / "powered_probe_auc.png")
 
 
 def health_figure(units: dict[str, dict[str, Any]], dest: Path) -> str:
@@ -62,11 +72,7 @@ def health_figure(units: dict[str, dict[str, Any]], dest: Path) -> str:
         ax.set_xlabel("round")
         ax.set_ylim(-0.02, 1.02)
     axes[0].legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    path = dest / "powered_health.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return _save(plt, fig, dest / "powered_health.png")
 
 
 def curves_figure(finals: dict[str, list[dict[str, Any]]], dest: Path) -> str:
@@ -77,19 +83,13 @@ def curves_figure(finals: dict[str, list[dict[str, Any]]], dest: Path) -> str:
         if not curves:
             continue
         rounds = [p["round"] for p in curves[0]]
-        vals = [[c[i]["action_match"] for c in curves] for i in range(len(rounds))]
-        mean = [sum(v) / len(v) for v in vals]
-        ax.plot(rounds, mean, label=f"{arm} ({len(curves)} seeds)")
-        ax.fill_between(rounds, [min(v) for v in vals], [max(v) for v in vals], alpha=0.2)
+        _band(ax, rounds, [[c[i]["action_match"] for c in curves] for i in range(len(rounds))],
+              f"{arm} ({len(curves)} seeds)")
     ax.set_xlabel("round")
     ax.set_ylabel("validation action match")
     ax.set_title("Learning curves (band: min–max over seeds)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = dest / "powered_curves.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return _save(plt, fig, dest / "powered_curves.png")
 
 
 def _outcomes(runs: list[dict[str, Any]], key: str, index: int = 0) -> dict[int, dict[str, float]]:
@@ -155,11 +155,7 @@ def forest_figure(rows: list[tuple[str, dict[str, dict[str, float]]]], dest: Pat
     axes[0].set_yticks(range(len(rows)), [q for q, _ in rows], fontsize=7)
     axes[0].invert_yaxis()
     fig.suptitle("Test panel: pre-registered differences, 95 % two-level bootstrap", fontsize=10)
-    fig.tight_layout()
-    path = dest / "powered_differences.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return _save(plt, fig, dest / "powered_differences.png")
 
 
 def final_health_figure(finals: dict[str, list[dict[str, Any]]], dest: Path) -> str:
@@ -173,20 +169,14 @@ def final_health_figure(finals: dict[str, list[dict[str, Any]]], dest: Path) -> 
             continue
         rounds = [h["round"] for h in hs[0]]
         for ax, (key, title) in zip(axes, keys):
-            vals = [[h[i].get(key, float("nan")) for h in hs if i < len(h)] for i in range(len(rounds))]
-            mean = [sum(v) / len(v) for v in vals]
-            line, = ax.plot(rounds, mean, lw=1, label=arm)
-            ax.fill_between(rounds, [min(v) for v in vals], [max(v) for v in vals], alpha=0.15, color=line.get_color())
+            _band(ax, rounds, [[h[i].get(key, float("nan")) for h in hs if i < len(h)] for i in range(len(rounds))],
+                  arm, alpha=0.15)
             ax.set_title(title, fontsize=9)
             ax.set_ylim(-0.02, 1.02)
             ax.set_xlabel("round")
     axes[0].legend(fontsize=7)
     fig.suptitle("Health per round of the final runs (band: min–max over seeds)", fontsize=10)
-    fig.tight_layout()
-    path = dest / "powered_final_health.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return _save(plt, fig, dest / "powered_final_health.png")
 
 
 def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
