@@ -2,6 +2,7 @@
 
     .venv/bin/python -m experiments.powered pilot             # games, pools, models, one timed round
     .venv/bin/python -m experiments.powered gate probe        # gates and the round-0 signal probe
+    .venv/bin/python -m experiments.powered regate            # a rebuilt cache with other weights: gate it again
     .venv/bin/python -m experiments.powered smollm2           # the same probe with SmolLM2-135M (~25 min)
     .venv/bin/python -m experiments.powered sweep --max-units 3
     .venv/bin/python -m experiments.powered final             # refused until the plan is committed
@@ -30,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.powered", description=__doc__.splitlines()[0])
-    p.add_argument("steps", nargs="+", choices=["pilot", "gate", "probe", "smollm2", "sweep", "final",
+    p.add_argument("steps", nargs="+", choices=["pilot", "gate", "regate", "probe", "smollm2", "sweep", "final",
                                                   "status", "report"])
     p.add_argument("--results", default=str(HERE.parent / "docs" / "results"), help="report: where POWERED.md goes")
     p.add_argument("--config", default=str(HERE / "powered.yaml"))
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         if step == "pilot":
             res = study.pilot()
             log(f"pilot: SAPD round {res['sapd_round_seconds']:.1f} s, models {res['models_seconds']:.0f} s")
-        elif step == "gate":
-            res = study.gate()
+        elif step in ("gate", "regate"):
+            res = study.gate(recheck=step == "regate")
             log(f"gate: {json.dumps(res['passed'])}, well-formed at T=1 {res['student_well_formed_T1']:.3f}")
         elif step == "probe":
             res = study.probe()

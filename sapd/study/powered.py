@@ -445,10 +445,22 @@ class PoweredStudy:
             "models_seconds": t2 - t1, "sapd_round_seconds": (t3 - t2) / 2,
             "weights": {k: weights_hash(v) for k, v in models.items()}, "health": round_health(str(root))})
 
-    def gate(self) -> dict[str, Any]:
-        """The student's format at T = 1 and greedy match on validation prefixes; the teacher's margin."""
-        if (done := self.ledger.get("gate")) is not None:
-            return done
+    def gate(self, recheck: bool = False) -> dict[str, Any]:
+        """The student's format at T = 1 and greedy match on validation prefixes; the teacher's margin.
+        With ``recheck``, models whose weights differ from the recorded gate's (a rebuilt cache that did
+        not reproduce them bit for bit) are gated again, as unit ``gate-rebuild-<student hash>``."""
+        unit = "gate"
+        if (done := self.ledger.get(unit)) is not None:
+            if not recheck:
+                return done
+            models = self.ensure_models()
+            now = {k: weights_hash(v) for k, v in models.items()}
+            if now == done.get("weights"):
+                return done
+            unit = f"gate-rebuild-{now['student'][:8]}"
+            if (again := self.ledger.get(unit)) is not None:
+                return again
+            self.log(f"the models' weights {now} differ from the recorded gate's {done.get('weights')}: gating again")
         c = self.cfg
         models = self.ensure_models()
         t0 = time.perf_counter()
@@ -471,7 +483,7 @@ class PoweredStudy:
                           "teacher_margin": t_eval["action_match"] >= s_eval["action_match"] + c.gate_teacher_margin},
                "weights": {k: weights_hash(v) for k, v in models.items()}, "seconds": time.perf_counter() - t0}
         res["passed"]["all"] = all(res["passed"].values())
-        return self.ledger.put("gate", res)
+        return self.ledger.put(unit, res)
 
     def probe(self) -> dict[str, Any]:
         """Round 0, no training: the within-group AUC of each step score on validation prefixes."""
