@@ -386,3 +386,34 @@ def test_final_runs_the_arms_in_the_order_asked_then_the_reference_rows(tmp_path
                              "final/reference-teacher"]  # the rest, in the config's order
     assert study.ledger.get("selection")["treatment"] == "penalty"
     assert study.status()["final"] == "8/8"
+
+
+def test_tokenizer_and_teacher_data_keep_to_the_first_pretraining_games(tmp_path, monkeypatch):
+    """`tokenizer_pretrain_games` / `teacher_pretrain_games`: the tokenizer's text and the teacher's data
+    take only the first N pre-training games (what they were built from before the pool grew), so that a
+    cache rebuilt from nothing makes the recorded tokenizer and models."""
+    from pathlib import Path
+
+    from sapd.data.loaders import write_native_jsonl
+    from sapd.data.schema import Trajectory, Turn
+    from sapd.study import powered
+    from sapd.study.powered import PoweredStudy, load_powered_config
+    cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
+    cfg.tokenizer_pretrain_games = 2
+    study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
+    study.pools.mkdir(parents=True)
+
+    def traj(game: str) -> Trajectory:
+        return Trajectory(id=game, benchmark="textworld", task="take the coin", success=True,
+                          turns=[Turn(observation=f"room of {game}", response=f"<think>on</think><action>go {game}</action>",
+                                      action=f"go {game}")], metadata={"game": game})
+    write_native_jsonl([traj(f"coin_near-{i}") for i in range(3)], str(study.pool_path("pretrain")))
+    for n in ("train_clean", "train_noisy"):
+        write_native_jsonl([traj(f"coin-{n}")], str(study.pool_path(n)))
+    seen: list[str] = []
+    monkeypatch.setattr(powered, "build_tokenizer", lambda texts, out, vocab_size: seen.extend(texts))
+    study.ensure_tokenizer()
+    text = "\n".join(seen)
+    assert "go coin_near-0" in text and "go coin_near-1" in text and "go coin_near-2" not in text
+    assert "go coin-train_clean" in text and "go coin-train_noisy" in text
+    assert study._first_pretrain_games(None) == {f"coin_near-{i}" for i in range(cfg.pretrain_games)}

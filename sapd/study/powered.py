@@ -112,6 +112,7 @@ class PoweredConfig:
     student_epochs: float = 12.0
     teacher_epochs: float = 10.0
     teacher_pretrain_games: int | None = None  # the first N pre-training games in the teacher's data (None: all)
+    tokenizer_pretrain_games: int | None = None  # the first N pre-training games in the tokenizer's text (None: all)
     pretrain_lr: float = 1e-3
     sft_trajectories_per_round: int = 50
     gate_well_formed: float = 0.95  # the student, at T = 1 on validation prefixes × G, before any round
@@ -337,9 +338,16 @@ class PoweredStudy:
     def ensure_tokenizer(self):
         if (self.tokenizer_dir() / "tokenizer.json").is_file():
             return load_tokenizer(str(self.tokenizer_dir()))
-        trajs = [t for n in ("pretrain", "train_clean", "train_noisy") for t in read_pool(self.pool_path(n))]
+        first = self._first_pretrain_games(self.cfg.tokenizer_pretrain_games)
+        trajs = [t for n in ("pretrain", "train_clean", "train_noisy") for t in read_pool(self.pool_path(n))
+                 if n != "pretrain" or t.metadata["game"] in first]
         return build_tokenizer(pool_texts(trajs, self.cfg.history_length), self.tokenizer_dir(),
                                vocab_size=self.cfg.tokenizer_vocab)
+
+    def _first_pretrain_games(self, n: int | None) -> set[str]:
+        """The ids of the first ``n`` pre-training games (consecutive seeds; None: all of them)."""
+        c = self.cfg
+        return {f"{c.pretrain_family}-{c.pretrain_seed + i}" for i in range(c.pretrain_games if n is None else n)}
 
     def _data(self, data_input: str) -> dict[str, Any]:
         return {"input": data_input, "format": "native", "benchmark": "textworld", "val_fraction": 0.0,
@@ -377,9 +385,8 @@ class PoweredStudy:
             teacher_data.mkdir(parents=True)
             for n in ("pretrain", "train_clean"):
                 lines = self.pool_path(n).read_text().splitlines(keepends=True)
-                if n == "pretrain" and self.cfg.teacher_pretrain_games is not None:  # games are consecutive seeds
-                    first = {f"{self.cfg.pretrain_family}-{self.cfg.pretrain_seed + i}"
-                             for i in range(self.cfg.teacher_pretrain_games)}
+                if n == "pretrain":
+                    first = self._first_pretrain_games(self.cfg.teacher_pretrain_games)
                     lines = [x for x in lines if json.loads(x)["metadata"]["game"] in first]
                 (teacher_data / f"{n}.jsonl").write_text("".join(lines))
         return {"student": self._sft("student", inits["student"], str(self.pool_path("pretrain")),
