@@ -311,7 +311,8 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
               f"**Measured cost so far: {st['spent_hours']:.1f} h** — the sum of the wall times every recorded "
               "unit reports (game generation, expert pools, student and teacher SFT, the failed gate attempts, "
               "probes, every run's training and evaluation). Units ran on one or both of the machine's two "
-              "cores (parallel workers used one thread each), so this is close to core-hours.", ""]
+              "cores (parallel workers used one thread each), so this is close to core-hours. It does not count "
+              "rebuilding a lost cache (`.cache/powered/`, about 1 h on this machine each time).", ""]
     path = dest / "POWERED.md"
     path.write_text("\n".join(lines))
     return path
