@@ -209,7 +209,9 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
                   f"| teacher | – | {_f(tv['action_match'])} | {_f(tv['tll_sum'])} | {_f(tv['success'])} |", "",
                   "Passed: " + ", ".join(f"{k} {'yes' if v else '**no**'}" for k, v in gate["passed"].items()), ""]
     probes: dict[str, dict[str, Any]] = {}
-    for n, u in (("tiny (128×4 / 256×4)", "probe-round0"), ("SmolLM2-135M", "probe-smollm2")):
+    st_, te_ = study.cfg.student_shape, study.cfg.teacher_shape
+    tiny = f"tiny ({st_.hidden_size}×{st_.layers} / {te_.hidden_size}×{te_.layers})"
+    for n, u in ((tiny, "probe-round0"), ("SmolLM2-135M", "probe-smollm2")):
         if (p := led.get(u)) is not None:
             probes[n] = p
     figures = []
