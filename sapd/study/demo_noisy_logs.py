@@ -43,7 +43,9 @@ from typing import Any, Callable
 from sapd import checkpoints
 from sapd.config import apply_overlay
 from sapd.run.report import write_report
+from sapd.study.demo import _markdown, _plain
 from sapd.study.powered import PoweredConfig, PoweredStudy, wilson_interval
+from sapd.study.powered_report import _outcomes
 from sapd.study.stats import paired_bootstrap
 
 # fields of sapd.study.powered.PoweredConfig: the powered study's setting, smaller
@@ -92,22 +94,9 @@ def _chart(rows: dict[str, dict[str, Any]], dest: Path) -> None:
     plt.close(fig)
 
 
-def _markdown(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join("---" for _ in rows[0]) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows[1:]])
-
-
-def _plain(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     for r in rows)
-
-
 def _diff(a: dict[str, Any], b: dict[str, Any], key: str) -> dict[str, float]:
     """a − b with a bootstrap 95 % interval over the units both were evaluated on (paired)."""
-    def outcomes(ev: dict[str, Any]) -> dict[int, dict[str, float]]:
-        return {0: {u: float(v[0] if isinstance(v, list) else v) for u, v in ev[key].items()}}
-    return paired_bootstrap(outcomes(a), outcomes(b))
+    return paired_bootstrap(_outcomes([{"seed": 0, "eval": a}], key), _outcomes([{"seed": 0, "eval": b}], key))
 
 
 def _reading(name: str, d: dict[str, float], what: str) -> str:

@@ -457,10 +457,11 @@ class PoweredStudy:
         With ``recheck``, models whose weights differ from the recorded gate's (a rebuilt cache that did
         not reproduce them bit for bit) are gated again, as unit ``gate-rebuild-<student hash>``."""
         unit = "gate"
-        if (done := self.ledger.get(unit)) is not None:
-            if not recheck:
-                return done
-            models = self.ensure_models()
+        done = self.ledger.get(unit)
+        if done is not None and not recheck:
+            return done
+        models = self.ensure_models()
+        if done is not None:
             now = {k: weights_hash(v) for k, v in models.items()}
             if now == done.get("weights"):
                 return done
@@ -469,7 +470,6 @@ class PoweredStudy:
                 return again
             self.log(f"the models' weights {now} differ from the recorded gate's {done.get('weights')}: gating again")
         c = self.cfg
-        models = self.ensure_models()
         t0 = time.perf_counter()
         tok = load_tokenizer(models["student"])
         student, teacher = load_causal_lm(models["student"]), load_causal_lm(models["teacher"])
@@ -782,7 +782,6 @@ class PoweredStudy:
                 "final": f"{len([u for u in final if u in recorded])}/{len(final)}",
                 "seconds_per_run": per_run,
                 "remaining_cpu_hours": (remaining * per_run / 3600) if per_run else None}
-
 
     def spent_seconds(self) -> float:
         """The wall seconds every recorded unit reports (games, pools and models in the pilot, evaluation
