@@ -41,6 +41,9 @@ def test_noisy_logs_demo_small(tmp_path):
     report = (out / "REPORT.md").read_text()
     assert all(name in report for name in labels) and "What the numbers mean" in report and "Stage timings" in report
     assert "SAPD − OPD+Rule (baseline): success" in report
+    # the premise first: the teacher against the student before, evaluated as part of the set-up
+    assert summary["readings"][0].startswith(f"{TEACHER} − {BEFORE}: action match")
+    assert "set-up: evaluate student and teacher" in summary["timings"]
     assert summary["seconds"] > summary["setup_seconds"] > 0
     # the arms trained from the student with the teacher frozen: checkpoint 0 of each is the student
     from sapd import layout

@@ -52,8 +52,16 @@ def test_within_group_auc_by_hand():
               [(3.0, True), (1.0, True)],                  # no wrong response: not informative
               [(-1.0, True), (-2.0, False)]]               # win
     res = within_group_auc(groups)
+    ci = res.pop("ci")
     assert res == {"auc": (1 + 0 + 0.5 + 1) / 4, "pairs": 4, "groups": 3}
-    assert math.isnan(within_group_auc([[(1.0, True)]])["auc"])
+    # the interval resamples the 3 informative groups (prefixes): per-group AUCs are 1/2, 1/2 and 1, so every
+    # replicate lies in [1/2, 1], and it is not a point (the groups disagree)
+    assert 0.5 <= ci[0] < res["auc"] < ci[1] <= 1.0
+    assert within_group_auc(groups)["ci"] == ci
+    # groups that all rank perfectly: no spread to resample
+    assert within_group_auc([[(1.0, True), (0.0, False)], [(2.0, True), (1.0, False)]])["ci"] == [1.0, 1.0]
+    empty = within_group_auc([[(1.0, True)]])
+    assert math.isnan(empty["auc"]) and all(math.isnan(x) for x in empty["ci"])
     assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0) and math.isnan(pearson([1, 1], [2, 3]))
 
 
@@ -286,6 +294,10 @@ def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
     assert "Reading of C1 by the plan's rule" in text  # decided by the plan's code, not by hand
     for fig in ("powered_curves.png", "powered_differences.png", "powered_final_health.png"):
         assert (tmp_path / "out" / fig).is_file() and f"]({fig})" in text, fig
+    # the paper's claims: C1 measured (+25 points, both seeds in), the others not run yet
+    claim = next(x for x in text.splitlines() if x.startswith("| SAPD beats OPD+Rule |"))
+    assert "| sapd − opd_rule | +25.0 [" in claim and "(provisional)" not in claim
+    assert next(x for x in text.splitlines() if x.startswith("| the rule term matters")).endswith("| not run yet |")
 
 
 def test_c1_and_default_readings_follow_the_plan():
@@ -302,6 +314,17 @@ def test_c1_and_default_readings_follow_the_plan():
     assert default_reading(c((0.0, -0.02, 0.02)), paper_collapsed=False).startswith("keep")
     assert default_reading(c((0.05, 0.01, 0.09)), paper_collapsed=False).startswith("change")
     assert default_reading(c((-0.05, -0.09, -0.01)), paper_collapsed=True).startswith("keep")
+
+
+def test_claims_are_read_in_their_own_direction():
+    from sapd.study.powered_report import claim_reading
+
+    def c(lo, hi):
+        return {"match": {"diff": (lo + hi) / 2, "lo": lo, "hi": hi}}
+    assert claim_reading(c(0.01, 0.05), 1) == "agrees"
+    assert claim_reading(c(0.01, 0.05), -1) == "**contradicts**"  # e.g. SFT − OPD+Rule above 0
+    assert claim_reading(c(-0.05, -0.01), -1) == "agrees"
+    assert claim_reading(c(-0.02, 0.03), 1) == "not separable at this power"
 
 
 def test_wilson_interval_matches_the_textbook_values():

@@ -51,7 +51,7 @@ from sapd.study.stats import paired_bootstrap
 # fields of sapd.study.powered.PoweredConfig: the powered study's setting, smaller
 DEMO_CONFIG: dict[str, Any] = {
     "pretrain_family": "coin_near", "families": ["coin_mid", "coin"],
-    "pretrain_games": 100, "teacher_pretrain_games": None, "train_games": 25, "val_games": 0, "test_games": 15,
+    "pretrain_games": 100, "teacher_pretrain_games": None, "train_games": 75, "val_games": 0, "test_games": 15,
     "noise": 0.25, "thought": "observe", "history_length": 2, "horizon": 12,
     "student_shape": {"hidden_size": 256, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate_size": 512},
     "teacher_shape": {"hidden_size": 256, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate_size": 512},
@@ -138,18 +138,22 @@ def run_demo(out: Path, *, log: Callable[[str], None] = print, show_progress: bo
         f"({cfg.teacher_epochs:g} epochs, clean expert) from random weights")
     study.ensure_models()
     lap("set-up: tokenizer, student and teacher")
+    log(f"[4/6] the student before and the teacher on the {len(panels['test'])} held-out games")
+    before = study.evaluate_reference("reference-student", "student", "test")["eval"]
+    teacher = study.evaluate_reference("reference-teacher", "teacher", "test")["eval"]
+    lap("set-up: evaluate student and teacher")
+    log(f"      action match: student {before['action_match']:.2f}, teacher {teacher['action_match']:.2f}; "
+        f"success: student {before['success']:.2f}, teacher {teacher['success']:.2f}")
+    teacher_gap = _diff(teacher, before, "per_decision")
     evals: dict[str, dict[str, Any]] = {}
     units: dict[str, dict[str, Any]] = {}
-    log(f"[4/6] from the student, on the noisy logs, no environment: {', '.join(a[0] for a in DEMO_ARMS.values())} "
+    log(f"[5/6] from the student, on the noisy logs, no environment: {', '.join(a[0] for a in DEMO_ARMS.values())} "
         f"({cfg.rounds} rounds of {cfg.trajectories_per_round} trajectories' prefixes, G = {cfg.group_size})")
     for name, (label, variant, loss, lr) in DEMO_ARMS.items():
         units[label] = study.train_and_validate(f"demo-{name}", variant, loss, lr, 0, panel="test")
         evals[label] = units[label]["eval"]
         lap(f"train + evaluate {name}")
-    log(f"[5/6] the student before and the teacher on the same {len(panels['test'])} held-out games")
-    evals = {BEFORE: study.evaluate_reference("reference-student", "student", "test")["eval"], **evals,
-             TEACHER: study.evaluate_reference("reference-teacher", "teacher", "test")["eval"]}
-    lap("evaluate student and teacher")
+    evals = {BEFORE: before, **evals, TEACHER: teacher}
 
     log("[6/6] reports")
     sapd_root = str(study.runs / "demo-sapd")
@@ -163,7 +167,9 @@ def run_demo(out: Path, *, log: Callable[[str], None] = print, show_progress: bo
                       "tll_sum": ev["tll_sum"], "format_valid": ev["format_valid"], "games": n_games,
                       "decisions": n_dec}
     base_label = DEMO_ARMS[BASELINE][0]
-    readings = []
+    readings = [_reading(f"{TEACHER} − {BEFORE}", teacher_gap, "action match")
+                + ("" if teacher_gap["lo"] > 0 else " — the teacher is not clearly better than the student here, "
+                   "so no arm that learns from it can be expected to gain (the premise SAPD needs does not hold)")]
     for name in [a[0] for a in DEMO_ARMS.values()]:
         for ref in (BEFORE, base_label):
             if ref == name:

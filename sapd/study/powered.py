@@ -493,8 +493,11 @@ class PoweredStudy:
         return self.ledger.put(unit, res)
 
     def probe(self) -> dict[str, Any]:
-        """Round 0, no training: the within-group AUC of each step score on validation prefixes."""
-        if (done := self.ledger.get("probe-round0")) is not None:
+        """Round 0, no training: the within-group AUC of each step score on validation prefixes, each with
+        its bootstrap interval over prefixes. A unit recorded before the intervals were computed is re-run
+        (seeded, about 10 s) and gains them only if the re-run reproduces its AUCs exactly."""
+        done = self.ledger.get("probe-round0")
+        if done is not None and "auc_action_sum_ci" in done:
             return done
         c = self.cfg
         models = self.ensure_models()
@@ -503,8 +506,17 @@ class PoweredStudy:
         res = signal_probe(load_causal_lm(models["student"]), load_causal_lm(models["teacher"]), tok,
                            self.prefix_rows("val")[:c.probe_prefixes], group_size=c.group_size,
                            temperature=c.temperature, max_new_tokens=c.max_new_tokens, seed=1)
-        return self.ledger.put("probe-round0", {**res, "seconds": time.perf_counter() - t0,
-                                                "weights": {k: weights_hash(v) for k, v in models.items()}})
+        weights = {k: weights_hash(v) for k, v in models.items()}
+        if done is not None:
+            keys = [k for k in res if k.startswith("auc_") and not k.endswith("_ci")]
+            if weights != done["weights"] or any(res[k] != done[k] for k in keys):
+                raise RuntimeError("probe-round0: the seeded re-run does not reproduce the recorded AUCs "
+                                   f"({ {k: (done.get(k), res[k]) for k in keys} }, weights {weights}); "
+                                   "the recorded unit is kept as it is")
+            return self.ledger.put("probe-round0", {**done, **{f"{k}_ci": res[f"{k}_ci"] for k in keys
+                                                               if f"{k}_ci" in res},
+                                                    "ci_seconds": time.perf_counter() - t0})
+        return self.ledger.put("probe-round0", {**res, "seconds": time.perf_counter() - t0, "weights": weights})
 
     def smollm2_probe(self) -> dict[str, Any]:
         """The round-0 signal probe with SmolLM2-135M: the same AUCs on validation prefixes rendered with

@@ -47,13 +47,16 @@ def probe_figure(probes: dict[str, dict[str, Any]], dest: Path) -> str:
     fig, ax = plt.subplots(figsize=(6, 3.2))
     width = 0.8 / max(len(probes), 1)
     for i, (name, p) in enumerate(probes.items()):
-        ax.bar([j + i * width for j in range(len(kinds))], [p.get(k, float("nan")) for k in kinds], width, label=name)
+        vals = [p.get(k, float("nan")) for k in kinds]
+        cis = [p.get(f"{k}_ci") or [v, v] for k, v in zip(kinds, vals)]
+        ax.bar([j + i * width for j in range(len(kinds))], vals, width, label=name,
+               yerr=[[v - c[0] for v, c in zip(vals, cis)], [c[1] - v for v, c in zip(vals, cis)]], capsize=3)
     ax.axhline(0.5, color="grey", lw=0.8, ls="--")
     ax.set_xticks([j + width * (len(probes) - 1) / 2 for j in range(len(kinds))])
     ax.set_xticklabels(["action sum", "action mean", "thought sum", "full-token sum"])
     ax.set_ylim(0, 1)
     ax.set_ylabel("within-group AUC")
-    ax.set_title("Round 0: does the step score rank correct actions first?")
+    ax.set_title("Round 0: does the step score rank correct actions first? (95 % CI)", fontsize=9)
     ax.legend(fontsize=8)
     return _save(plt, fig, dest / "powered_probe_auc.png")
 
@@ -142,6 +145,67 @@ def default_reading(c: dict[str, dict[str, float]], paper_collapsed: bool) -> st
     return ("change the default to the chosen treatment" if change else "keep `no_action_step: zero`")
 
 
+# the paper's claims (docs/SAPD.md §7) and the pre-registered contrast that tests each: (claim, paper's
+# numbers, a, b, sign): the claim says sign · (a − b) > 0
+CLAIMS = [("SAPD beats OPD+Rule", "success +2.6 to +6.5 points (ALFWorld, WebShop), +0.2 to +0.3 (search)",
+           "sapd", "opd_rule", 1),
+          ("the rule term matters: SAPD beats w/o Rule", "ALFWorld 69.3 vs 62.0 (GRPO teacher)", "sapd", "wo_rule", 1),
+          ("action-only step scoring is at least as good as full-token", "96.6/59.4/38.8 vs 95.9/50.0/38.6 (Table 7)",
+           "sapd", "full_token", 1),
+          ("distilling from the teacher beats imitating the logs (OPD+Rule vs SFT)", "SFT below OPD+Rule in Table 1",
+           "sft", "opd_rule", -1),
+          ("the rule helps OPD (OPD+Rule vs OPD)", "OPD below OPD+Rule in Table 1", "opd", "opd_rule", -1)]
+
+
+def claim_reading(c: dict[str, dict[str, float]], sign: int) -> str:
+    """The primary endpoint (action match, paired by decision) in the claim's direction: *agrees* if its
+    interval is on the claimed side of 0, *contradicts* if on the other side, else not separable."""
+    m = c["match"]
+    lo, hi = (m["lo"], m["hi"]) if sign > 0 else (-m["hi"], -m["lo"])
+    if lo > 0:
+        return "agrees"
+    if hi < 0:
+        return "**contradicts**"
+    return "not separable at this power"
+
+
+def claims_lines(finals: dict[str, list[dict[str, Any]]], probes: dict[str, dict[str, Any]], n_seeds: int,
+                 mde: float) -> list[str]:
+    """The paper's claims against the test panel: the measured difference with its interval and the reading."""
+    lines = ["## The paper's claims against the test panel", "",
+             "Each claim is read on the primary endpoint, action match on the held-out decisions (a − b with its "
+             "two-level bootstrap 95 % interval, in the claim's direction): *agrees* when the interval is on the "
+             "claimed side of 0, *contradicts* when it is on the other side, otherwise *not separable at this "
+             f"power* (the study resolves about {100 * mde:.1f} points of action match). TLL and success are "
+             "given beside it. C1 (the first row) is also read by the plan's stricter rule above. A row with "
+             f"fewer than {n_seeds} seeds in either arm is provisional.", "",
+             "| paper's claim | paper | a − b | Δ action match | Δ TLL | Δ success | reading |",
+             "|---|---|---|---|---|---|---|"]
+    for claim, paper, a, b, sign in CLAIMS:
+        c = contrast(finals, a, b)
+        if c is None:
+            lines.append(f"| {claim} | {paper} | {a} − {b} | – | – | – | not run yet |")
+            continue
+        cells = [f"{d['diff'] * 100:+.1f} [{d['lo'] * 100:+.1f}, {d['hi'] * 100:+.1f}] pts"
+                 for d in (c["match"], c["success"])]
+        t = c["tll"]
+        partial = min(c["match"]["seeds_a"], c["match"]["seeds_b"]) < n_seeds
+        lines.append(f"| {claim} | {paper} | {a} − {b} | {cells[0]} | {t['diff']:+.3f} [{t['lo']:+.3f}, "
+                     f"{t['hi']:+.3f}] | {cells[1]} | {claim_reading(c, sign)}{' (provisional)' if partial else ''} |")
+    tiny = next((p for n, p in probes.items() if n.startswith("tiny")), None)
+    if tiny is not None and tiny.get("auc_action_sum_ci"):
+        lo, hi = tiny["auc_action_sum_ci"]
+        fl, fh = tiny.get("auc_full_sum_ci") or [float("nan")] * 2
+        held = "holds" if lo > 0.5 else "is not shown"
+        lines += ["", f"SAPD's premise (round 0, no training): the action-only step score ranks the expert's action "
+                  f"above wrong ones within a group with AUC {tiny['auc_action_sum']:.3f} [{lo:.3f}, {hi:.3f}]: "
+                  f"the premise {held} by the plan's rule (interval above 0.5). Full-token scoring: "
+                  f"{tiny['auc_full_sum']:.3f} [{fl:.3f}, {fh:.3f}]; "
+                  "the thought-only score, which carries no decision here, sits at "
+                  f"{tiny['auc_thought_sum']:.3f}."]
+    return lines + [""]
+
+
 def forest_figure(rows: list[tuple[str, dict[str, dict[str, float]]]], dest: Path) -> str:
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(11, 0.5 * len(rows) + 1.6), sharey=True)
@@ -220,12 +284,18 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
                   "| models | well-formed | AUC action sum | AUC action mean | AUC thought sum | AUC full-token | "
                   "corr(r, action length) | E[r \\| well-formed] | groups a malformed response tops | pairs |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
+        def auc(p: dict[str, Any], k: str) -> str:
+            ci = p.get(f"auc_{k}_ci")
+            return _f(p[f"auc_{k}"]) + (f" [{_f(ci[0])}, {_f(ci[1])}]" if ci else "")
+
         for n, p in probes.items():
-            lines.append(f"| {n} | {_f(p['well_formed'])} | {_f(p['auc_action_sum'])} | {_f(p['auc_action_mean'])} | "
-                         f"{_f(p['auc_thought_sum'])} | {_f(p['auc_full_sum'])} | {_f(p['len_corr'])} | "
+            lines.append(f"| {n} | {_f(p['well_formed'])} | {auc(p, 'action_sum')} | {auc(p, 'action_mean')} | "
+                         f"{auc(p, 'thought_sum')} | {auc(p, 'full_sum')} | {_f(p['len_corr'])} | "
                          f"{_f(p['mean_r_well_formed'])} | {_f(p['malformed_tops_group'])} | {int(p['auc_pairs'])} |")
         figures.append(probe_figure(probes, dest))
-        lines += ["", f"![AUC]({figures[-1]})", ""]
+        lines += ["", "AUC: within-group, over (correct, wrong) pairs of well-formed responses; in brackets the "
+                  "95 % bootstrap interval over prefixes (groups with both kinds resampled).", "",
+                  f"![AUC]({figures[-1]})", ""]
     sweep = {u: led.get(u) for u, *_ in study.sweep_units()}
     done: dict[str, dict[str, Any]] = {u.removeprefix("sweep/"): r for u, r in sweep.items() if r is not None}
     lines += [f"## Validation sweep ({len(done)} of {study.sweep_size()} runs finished)", ""]
@@ -296,6 +366,8 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
                       f"{', '.join(f'{x:.2f}' for x in paper_last)}); so: {default_reading(cp, collapsed)}.", ""]
         figures.append(forest_figure(contrasts, dest))
         lines += [f"![differences]({figures[-1]})", ""]
+    if contrasts:
+        lines += claims_lines(finals, probes, len(study.cfg.final_seeds), study.cfg.power.match_mde)
     if n_final:
         figures.append(curves_figure(finals, dest))
         lines += [f"![curves]({figures[-1]})", ""]

@@ -174,7 +174,7 @@ def probe_summary(groups: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]:
                            "len_corr": pearson(lengths, action_sums)}
     for k in SCORE_KINDS:
         auc = within_group_auc(kinds[k])
-        out[f"auc_{k}"] = auc["auc"]
+        out[f"auc_{k}"], out[f"auc_{k}_ci"] = auc["auc"], auc["ci"]
         out["auc_pairs"], out["auc_groups"] = auc["pairs"], auc["groups"]
     return out
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 _N = statistics.NormalDist()
 
@@ -76,24 +76,33 @@ def paired_bootstrap(a: Mapping[int, Mapping[str, float]], b: Mapping[int, Mappi
     return {"diff": diff, "lo": lo, "hi": hi, "units": len(units), "seeds_a": len(sa), "seeds_b": len(sb)}
 
 
-def within_group_auc(groups: Sequence[Sequence[tuple[float, bool]]]) -> dict[str, float]:
+def within_group_auc(groups: Sequence[Sequence[tuple[float, bool]]], *, n_boot: int = 4000, seed: int = 0,
+                     level: float = 0.95) -> dict[str, Any]:
     """How well a score ranks correct responses above wrong ones *within* a group (SAPD compares
     responses only within their prefix's group): over every (correct, wrong) pair of the same group, the
     share where the correct one scores higher, ties counting 1/2. ``groups`` = [[(score, correct), …]].
-    → {"auc", "pairs", "groups"} (groups with both kinds; auc is NaN when there are none)."""
-    wins = pairs = 0.0
-    informative = 0
+    → {"auc", "pairs", "groups", "ci"}: groups with both kinds; ``ci`` the bootstrap interval over those
+    groups (prefixes resampled with replacement, the pooled AUC recomputed; ANALYSIS_PLAN.md §6). auc is
+    NaN and ci [NaN, NaN] when no group has both kinds."""
+    per_group: list[tuple[float, float]] = []
     for g in groups:
         pos = [s for s, c in g if c]
         neg = [s for s, c in g if not c]
         if not pos or not neg:
             continue
-        informative += 1
-        for p in pos:
-            for n in neg:
-                pairs += 1
-                wins += 1.0 if p > n else 0.5 if p == n else 0.0
-    return {"auc": wins / pairs if pairs else float("nan"), "pairs": pairs, "groups": informative}
+        wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg)
+        per_group.append((wins, float(len(pos) * len(neg))))
+    pairs = sum(n for _, n in per_group)
+    if not pairs:
+        return {"auc": float("nan"), "pairs": 0.0, "groups": 0, "ci": [float("nan"), float("nan")]}
+    rng = random.Random(seed)
+    reps = []
+    for _ in range(n_boot):
+        draw = [per_group[rng.randrange(len(per_group))] for _ in per_group]
+        reps.append(sum(w for w, _ in draw) / sum(n for _, n in draw))
+    reps.sort()
+    ci = [reps[int((1 - level) / 2 * n_boot)], reps[min(n_boot - 1, int((1 + level) / 2 * n_boot))]]
+    return {"auc": sum(w for w, _ in per_group) / pairs, "pairs": pairs, "groups": len(per_group), "ci": ci}
 
 
 def pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
