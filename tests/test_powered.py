@@ -316,6 +316,25 @@ def test_c1_and_default_readings_follow_the_plan():
     assert default_reading(c((-0.05, -0.09, -0.01)), paper_collapsed=True).startswith("keep")
 
 
+def test_selection_lines_show_where_match_and_success_disagree(tmp_path):
+    from pathlib import Path
+
+    from sapd.study.powered import PoweredStudy, load_powered_config
+    from sapd.study.powered_report import selection_lines
+    study = PoweredStudy(load_powered_config(Path(__file__).parent / "powered_smoke.yaml"), tmp_path / "l",
+                         tmp_path / "c", log=lambda s: None)
+
+    def run(m, s):
+        return {"eval": {"action_match": m, "success": s}}
+    done = {"sft-lr0.0003": run(0.8, 0.5), "sft-lr0.001": run(0.7, 0.4),
+            "opd-lr3e-05": run(0.7, 0.8), "opd-lr0.0003": run(0.8, 0.6)}
+    study.selection = lambda: {"arms": {"sft": {"unit": "sweep/sft-lr0.0003"}, "opd": {"unit": "sweep/opd-lr0.0003"}}}
+    text = "\n".join(selection_lines(study, done))
+    assert "| opd | opd-lr0.0003 | 0.800 / 0.600 | opd-lr3e-05 | 0.700 / 0.800 |" in text
+    assert "| sft | sft-lr0.0003 | 0.800 / 0.500 | sft-lr0.0003 |" in text
+    assert "different learning rates for 1 of 2 arms (opd): in each, the higher learning rate" in text
+
+
 def test_claims_are_read_in_their_own_direction():
     from sapd.study.powered_report import claim_reading
 

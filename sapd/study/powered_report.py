@@ -243,6 +243,37 @@ def final_health_figure(finals: dict[str, list[dict[str, Any]]], dest: Path) -> 
     return _save(plt, fig, dest / "powered_final_health.png")
 
 
+def selection_lines(study: PoweredStudy, done: dict[str, dict[str, Any]]) -> list[str]:
+    """The pre-registered choice per arm (highest validation action match) beside the lr that had the
+    highest validation success, so a reader sees where the two endpoints disagree."""
+    sel = study.selection()
+    if sel is None:
+        return []
+    lines = ["Selection (pre-registered: the highest validation action match, ties by TLL) and, beside it, the "
+             "run of the same arm with the highest validation success:", "",
+             "| arm | chosen run | its match / success | highest-success run | its match / success |",
+             "|---|---|---|---|---|"]
+    disagree, lower = [], True
+    for arm, ch in sel["arms"].items():
+        chosen = ch["unit"].removeprefix("sweep/")
+        label = chosen.rsplit("-lr", 1)[0]
+        runs = {u: r for u, r in done.items() if u.rsplit("-lr", 1)[0] == label}
+        top = max(runs, key=lambda u: runs[u]["eval"]["success"])
+        c, t = runs[chosen]["eval"], runs[top]["eval"]
+        if t["success"] > c["success"]:
+            disagree.append(arm)
+            lower &= float(top.rsplit("-lr", 1)[1]) < float(chosen.rsplit("-lr", 1)[1])
+        lines.append(f"| {arm} | {chosen} | {c['action_match']:.3f} / {c['success']:.3f} | {top} | "
+                     f"{t['action_match']:.3f} / {t['success']:.3f} |")
+    lines += ["", (f"On validation, action match and success chose different learning rates for {len(disagree)} of "
+                   f"{len(sel['arms'])} arms ({', '.join(disagree)})"
+                   + (": in each, the higher learning rate raised the match and lowered the success." if lower
+                      else ".") + " The selection stays the pre-registered one (action match, the primary "
+                   "endpoint); the test panel reports both." if disagree else
+                   "Action match and success chose the same learning rate for every arm."), ""]
+    return lines
+
+
 def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -308,6 +339,7 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
                          f"{_f(h.get('well_formed'))} | {r['train_seconds']:.0f} | {ev['seconds']:.0f} |")
         figures.append(health_figure(done, dest))
         lines += ["", f"![health]({figures[-1]})", ""]
+        lines += selection_lines(study, done)
     missing = [u for u, r in sweep.items() if not r]
     if missing:
         lines += ["Still to run: " + ", ".join(f"`{u}`" for u in missing) + "."
