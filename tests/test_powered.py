@@ -271,10 +271,11 @@ def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
               "per_game": {f"g{i}": w for i, w in enumerate(wins)}}
         ms = [m or 0 for m in matches]
         ev.update(action_match=sum(ms) / len(ms), tll_sum=tll, success=sum(wins) / len(wins), sll_expert=-2.0,
-                  format_valid=1.0)
+                  format_valid=1.0, seconds=20.0)
         curve = [{"round": 0, "action_match": 0.2}, {"round": 1, "action_match": sum(ms) / len(ms)}]
         health = [{"round": 1, "well_formed": 0.9, "action_less": 0.1, "all_no_action_groups": 0.0}]
-        study.ledger.put(f"final/{arm}-s{seed}", {"seed": seed, "eval": ev, "curve": curve, "health": health})
+        study.ledger.put(f"final/{arm}-s{seed}", {"seed": seed, "eval": ev, "curve": curve, "health": health,
+                                                  "train_seconds": 10.0, "curve_seconds": 5.0})
     for seed in (1, 2):
         final("opd_rule", seed, [1, 0, 0, 0], [0, 0, 1], -2.0)
         final("sapd", seed, [1, 1, 0, 0], [1, 0, 1], -1.5)
@@ -294,6 +295,10 @@ def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
     assert "Reading of C1 by the plan's rule" in text  # decided by the plan's code, not by hand
     for fig in ("powered_curves.png", "powered_differences.png", "powered_final_health.png"):
         assert (tmp_path / "out" / fig).is_file() and f"]({fig})" in text, fig
+    # the power check: both arms' seeds agree exactly here, so the observed seed sd is 0
+    assert "| success | 0.030 | 0.000 (2 arms) |" in text
+    assert "Mean recorded cost per final run 35 s" in text  # the final runs' own cost (train + eval + curve)
+    assert "learning-curve evaluations of the" not in text  # every run recorded its curve's time
     # the paper's claims: C1 measured (+25 points, both seeds in), the others not run yet
     claim = next(x for x in text.splitlines() if x.startswith("| SAPD beats OPD+Rule |"))
     assert "| sapd − opd_rule | +25.0 [" in claim and "(provisional)" not in claim

@@ -633,9 +633,10 @@ class PoweredStudy:
         run_pipeline(cfg, log=lambda s: None, show_progress=False)
         train_s = time.perf_counter() - t0
         ev = self.evaluate_model(root, cfg.train.rounds, panel, models["teacher"])
+        t1 = time.perf_counter()
         curve = self.learning_curve(root, models["teacher"]) if unit.startswith("final/") else []
         res = {"variant": variant, "loss": loss, "lr": lr, "seed": seed, "train_seconds": train_s,
-               "eval": ev, "health": round_health(root), "curve": curve,
+               "eval": ev, "health": round_health(root), "curve": curve, "curve_seconds": time.perf_counter() - t1,
                "weights": {k: weights_hash(v) for k, v in models.items()}}
         self.log(f"{unit}: {panel} action match {ev['action_match']:.3f}, success {ev['success']:.3f}, "
                  f"train {train_s:.0f} s, eval {ev['seconds']:.0f} s")
@@ -784,16 +785,24 @@ class PoweredStudy:
         sweep = [u for u, *_ in self.sweep_units()]
         sweep_done = [u for u in sweep if u in recorded]
         n_sweep = self.sweep_size()
-        costs = [self.ledger.get(u) for u in sweep_done]
-        per_run = (sum(r["train_seconds"] + r["eval"]["seconds"] for r in costs if r) / len(costs)) if costs else None
-        final = [f"final/{a}-s{s}" for a in self.cfg.arms for s in self.cfg.final_seeds] + \
-            [f"final/reference-{who}" for who in self.REFERENCES]
-        remaining = n_sweep - len(sweep_done) + len([u for u in final if u not in recorded])
+        def mean_cost(units: list[str]) -> float | None:
+            costs = [r for u in units if (r := self.ledger.get(u)) and "train_seconds" in r]
+            return (sum(r["train_seconds"] + r["eval"]["seconds"] + r.get("curve_seconds", 0.0) for r in costs)
+                    / len(costs)) if costs else None
+        final_runs = [f"final/{a}-s{s}" for a in self.cfg.arms for s in self.cfg.final_seeds]
+        final = final_runs + [f"final/reference-{who}" for who in self.REFERENCES]
+        per_run = mean_cost(sweep_done)
+        # a final run costs more than a sweep run (150 test games, learning curve): once one is recorded,
+        # the remaining final runs are estimated from the final runs
+        per_final = mean_cost([u for u in final_runs if u in recorded]) or per_run
+        left_sweep, left_final = n_sweep - len(sweep_done), len([u for u in final if u not in recorded])
+        sweep_cost, final_cost = per_run or per_final, per_final or per_run
+        remaining = (left_sweep * sweep_cost + left_final * final_cost) if sweep_cost and final_cost else None
         return {"recorded": sorted(recorded), "sweep": f"{len(sweep_done)}/{n_sweep}",
                 "spent_hours": self.spent_seconds() / 3600,
                 "final": f"{len([u for u in final if u in recorded])}/{len(final)}",
-                "seconds_per_run": per_run,
-                "remaining_cpu_hours": (remaining * per_run / 3600) if per_run else None}
+                "seconds_per_run": per_run, "seconds_per_final_run": per_final,
+                "remaining_cpu_hours": remaining / 3600 if remaining is not None else None}
 
     def spent_seconds(self) -> float:
         """The wall seconds every recorded unit reports (games, pools and models in the pilot, evaluation

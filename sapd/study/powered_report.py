@@ -206,6 +206,39 @@ def claims_lines(finals: dict[str, list[dict[str, Any]]], probes: dict[str, dict
     return lines + [""]
 
 
+def power_check_lines(finals: dict[str, list[dict[str, Any]]], plan: Any, n_seeds: int) -> list[str]:
+    """The power calculation's assumptions against what the final runs show: the between-seed standard
+    deviation of each endpoint (pooled over arms with ≥ 2 seeds) and the MDE recomputed with it."""
+    from sapd.study.stats import mde
+    rows = []
+    for key, label, sigma, base, rho in (("success", "success", plan.success_sigma_seed, plan.success_base,
+                                          plan.success_rho),
+                                         ("action_match", "action match", plan.match_sigma_seed, plan.match_base, 0.0)):
+        variances, values, units = [], [], []
+        for runs in finals.values():
+            xs = [float(r["eval"][key]) for r in runs]
+            values += xs
+            units += [len(r["eval"]["per_game" if key == "success" else "per_decision"]) for r in runs]
+            if len(xs) >= 2:
+                variances.append(_mean_sd(xs)[1] ** 2)
+        if not variances:
+            continue
+        sd = math.sqrt(sum(variances) / len(variances))
+        p = sum(values) / len(values)
+        n = min(units)
+        planned = mde(base, n, n_seeds, sigma, rho)
+        observed = mde(p, n, n_seeds, sd, rho)
+        rows.append(f"| {label} | {sigma:.3f} | {sd:.3f} ({len(variances)} arms) | {base:.2f} | {p:.2f} | "
+                    f"{100 * planned:.1f} | {100 * observed:.1f} |")
+    if not rows:
+        return []
+    return ["Power check (after the fact, descriptive): the plan's between-seed standard deviation and base rate "
+            "against those of the final runs, and the minimum detectable difference (80 % power, α = 0.05, "
+            f"{n_seeds} seeds, paired units) with each.", "",
+            "| endpoint | planned seed sd | observed seed sd | planned base | observed mean | planned MDE (pts) | "
+            "MDE with the observed sd (pts) |", "|---|---|---|---|---|---|---|", *rows, ""]
+
+
 def forest_figure(rows: list[tuple[str, dict[str, dict[str, float]]]], dest: Path) -> str:
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(11, 0.5 * len(rows) + 1.6), sharey=True)
@@ -372,6 +405,8 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
             cells.append(_f(sum(last) / len(last)) if last else "–")
             lines.append(f"| {arm} | {len(runs)} | " + " | ".join(cells) + " |")
         lines.append("")
+    if n_final:
+        lines += power_check_lines(finals, study.cfg.power, len(study.cfg.final_seeds))
     contrasts = [(q, c) for a, b, q in CONTRASTS if (c := contrast(finals, a, b)) is not None]
     if contrasts:
         lines += ["Pre-registered differences (a − b), two-level bootstrap 95 % intervals: seeds resampled within "
@@ -410,15 +445,20 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
     st = study.status()
     lines += ["## Cost and what remains", "",
               f"Sweep {st['sweep']}, final {st['final']}. "
-              + (f"Mean recorded cost per run {st['seconds_per_run']:.0f} s; the remaining runs need about "
-                 f"{st['remaining_cpu_hours']:.1f} h on this machine." if st["seconds_per_run"] else
-                 "No run has finished yet, so no measured per-run cost."),
+              + ("Mean recorded cost " + ", ".join(f"per {what} run {v:.0f} s" for what, v in (
+                  ("sweep", st["seconds_per_run"]), ("final", st["seconds_per_final_run"])) if v)
+                 + f" (single-thread workers, two at a time); the remaining runs need about "
+                 f"{st['remaining_cpu_hours']:.1f} core-hours on this machine."
+                 if st["remaining_cpu_hours"] is not None else "No run has finished yet, so no measured per-run cost."),
               "",
               f"**Measured cost so far: {st['spent_hours']:.1f} h** — the sum of the wall times every recorded "
               "unit reports (game generation, expert pools, student and teacher SFT, the failed gate attempts, "
               "probes, every run's training and evaluation). Units ran on one or both of the machine's two "
               "cores (parallel workers used one thread each), so this is close to core-hours. It does not count "
-              "rebuilding a lost cache (`.cache/powered/`, about 1 h on this machine each time).", ""]
+              "rebuilding a lost cache (`.cache/powered/`, about 1 h on this machine each time)"
+              + (f", nor the learning-curve evaluations of the {n_nocurve} final runs recorded before their time was "
+                 "(about 6 min each per the workers' logs)" if (n_nocurve := sum(
+                     1 for runs in finals.values() for r in runs if "curve_seconds" not in r)) else "") + ".", ""]
     path = dest / "POWERED.md"
     path.write_text("\n".join(lines))
     return path
