@@ -293,6 +293,9 @@ def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| C1: SAPD (chosen treatment) − OPD+Rule |"))
     assert "| 2 / 2 | +0.250 [" in row and "+0.500 [" in row and "+0.333 [" in row
     assert "Reading of C1 by the plan's rule" in text  # decided by the plan's code, not by hand
+    # the summary leads with the C1 reading
+    short = text.split("## In short", 1)[1].split("\n## ", 1)[0]
+    assert "4 of" in short and "- Reading of C1 by the plan's rule" in short and "- SAPD beats OPD+Rule:" in short
     for fig in ("powered_curves.png", "powered_differences.png", "powered_final_health.png"):
         assert (tmp_path / "out" / fig).is_file() and f"]({fig})" in text, fig
     # the power check: both arms' seeds agree exactly here, so the observed seed sd is 0

@@ -170,8 +170,10 @@ def claim_reading(c: dict[str, dict[str, float]], sign: int) -> str:
 
 
 def claims_lines(finals: dict[str, list[dict[str, Any]]], probes: dict[str, dict[str, Any]], n_seeds: int,
-                 mde: float) -> list[str]:
-    """The paper's claims against the test panel: the measured difference with its interval and the reading."""
+                 mde: float) -> tuple[list[str], list[str]]:
+    """The paper's claims against the test panel: the measured difference with its interval and the
+    reading → (the section's lines, one short bullet per measured claim for the summary)."""
+    short: list[str] = []
     lines = ["## The paper's claims against the test panel", "",
              "Each claim is read on the primary endpoint, action match on the held-out decisions (a − b with its "
              "two-level bootstrap 95 % interval, in the claim's direction): *agrees* when the interval is on the "
@@ -190,8 +192,10 @@ def claims_lines(finals: dict[str, list[dict[str, Any]]], probes: dict[str, dict
                  for d in (c["match"], c["success"])]
         t = c["tll"]
         partial = min(c["match"]["seeds_a"], c["match"]["seeds_b"]) < n_seeds
+        reading = f"{claim_reading(c, sign)}{' (provisional)' if partial else ''}"
         lines.append(f"| {claim} | {paper} | {a} − {b} | {cells[0]} | {t['diff']:+.3f} [{t['lo']:+.3f}, "
-                     f"{t['hi']:+.3f}] | {cells[1]} | {claim_reading(c, sign)}{' (provisional)' if partial else ''} |")
+                     f"{t['hi']:+.3f}] | {cells[1]} | {reading} |")
+        short.append(f"{claim}: {reading} ({a} − {b}: action match {cells[0]}, success {cells[1]})")
     tiny = next((p for n, p in probes.items() if n.startswith("tiny")), None)
     if tiny is not None and tiny.get("auc_action_sum_ci"):
         lo, hi = tiny["auc_action_sum_ci"]
@@ -203,7 +207,9 @@ def claims_lines(finals: dict[str, list[dict[str, Any]]], probes: dict[str, dict
                   f"{tiny['auc_full_sum']:.3f} [{fl:.3f}, {fh:.3f}]; "
                   "the thought-only score, which carries no decision here, sits at "
                   f"{tiny['auc_thought_sum']:.3f}."]
-    return lines + [""]
+        short.insert(0, f"SAPD's premise at round 0 {held}: action-only AUC {tiny['auc_action_sum']:.3f} "
+                        f"[{lo:.3f}, {hi:.3f}]")
+    return lines + [""], short
 
 
 def power_check_lines(finals: dict[str, list[dict[str, Any]]], plan: Any, n_seeds: int) -> list[str]:
@@ -407,6 +413,7 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
         lines.append("")
     if n_final:
         lines += power_check_lines(finals, study.cfg.power, len(study.cfg.final_seeds))
+    summary: list[str] = []
     contrasts = [(q, c) for a, b, q in CONTRASTS if (c := contrast(finals, a, b)) is not None]
     if contrasts:
         lines += ["Pre-registered differences (a − b), two-level bootstrap 95 % intervals: seeds resampled within "
@@ -421,20 +428,26 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
         c1 = contrast(finals, "sapd", "opd_rule")
         if c1 is not None:
             partial_note = "" if full["sapd"] and full["opd_rule"] else " (provisional: not every seed has finished)"
-            lines += [f"- Reading of C1 by the plan's rule{partial_note}: {c1_reading(c1, study.cfg.power.match_mde)}.",
-                      ""]
+            c1_line = f"Reading of C1 by the plan's rule{partial_note}: {c1_reading(c1, study.cfg.power.match_mde)}"
+            lines += [f"- {c1_line}.", ""]
+            summary.insert(0, c1_line)
         cp = contrast(finals, "sapd", "sapd_paper")
         if cp is not None:
             paper_last = [h[-1].get("well_formed", 1.0) for r in finals["sapd_paper"] if (h := r.get("health"))]
             collapsed = bool(paper_last) and max(paper_last) < 0.9
             partial_note = "" if full["sapd"] and full["sapd_paper"] else " (provisional)"
-            lines += [f"- The product default by the plan's rule{partial_note}: `sapd_paper` "
-                      f"{'collapsed' if collapsed else 'did not collapse'} (last-round well-formed share "
-                      f"{', '.join(f'{x:.2f}' for x in paper_last)}); so: {default_reading(cp, collapsed)}.", ""]
+            default_line = (f"The product default by the plan's rule{partial_note}: `sapd_paper` "
+                            f"{'collapsed' if collapsed else 'did not collapse'} (last-round well-formed share "
+                            f"{', '.join(f'{x:.2f}' for x in paper_last)}); so: {default_reading(cp, collapsed)}")
+            lines += [f"- {default_line}.", ""]
+            summary.append(default_line)
         figures.append(forest_figure(contrasts, dest))
         lines += [f"![differences]({figures[-1]})", ""]
     if contrasts:
-        lines += claims_lines(finals, probes, len(study.cfg.final_seeds), study.cfg.power.match_mde)
+        claim_section, claim_short = claims_lines(finals, probes, len(study.cfg.final_seeds),
+                                                  study.cfg.power.match_mde)
+        lines += claim_section
+        summary += [*claim_short]
     if n_final:
         figures.append(curves_figure(finals, dest))
         lines += [f"![curves]({figures[-1]})", ""]
@@ -459,6 +472,13 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
               + (f", nor the learning-curve evaluations of the {n_nocurve} final runs recorded before their time was "
                  "(about 6 min each per the workers' logs)" if (n_nocurve := sum(
                      1 for runs in finals.values() for r in runs if "curve_seconds" not in r)) else "") + ".", ""]
+    if summary:
+        head = ["## In short", "",
+                f"{n_final} of {n_planned} final runs are in; a reading marked provisional may change as the "
+                "rest land.",
+                "", *[f"- {x}." for x in summary], ""]
+        at = lines.index("## Set-up (unit `pilot`)") if "## Set-up (unit `pilot`)" in lines else len(lines)
+        lines[at:at] = head
     path = dest / "POWERED.md"
     path.write_text("\n".join(lines))
     return path
