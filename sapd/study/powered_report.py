@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from sapd.study.powered import PoweredStudy
-from sapd.study.stats import paired_bootstrap
+from sapd.study.stats import mde, paired_bootstrap
 
 
 def _f(x: Any, nd: int = 3) -> str:
@@ -215,7 +215,6 @@ def claims_lines(finals: dict[str, list[dict[str, Any]]], probes: dict[str, dict
 def power_check_lines(finals: dict[str, list[dict[str, Any]]], plan: Any, n_seeds: int) -> list[str]:
     """The power calculation's assumptions against what the final runs show: the between-seed standard
     deviation of each endpoint (pooled over arms with ≥ 2 seeds) and the MDE recomputed with it."""
-    from sapd.study.stats import mde
     rows = []
     for key, label, sigma, base, rho in (("success", "success", plan.success_sigma_seed, plan.success_base,
                                           plan.success_rho),
