@@ -1,10 +1,11 @@
 """The next embedded demo, in progress (issue 15, item 5): the powered study's setting
 (``docs/results/ANALYSIS_PLAN.md``) at demo size, on a 2-core CPU, with the embedded TextWorld environment
 at both ends and none in the training loop. ``sapd demo`` (:mod:`sapd.study.demo`) stays the default until
-this one is tuned: its first full run here (2026-12-04, on a loaded machine: 403 s of set-up, 1443 s in
-all) gave a teacher no better than the student on the held-out games (action match 0.39 vs 0.35,
-success 2/30 vs 0/30) — 25 training games per family are too few for the teacher to learn the longer
-routes — so no arm can show what the study measures. Run it with
+this one is measured alone on 2 cores: its first full run here (2026-12-04, on a loaded machine, 25 training
+games per family) gave a teacher no better than the student on the held-out games (action match 0.39 vs
+0.35, success 2/30 vs 0/30), so no arm could show what the study measures. The teacher now trains on 75
+games per family, the powered study's teacher recipe (same games, same seeds), and the set-up evaluates
+student and teacher first, so the report reads the premise before any arm. Run it with
 ``python -c "from pathlib import Path; from sapd.study.demo_noisy_logs import run_demo; run_demo(Path('out'))"``.
 
 1. **Games** (seeded, disjoint panels): pre-training games of a short coin route (``coin_near``), training
