@@ -296,6 +296,8 @@ def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
     # the summary leads with the C1 reading
     short = text.split("## In short", 1)[1].split("\n## ", 1)[0]
     assert "4 of" in short and "- Reading of C1 by the plan's rule" in short and "- SAPD beats OPD+Rule:" in short
+    assert ("the student before any round has action match 0.100 and success 0.000; the arms so far end at "
+            "0.250–0.500 match and 0.333–0.667 success (means over seeds; 2 of 2 arms above" in short)
     for fig in ("powered_curves.png", "powered_differences.png", "powered_final_health.png"):
         assert (tmp_path / "out" / fig).is_file() and f"]({fig})" in text, fig
     # the power check: both arms' seeds agree exactly here, so the observed seed sd is 0

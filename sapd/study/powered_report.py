@@ -471,6 +471,16 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
               + (f", nor the learning-curve evaluations of the {n_nocurve} final runs recorded before their time was "
                  "(about 6 min each per the workers' logs)" if (n_nocurve := sum(
                      1 for runs in finals.values() for r in runs if "curve_seconds" not in r)) else "") + ".", ""]
+    if summary and "student" in refs:
+        means = {a: (sum(r["eval"]["action_match"] for r in runs) / len(runs),
+                     sum(r["eval"]["success"] for r in runs) / len(runs)) for a, runs in finals.items() if runs}
+        ev0 = refs["student"]["eval"]
+        summary.append(f"Descriptive, not a pre-registered comparison: the student before any round has action "
+                       f"match {ev0['action_match']:.3f} and success {ev0['success']:.3f}; the arms so far end at "
+                       f"{min(m for m, _ in means.values()):.3f}–{max(m for m, _ in means.values()):.3f} match and "
+                       f"{min(x for _, x in means.values()):.3f}–{max(x for _, x in means.values()):.3f} success "
+                       f"(means over seeds; {sum(x > ev0['success'] for _, x in means.values())} of {len(means)} "
+                       "arms above the student's success)")
     if summary:
         head = ["## In short", "",
                 f"{n_final} of {n_planned} final runs are in; a reading marked provisional may change as the "
