@@ -48,6 +48,13 @@ def units_for_mde(target: float, p: float, seeds: int, sigma_seed: float, rho: f
     return math.ceil(p * (1 - p) * (1 - rho) / (seeds * budget) - 1e-9)
 
 
+def _percentile_interval(reps: list[float], level: float) -> tuple[float, float]:
+    """The central ``level`` percentile interval of bootstrap replicates (sorts ``reps`` in place)."""
+    reps.sort()
+    n = len(reps)
+    return reps[int((1 - level) / 2 * n)], reps[min(n - 1, int((1 + level) / 2 * n))]
+
+
 def paired_bootstrap(a: Mapping[int, Mapping[str, float]], b: Mapping[int, Mapping[str, float]], *,
                      n_boot: int = 4000, seed: int = 0, level: float = 0.95) -> dict[str, float]:
     """Difference of means, arm a − arm b, with a two-level bootstrap interval: outcomes are
@@ -70,9 +77,7 @@ def paired_bootstrap(a: Mapping[int, Mapping[str, float]], b: Mapping[int, Mappi
         ra = [sa[rng.randrange(len(sa))] for _ in sa]
         rb = [sb[rng.randrange(len(sb))] for _ in sb]
         reps.append(mean(a, ra, us) - mean(b, rb, us))
-    reps.sort()
-    lo = reps[int((1 - level) / 2 * n_boot)]
-    hi = reps[min(n_boot - 1, int((1 + level) / 2 * n_boot))]
+    lo, hi = _percentile_interval(reps, level)
     return {"diff": diff, "lo": lo, "hi": hi, "units": len(units), "seeds_a": len(sa), "seeds_b": len(sb)}
 
 
@@ -100,8 +105,7 @@ def within_group_auc(groups: Sequence[Sequence[tuple[float, bool]]], *, n_boot: 
     for _ in range(n_boot):
         draw = [per_group[rng.randrange(len(per_group))] for _ in per_group]
         reps.append(sum(w for w, _ in draw) / sum(n for _, n in draw))
-    reps.sort()
-    ci = [reps[int((1 - level) / 2 * n_boot)], reps[min(n_boot - 1, int((1 + level) / 2 * n_boot))]]
+    ci = list(_percentile_interval(reps, level))
     return {"auc": sum(w for w, _ in per_group) / pairs, "pairs": pairs, "groups": len(per_group), "ci": ci}
 
 
