@@ -91,9 +91,25 @@ def cmd_show_prefixes(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The embedded default: TextWorld games → expert pool → teacher/student → SAPD → evaluation (sapd.study.demo)."""
-    from sapd.study.demo import run_demo
-    run_demo(Path(args.out), log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
+    """The embedded default: the powered study's setting at demo size — games, noisy logs, student and
+    teacher, then SFT / OPD+Rule / SAPD from the student and a held-out evaluation (sapd.study.demo)."""
+    import yaml
+
+    from sapd.config import ConfigError, apply_overlay
+    from sapd.study.demo import DEMO_CONFIG, run_demo
+    from sapd.study.powered import PoweredConfig
+    overrides = None
+    if args.config:
+        overrides = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}
+        if not isinstance(overrides, dict):
+            raise ValueError(f"{args.config}: expected a mapping of demo setting fields, "
+                             f"got {type(overrides).__name__}")
+        try:
+            apply_overlay(PoweredConfig(), {**DEMO_CONFIG, **overrides})
+        except ConfigError as e:
+            raise ConfigError(f"{args.config}: {e}", e.path) from None
+    run_demo(Path(args.out), log=lambda s: print(s, flush=True), show_progress=not args.no_progress,
+             overrides=overrides)
     return 0
 
 
@@ -427,9 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                                              "committed one)")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("demo", help="the embedded default: TextWorld games → expert pool → SFT teacher → SAPD → "
-                                    "evaluation, on this CPU")
-    p.add_argument("--out", default="demo-out", help="output folder (default ./demo-out)")
+    p = sub.add_parser("demo", help="the embedded default: TextWorld games → noisy expert logs → student and teacher → "
+                                    "SFT / OPD+Rule / SAPD → held-out evaluation, on this CPU")
+    p.add_argument("--out", default="demo-out", help="output folder (default ./demo-out); a rerun resumes")
+    p.add_argument("--config", help="YAML of demo setting fields to change (those of sapd.study.demo.DEMO_CONFIG, "
+                                    "e.g. 'test_games: 30'); an unknown field is an error")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -103,7 +103,7 @@ def test_run_root_config_compared_as_resolved_config(tmp_path):
 
 
 def test_a_run_root_stands_for_its_newest_committed_model(tmp_path):
-    """What one command writes is what the next takes: a run root (e.g. the demo's ``models/sft_teacher``)
+    """What one command writes is what the next takes: a run root (e.g. the demo's ``models/teacher``)
     given where a model folder is expected is its newest committed checkpoint's self-contained model."""
     from sapd import layout, storage
     from sapd.models.loading import load_causal_lm, model_folder
