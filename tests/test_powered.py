@@ -309,6 +309,21 @@ def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
     assert "| sapd − opd_rule | +25.0 [" in claim and "(provisional)" not in claim
     assert next(x for x in text.splitlines() if x.startswith("| the rule term matters")).endswith("| not run yet |")
 
+    # once every planned final run is in, the summary stops calling itself partial; with the round-0 probes
+    # recorded (here the study's own units), the premise line gives both models' AUCs
+    import json
+    committed = Path(__file__).resolve().parents[1] / "experiments" / "powered"
+    for unit in ("probe-round0", "probe-smollm2"):
+        study.ledger.put(unit, json.loads((committed / f"{unit}.json").read_text()))
+    cfg.arms = {a: cfg.arms[a] for a in ("opd_rule", "sapd")}
+    text = render_powered(study, tmp_path / "out").read_text()
+    short = text.split("## In short", 1)[1].split("\n## ", 1)[0]
+    assert "nothing remains to run." in text and "**Measured cost in all:" in text
+    assert "All 4 final runs are in." in short and "provisional" not in short and "so far" not in short
+    assert "the arms end at 0.250–0.500 match" in short
+    assert ("SAPD's premise at round 0 holds: action-only AUC 0.896 [0.687, 1.000]; with the real SmolLM2-135M "
+            "(after a few SFT rounds, no SAPD training) 0.892 [0.798, 0.969]") in short
+
 
 def test_c1_and_default_readings_follow_the_plan():
     from sapd.study.powered_report import c1_reading, default_reading

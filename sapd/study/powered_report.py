@@ -207,8 +207,14 @@ def claims_lines(finals: dict[str, list[dict[str, Any]]], probes: dict[str, dict
                   f"{tiny['auc_full_sum']:.3f} [{fl:.3f}, {fh:.3f}]; "
                   "the thought-only score, which carries no decision here, sits at "
                   f"{tiny['auc_thought_sum']:.3f}."]
+        real = probes.get("SmolLM2-135M")
+        also = ""
+        if real is not None and real.get("auc_action_sum_ci"):
+            rlo, rhi = real["auc_action_sum_ci"]
+            also = (f"; with the real SmolLM2-135M (after a few SFT rounds, no SAPD training) "
+                    f"{real['auc_action_sum']:.3f} [{rlo:.3f}, {rhi:.3f}]")
         short.insert(0, f"SAPD's premise at round 0 {held}: action-only AUC {tiny['auc_action_sum']:.3f} "
-                        f"[{lo:.3f}, {hi:.3f}]")
+                        f"[{lo:.3f}, {hi:.3f}]{also}")
     return lines + [""], short
 
 
@@ -459,11 +465,13 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
               f"Sweep {st['sweep']}, final {st['final']}. "
               + ("Mean recorded cost " + ", ".join(f"per {what} run {v:.0f} s" for what, v in (
                   ("sweep", st["seconds_per_run"]), ("final", st["seconds_per_final_run"])) if v)
-                 + f" (single-thread workers, two at a time); the remaining runs need about "
-                 f"{st['remaining_cpu_hours']:.1f} core-hours on this machine."
+                 + " (single-thread workers, two at a time); "
+                 + ("nothing remains to run." if n_final >= n_planned else
+                    f"the remaining runs need about {st['remaining_cpu_hours']:.1f} core-hours on this machine.")
                  if st["remaining_cpu_hours"] is not None else "No run has finished yet, so no measured per-run cost."),
               "",
-              f"**Measured cost so far: {st['spent_hours']:.1f} h** — the sum of the wall times every recorded "
+              f"**Measured cost{' in all' if n_final >= n_planned else ' so far'}: {st['spent_hours']:.1f} h** "
+              "— the sum of the wall times every recorded "
               "unit reports (game generation, expert pools, student and teacher SFT, the failed gate attempts, "
               "probes, every run's training and evaluation). Units ran on one or both of the machine's two "
               "cores (parallel workers used one thread each), so this is close to core-hours. It does not count "
@@ -476,15 +484,17 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
                      sum(r["eval"]["success"] for r in runs) / len(runs)) for a, runs in finals.items() if runs}
         ev0 = refs["student"]["eval"]
         summary.append(f"Descriptive, not a pre-registered comparison: the student before any round has action "
-                       f"match {ev0['action_match']:.3f} and success {ev0['success']:.3f}; the arms so far end at "
+                       f"match {ev0['action_match']:.3f} and success {ev0['success']:.3f}; the arms"
+                       f"{'' if n_final >= n_planned else ' so far'} end at "
                        f"{min(m for m, _ in means.values()):.3f}–{max(m for m, _ in means.values()):.3f} match and "
                        f"{min(x for _, x in means.values()):.3f}–{max(x for _, x in means.values()):.3f} success "
                        f"(means over seeds; {sum(x > ev0['success'] for _, x in means.values())} of {len(means)} "
                        "arms above the student's success)")
     if summary:
         head = ["## In short", "",
-                f"{n_final} of {n_planned} final runs are in; a reading marked provisional may change as the "
-                "rest land.",
+                (f"All {n_planned} final runs are in." if n_final >= n_planned else
+                 f"{n_final} of {n_planned} final runs are in; a reading marked provisional may change as the "
+                 "rest land."),
                 "", *[f"- {x}." for x in summary], ""]
         at = lines.index("## Set-up (unit `pilot`)") if "## Set-up (unit `pilot`)" in lines else len(lines)
         lines[at:at] = head
