@@ -95,9 +95,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     teacher, then SFT / OPD+Rule / SAPD from the student and a held-out evaluation (sapd.study.demo)."""
     import yaml
 
-    from sapd.config import ConfigError, apply_overlay
-    from sapd.study.demo import DEMO_CONFIG, run_demo
-    from sapd.study.powered import PoweredConfig
+    from sapd.config import ConfigError
+    from sapd.study.demo import demo_config, run_demo
     overrides = None
     if args.config:
         overrides = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}
@@ -105,7 +104,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.config}: expected a mapping of demo setting fields, "
                              f"got {type(overrides).__name__}")
         try:
-            apply_overlay(PoweredConfig(), {**DEMO_CONFIG, **overrides})
+            demo_config(overrides)  # checked before anything runs, so the error can name the file
         except ConfigError as e:
             raise ConfigError(f"{args.config}: {e}", e.path) from None
     run_demo(Path(args.out), log=lambda s: print(s, flush=True), show_progress=not args.no_progress,
@@ -446,8 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the embedded default: TextWorld games → noisy expert logs → student and teacher → "
                                     "SFT / OPD+Rule / SAPD → held-out evaluation, on this CPU")
     p.add_argument("--out", default="demo-out", help="output folder (default ./demo-out); a rerun resumes")
-    p.add_argument("--config", help="YAML of demo setting fields to change (those of sapd.study.demo.DEMO_CONFIG, "
-                                    "e.g. 'test_games: 30'); an unknown field is an error")
+    p.add_argument("--config", help="YAML of demo setting fields to change (fields of "
+                                    "sapd.study.powered.PoweredConfig; sapd.study.demo.DEMO_CONFIG lists the demo's "
+                                    "values), e.g. 'test_games: 30'; an unknown field is an error")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -117,14 +117,21 @@ def _reading(name: str, d: dict[str, float], what: str) -> str:
     return f"{name}: {what} {span}, not separable from 0 at this size"
 
 
+def demo_config(overrides: dict[str, Any] | None = None) -> PoweredConfig:
+    """The demo's setting: :data:`DEMO_CONFIG` with ``overrides`` (fields of
+    :class:`sapd.study.powered.PoweredConfig`) on top; an unknown or mistyped field is a ``ConfigError``."""
+    cfg = PoweredConfig()
+    apply_overlay(cfg, {**DEMO_CONFIG, **(overrides or {})})
+    return cfg
+
+
 def run_demo(out: Path, *, log: Callable[[str], None] = print, show_progress: bool = True,
              overrides: dict[str, Any] | None = None) -> dict:
     """Run (or resume: every unit reuses what is already in ``out``) the embedded demo. ``overrides``
     change :data:`DEMO_CONFIG` (fields of :class:`sapd.study.powered.PoweredConfig`). Returns the summary
     also written to ``out/demo-summary.json``."""
     t_start = time.perf_counter()
-    cfg = PoweredConfig()
-    apply_overlay(cfg, {**DEMO_CONFIG, **(overrides or {})})
+    cfg = demo_config(overrides)
     out = Path(out).resolve()
     study = PoweredStudy(cfg, out / "units", out, log=log)
     timings: dict[str, float] = {}

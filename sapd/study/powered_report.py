@@ -394,8 +394,10 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
         finals[arm] = [run for s in study.cfg.final_seeds if (run := led.get(f"final/{arm}-s{s}")) is not None]
     n_final = sum(len(v) for v in finals.values())
     n_planned = len(study.cfg.arms) * len(study.cfg.final_seeds)
+    complete = n_final >= n_planned
     lines += [f"## Test panel ({n_final} of {n_planned} final runs finished)", ""]
     refs = {who: ru for who in study.REFERENCES if (ru := led.get(f"final/reference-{who}")) is not None}
+    arm_stats: dict[str, dict[str, tuple[float, float]]] = {}  # arm → endpoint → (mean, sd) over its seeds
     if n_final or refs:
         lines += ["Each arm at its chosen lr (unit `selection`), mean over its seeds (± the standard deviation "
                   "between seeds); the reference rows are the student before any round and the teacher.", "",
@@ -408,10 +410,9 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
         for arm, runs in finals.items():
             if not runs:
                 continue
-            cells = []
-            for key in ("action_match", "tll_sum", "success", "sll_expert", "format_valid"):
-                m, sd = _mean_sd([float(r["eval"][key]) for r in runs])
-                cells.append(f"{m:.3f} ± {sd:.3f}" if sd == sd else f"{m:.3f}")
+            arm_stats[arm] = {key: _mean_sd([float(r["eval"][key]) for r in runs])
+                              for key in ("action_match", "tll_sum", "success", "sll_expert", "format_valid")}
+            cells = [f"{m:.3f} ± {sd:.3f}" if sd == sd else f"{m:.3f}" for m, sd in arm_stats[arm].values()]
             last = [h[-1].get("well_formed", float("nan")) for r in runs if (h := r.get("health"))]
             cells.append(_f(sum(last) / len(last)) if last else "–")
             lines.append(f"| {arm} | {len(runs)} | " + " | ".join(cells) + " |")
@@ -466,11 +467,11 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
               + ("Mean recorded cost " + ", ".join(f"per {what} run {v:.0f} s" for what, v in (
                   ("sweep", st["seconds_per_run"]), ("final", st["seconds_per_final_run"])) if v)
                  + " (single-thread workers, two at a time); "
-                 + ("nothing remains to run." if n_final >= n_planned else
+                 + ("nothing remains to run." if complete else
                     f"the remaining runs need about {st['remaining_cpu_hours']:.1f} core-hours on this machine.")
                  if st["remaining_cpu_hours"] is not None else "No run has finished yet, so no measured per-run cost."),
               "",
-              f"**Measured cost{' in all' if n_final >= n_planned else ' so far'}: {st['spent_hours']:.1f} h** "
+              f"**Measured cost{' in all' if complete else ' so far'}: {st['spent_hours']:.1f} h** "
               "— the sum of the wall times every recorded "
               "unit reports (game generation, expert pools, student and teacher SFT, the failed gate attempts, "
               "probes, every run's training and evaluation). Units ran on one or both of the machine's two "
@@ -480,19 +481,18 @@ def render_powered(study: PoweredStudy, dest: str | Path) -> Path:
                  "(about 6 min each per the workers' logs)" if (n_nocurve := sum(
                      1 for runs in finals.values() for r in runs if "curve_seconds" not in r)) else "") + ".", ""]
     if summary and "student" in refs:
-        means = {a: (sum(r["eval"]["action_match"] for r in runs) / len(runs),
-                     sum(r["eval"]["success"] for r in runs) / len(runs)) for a, runs in finals.items() if runs}
+        means = {a: (st_["action_match"][0], st_["success"][0]) for a, st_ in arm_stats.items()}
         ev0 = refs["student"]["eval"]
         summary.append(f"Descriptive, not a pre-registered comparison: the student before any round has action "
                        f"match {ev0['action_match']:.3f} and success {ev0['success']:.3f}; the arms"
-                       f"{'' if n_final >= n_planned else ' so far'} end at "
+                       f"{'' if complete else ' so far'} end at "
                        f"{min(m for m, _ in means.values()):.3f}–{max(m for m, _ in means.values()):.3f} match and "
                        f"{min(x for _, x in means.values()):.3f}–{max(x for _, x in means.values()):.3f} success "
                        f"(means over seeds; {sum(x > ev0['success'] for _, x in means.values())} of {len(means)} "
                        "arms above the student's success)")
     if summary:
         head = ["## In short", "",
-                (f"All {n_planned} final runs are in." if n_final >= n_planned else
+                (f"All {n_planned} final runs are in." if complete else
                  f"{n_final} of {n_planned} final runs are in; a reading marked provisional may change as the "
                  "rest land."),
                 "", *[f"- {x}." for x in summary], ""]
