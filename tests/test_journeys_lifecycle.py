@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -168,13 +169,22 @@ def releases(cluster, inputs) -> Releases:
         return True
     cluster.wait_for(lambda: first_sight("sapd-man-teacher-scores-r0", 0), 600, "the manual teacher-scores-r0 Job")
 
-    # upg: `helm upgrade` while train-r0 trains (a value change: a new driver revision)
+    # upg: `helm upgrade` while train-r0 trains (a value change: a new driver revision). The tiny model
+    # trains in seconds, a real one for hours: the train pod is paused (SIGSTOP) until the new driver has
+    # met it running, so the upgrade lands mid-stage whatever the load on this machine
     trainer = cluster.wait_log("batch.kubernetes.io/job-name=sapd-upg-train-r0", "round 0 step", 900)
     uid = cluster.job("sapd-upg-train-r0")["metadata"]["uid"]
-    assert cluster.helm.upgrade("sapd-upg", reuse_values=True, set_values=["pipeline.logEverySeconds=30"]).revision == 2
-    cluster.wait_for(lambda: cluster.job("sapd-upg-pipeline-1") is None, 60, "the first driver Job to go")
+    assert cluster.kill_pod(trainer["metadata"]["name"], signal.SIGSTOP)
+    try:
+        assert cluster.helm.upgrade("sapd-upg", reuse_values=True,
+                                    set_values=["pipeline.logEverySeconds=30"]).revision == 2
+        cluster.wait_for(lambda: cluster.job("sapd-upg-pipeline-1") is None, 60, "the first driver Job to go")
+        cluster.wait_for(lambda: "job sapd-upg-train-r0: exists" in logs_of_job(cluster, "sapd-upg-pipeline-2"), 600,
+                         "the new driver to find train-r0")
+        seen["train alive after the upgrade"] = cluster.job("sapd-upg-train-r0") is not None
+    finally:
+        cluster.kill_pod(trainer["metadata"]["name"], signal.SIGCONT)
     seen["train pod"] = trainer["metadata"]["name"]
-    seen["train alive after the upgrade"] = cluster.job("sapd-upg-train-r0") is not None
 
     # ext: 1 round done (and evaluated), then 2
     finished(cluster, "sapd-ext-pipeline-1")
