@@ -169,10 +169,11 @@ def releases(cluster, inputs) -> Releases:
         return True
     cluster.wait_for(lambda: first_sight("sapd-man-teacher-scores-r0", 0), 600, "the manual teacher-scores-r0 Job")
 
-    # upg: `helm upgrade` while train-r0 trains (a value change: a new driver revision). The tiny model
-    # trains in seconds, a real one for hours: the train pod is paused (SIGSTOP) until the new driver has
-    # met it running, so the upgrade lands mid-stage whatever the load on this machine
-    trainer = cluster.wait_log("batch.kubernetes.io/job-name=sapd-upg-train-r0", "round 0 step", 900)
+    # upg: `helm upgrade` while train-r0 runs (a value change: a new driver revision). The tiny model
+    # trains in seconds, a real one for hours: the train pod is paused (SIGSTOP) from its start until the
+    # new driver has met it running, so the upgrade lands mid-stage whatever the load on this machine
+    trainer = cluster.wait_pod("batch.kubernetes.io/job-name=sapd-upg-train-r0",
+                               lambda p: p["status"].get("phase") == "Running", 900)
     uid = cluster.job("sapd-upg-train-r0")["metadata"]["uid"]
     assert cluster.kill_pod(trainer["metadata"]["name"], signal.SIGSTOP)
     try:
