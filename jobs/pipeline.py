@@ -5,19 +5,29 @@ Order: the run's plan (sapd/run/plan.py, the one `sapd run` follows): build-pref
 checkpoint 0 are committed); per round k < train.rounds whose checkpoint k+1 is not committed:
 teacher-scores-r<k> (an Indexed Job whose last worker commits the round; skipped for sft or when already
 committed), then train-r<k>; finally evaluate-r<R> if the chart renders an evaluate template.
-Stage manifests come from --templates (the chart's pipeline-templates ConfigMap). A restarted driver
+Stage manifests come from --templates (the chart's pipeline-templates ConfigMap); the stage Jobs are
+made dependents of --owner (the chart: that ConfigMap, which every Helm revision keeps, so an upgrade
+never deletes a running stage Job and `helm uninstall` removes them all). A restarted or replaced driver
 adopts the current round's Job instead of creating a duplicate and skips every committed stage. A Job
 that fails, or completes without committing its output, is deleted and created again at most
---retries times. Every line it prints is meant to be read with `kubectl logs job/<release>-pipeline`.
+--retries times (a preempted train pod or a train group that never assembled is not counted); a failed
+final evaluation is reported and the run still completes. Every line it prints is meant to be read with
+`kubectl logs job/<release>-pipeline-<revision>`.
+
+With --stage (and --round) it runs one step only: it waits until the step's input is committed (in its own
+small pod, holding no GPU), then runs that step's Job as above. The chart's `mode: manual` renders one such
+Job per stage of round `round`.
 
 Cluster: helm install sapd-alfworld charts/sapd -f charts/sapd/values/alfworld.yaml
          (mode: pipeline, the default: the driver Job <release>-pipeline-<revision> creates the stage Jobs)
 Local:   python -m jobs.pipeline --config run.yaml --release sapd-alfworld --namespace sapd \
              --templates rendered-templates/ --kubeconfig ~/.kube/config
+         python -m jobs.pipeline … --stage train --round 3      (one step, once its input is committed)
 First it runs the checks of `sapd check` (storage, run root, data sample, models and tokenizers; memory is
 checked by each stage pod on its own device): a failure exits before any Job is created (--no-check skips).
-Exit codes (sapd.entry): 0 run complete, 1 a stage kept failing (the message names the Job and what to
-do), 2 bad config or templates, 3 Kubernetes API error or a wait ran out, 75 storage unreachable.
+Exit codes (sapd.entry): 0 run (or step) complete — a failed final evaluation included, which it reports —,
+1 a stage kept failing (the message names the Job and what to do), 2 bad config or templates, 3 Kubernetes
+API error or a wait ran out, 75 storage unreachable.
 """
 
 from __future__ import annotations
@@ -32,7 +42,8 @@ from kubernetes.config.config_exception import ConfigException
 
 from sapd.entry import add_config_flags, config_from_args, log_line, run_main
 from sapd.run.check import preflight
-from sapd.run.k8s import Driver, KubeError, StageTemplates, current_namespace, load_api_client
+from sapd.run.k8s import STAGES, Driver, KubeError, StageTemplates, current_namespace, load_api_client
+from sapd.run.plan import Step
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,14 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between 'still running' lines (default 300)")
     p.add_argument("--stage-timeout-seconds", type=float, default=None,
                    help="give up waiting on one Job after this long (default: its activeDeadlineSeconds + 600)")
-    p.add_argument("--owner-job", default=os.environ.get("SAPD_DRIVER_JOB"),
-                   help="own Job name, made the owner of the stage Jobs (default $SAPD_DRIVER_JOB)")
+    p.add_argument("--owner", default=os.environ.get("SAPD_PIPELINE_OWNER"),
+                   help="configmap/<name> or job/<name>: the object the stage Jobs belong to, so that deleting it "
+                        "removes them (the chart: the release's pipeline-templates ConfigMap; default "
+                        "$SAPD_PIPELINE_OWNER, else none)")
+    p.add_argument("--stage", choices=STAGES, default=None,
+                   help="run this step only, once its input is committed (the chart's manual mode)")
+    p.add_argument("--round", type=int, default=None, help="the round of --stage (not for build-prefixes)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster config inside a pod)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.stage is not None and (args.round is None) != (args.stage == "build-prefixes"):
+        parser.error(f"--stage {args.stage} {'takes no' if args.stage == 'build-prefixes' else 'needs a'} --round")
 
     def body() -> None:
         cfg = config_from_args(args)
@@ -68,8 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             driver = Driver(cfg, templates, load_api_client(args.kubeconfig), namespace, retries=args.retries,
                             poll_seconds=args.poll_seconds, log_every_seconds=args.log_every_seconds,
-                            stage_timeout_seconds=args.stage_timeout_seconds, owner_job=args.owner_job, log=log_line)
-            driver.run()
+                            stage_timeout_seconds=args.stage_timeout_seconds, owner=args.owner, log=log_line)
+            if args.stage is None:
+                driver.run()
+            else:
+                driver.run_stage(Step(args.stage, args.round))
         except (ApiException, ConfigException) as e:
             raise KubeError(f"Kubernetes API: {str(e).strip().splitlines()[0]}") from e
 

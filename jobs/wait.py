@@ -1,6 +1,7 @@
-"""Job helper: wait until a stage's input is committed in the run root (the `wait-for-input` init
-container of the chart's `mode: manual` stage Jobs, which Helm creates all at once). What "committed"
-means is the run's plan (sapd/run/plan.py), the one both executors follow.
+"""Job helper: wait until a stage's input is committed in the run root — for a script, or an init
+container of your own. (The chart's `mode: manual` does not use it: its gate Jobs, `python -m
+jobs.pipeline --stage …`, wait in a small pod of their own and only then create the stage Job, so no GPU
+pod waits.) What "committed" means is the run's plan (sapd/run/plan.py), the one both executors follow.
 
   --for prefixes        the prefix build and checkpoint 0 (what teacher-scores of round 0 needs)
   --for checkpoint:K    checkpoint K (teacher-scores of round K; the evaluation of checkpoint K)
@@ -8,7 +9,7 @@ means is the run's plan (sapd/run/plan.py), the one both executors follow.
                         scores nothing, checkpoint K instead
 
 Local:   python -m jobs.wait --config run.yaml --for checkpoint:1 --poll-seconds 5
-Cluster: the init container of teacher-scores-r<K>, train-r<K>, evaluate-r<K> (mode: manual).
+Cluster: an init container of your own, e.g. of a job that consumes a run's checkpoint K.
 Exit codes (sapd.entry): 0 the input is committed, 2 bad config or --for, 75 storage unreachable or
 the wait ran out (--timeout-seconds): transient, the pod is retried.
 """

@@ -341,6 +341,11 @@ def dump_config(cfg: RunConfig) -> str:
 # may change between rounds of one run, or differ between the stages of one run (the scoring workers of a
 # round record their own count; the chart gives only the scoring stage its engines' tensor-parallel sizes)
 MAY_CHANGE = ("workers", "sampling.tensor_parallel_size", "sampling.teacher_tensor_parallel_size")
+# may change between two invocations of one run (a `helm upgrade --set config.train.rounds=40`, a `sapd run`
+# with more rounds): the run continues from its newest committed checkpoint. Only under a constant
+# lr_schedule: a linear or cosine decay spans train.rounds, so another count would change the learning rate
+# of every round left, and an extended run would no longer be the run it claims to be.
+ROUNDS = "train.rounds"
 
 
 def _flat(d: dict[str, Any], pre: str = "") -> dict[str, Any]:
@@ -351,9 +356,21 @@ def _flat(d: dict[str, Any], pre: str = "") -> dict[str, Any]:
 
 
 def config_differences(a: RunConfig, b: RunConfig) -> list[str]:
-    """Dotted keys whose values differ between two resolved configs (ignoring :data:`MAY_CHANGE`)."""
+    """Dotted keys whose values differ between two resolved configs (ignoring :data:`MAY_CHANGE`, and
+    :data:`ROUNDS` when both run a constant learning rate)."""
     fa, fb = _flat(yamlio.load(dump_config(a))), _flat(yamlio.load(dump_config(b)))
-    return sorted(k for k in fa.keys() | fb.keys() if k not in MAY_CHANGE and fa.get(k) != fb.get(k))
+    ignored = set(MAY_CHANGE)
+    if a.train.lr_schedule == b.train.lr_schedule == "constant":
+        ignored.add(ROUNDS)
+    return sorted(k for k in fa.keys() | fb.keys() if k not in ignored and fa.get(k) != fb.get(k))
+
+
+def committed_config(cfg: RunConfig) -> RunConfig | None:
+    """The resolved config committed in ``cfg``'s run root, or None before the run's first stage."""
+    uri = layout.config_uri(cfg.run_root)
+    if not storage.exists(uri):
+        return None
+    return config_from_dict(yamlio.load(storage.read_text(uri)) or {})
 
 
 def committed_config_problem(cfg: RunConfig) -> str | None:
@@ -376,17 +393,25 @@ def committed_config_problem(cfg: RunConfig) -> str | None:
     old, new = _flat(yamlio.load(dump_config(stored))), _flat(yamlio.load(dump_config(cfg)))
     shown = ", ".join(f"{k} ({old.get(k)!r} there, {new.get(k)!r} here)" for k in diffs[:4])
     shown += f" and {len(diffs) - 4} more" if len(diffs) > 4 else ""
-    return f"{uri} holds a different resolved config: {shown}; resume with the same config, or choose a new run_root"
+    hint = (f" ({ROUNDS} may change only with train.lr_schedule constant: a {cfg.train.lr_schedule} decay spans "
+            "the rounds)" if ROUNDS in diffs else "")
+    return (f"{uri} holds a different resolved config: {shown}{hint}; resume with the same config, or choose a "
+            "new run_root")
 
 
 def write_run_config(cfg: RunConfig) -> None:
     """The resolved config goes into the run root (``config.yaml``); a run root already holding a
     *different* config is refused (resuming must not silently change the experiment; only
-    :data:`MAY_CHANGE` keys may)."""
+    :data:`MAY_CHANGE` keys may, and :data:`ROUNDS` under a constant learning rate). A new round count is
+    written back, so the run root says how many rounds the run now has."""
     uri = layout.config_uri(cfg.run_root)
     if storage.exists(uri):
         problem = committed_config_problem(cfg)
         if problem:
             raise ConfigError(problem)
+        stored = committed_config(cfg)
+        if stored is not None and stored.train.rounds != cfg.train.rounds:
+            storage.write_text(uri, dump_config(dataclasses.replace(
+                stored, train=dataclasses.replace(stored.train, rounds=cfg.train.rounds))))
         return
     storage.write_text(uri, dump_config(cfg))

@@ -3,10 +3,10 @@
 Names carry the ``sapd_`` prefix and base units; labels are low-cardinality only (stage, loss term,
 advantage statistic, benchmark, category) — never a prefix or trajectory id. Batch jobs push their
 registry to a Pushgateway (``SAPD_PUSHGATEWAY_URL``) after each stage and at the end, grouped by job
-name, release (``SAPD_RELEASE``) and, for the workers of an Indexed Job, their index
-(``SAPD_METRICS_INSTANCE``); long training also serves ``/metrics`` on rank 0
-(``SAPD_METRICS_PORT``). Without those variables nothing leaves the process, and the same figures are
-in the run's JSONL logs.
+name, namespace (``SAPD_NAMESPACE``: two teams' releases of one name share a Pushgateway), release
+(``SAPD_RELEASE``) and, for the workers of an Indexed Job, their index (``SAPD_METRICS_INSTANCE``);
+long training also serves ``/metrics`` on rank 0 (``SAPD_METRICS_PORT``). Without those variables
+nothing leaves the process, and the same figures are in the run's JSONL logs.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class Metrics:
     job: str  # Pushgateway grouping key: the job (build_prefixes, teacher_scores, train, pipeline, …)
     pushgateway: str | None = None
     release: str = "local"
+    namespace: str = ""  # the Kubernetes namespace (SAPD_NAMESPACE), part of the grouping key when set
     instance: str = ""  # a worker's own grouping key (SAPD_METRICS_INSTANCE), so parallel pushes coexist
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
@@ -58,7 +59,7 @@ class Metrics:
     @classmethod
     def from_env(cls, job: str) -> "Metrics":
         return cls(job=job, pushgateway=os.environ.get("SAPD_PUSHGATEWAY_URL") or None,
-                   release=os.environ.get("SAPD_RELEASE", "local"),
+                   release=os.environ.get("SAPD_RELEASE", "local"), namespace=os.environ.get("SAPD_NAMESPACE", ""),
                    instance=os.environ.get("SAPD_METRICS_INSTANCE", ""))
 
     # -- recording ---------------------------------------------------------------------------------
@@ -101,7 +102,8 @@ class Metrics:
     def push(self) -> None:
         """Push the registry to the Pushgateway, when one is configured (a batch job's metrics)."""
         if self.pushgateway:
-            key = {"release": self.release, **({"instance": self.instance} if self.instance else {})}
+            key = {**({"namespace": self.namespace} if self.namespace else {}), "release": self.release,
+                   **({"instance": self.instance} if self.instance else {})}
             push_to_gateway(self.pushgateway, job=self.job, registry=self.registry, grouping_key=key, timeout=10)
 
     def serve(self, port: int, addr: str = "0.0.0.0"):

@@ -2,9 +2,10 @@
 
 Every values set (the base and each overlay under values/) is rendered and linted strictly with the
 Helm 4 library (PyPI ``helm-python-sdk``, libhelm_c through ctypes: no helm binary), in both modes
-(the default `pipeline`, whose stage Jobs are the driver's templates, and `manual`), and every rendered
-document is validated with ``kubernetes-validate`` in strict mode (unknown fields are errors) against
-the newest Kubernetes version it ships schemas for; JobSets against the vendored JobSet CRD schema.
+(the default `pipeline`, whose stage Jobs are the driver's templates, and `manual`, whose gate Jobs create
+them from the same templates), and every rendered document is validated with ``kubernetes-validate`` in
+strict mode (unknown fields are errors) against the lowest Kubernetes minor of the chart's `kubeVersion`
+and the newest one it ships schemas for; JobSets against the vendored JobSet CRD schema.
 How the chart behaves on a cluster is tests/test_journeys.py's subject.
 """
 
@@ -27,6 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "sapd"
 MANIFESTS = REPO / "manifests"
 KUBE_VERSION = kubernetes_validate.utils.latest_version()  # "1.37.0" with kubernetes-validate 1.37
+# the declared range's lowest minor (Chart.yaml kubeVersion ">=1.31.0-0") and the newest: 1.31-1.34's
+# schemas require fields that later ones default (podFailurePolicy onPodConditions `status`)
+LOWEST_KUBE = re.search(r"(\d+\.\d+)", yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]).group(1) + ".0"
+KUBE_VERSIONS = [LOWEST_KUBE, KUBE_VERSION]
 OVERLAYS = ["alfworld", "webshop", "searchqa", "textworld", "smoke"]
 VALUE_SETS = ["base", *OVERLAYS]
 GPU = "nvidia.com/gpu"
@@ -128,17 +133,29 @@ def validate(d: dict) -> None:
     if d["kind"] == "JobSet":
         assert validate_crd(d, JOBSET_SCHEMA) == [], d["metadata"]["name"]
     else:
-        assert kubernetes_validate.validate(d, KUBE_VERSION, strict=True), d["kind"]
+        for version in KUBE_VERSIONS:
+            assert kubernetes_validate.validate(d, version, strict=True), (d["kind"], version)
 
 
-def test_every_rendered_document_passes_the_strict_schema(rendered):
+def test_every_rendered_document_passes_the_strict_schema_at_both_ends_of_the_range(rendered):
     name, docs = rendered
     kinds = {d["kind"] for d in docs}
-    assert {"ConfigMap", "CronJob", "Job", "Service", "Pod"} <= kinds, name
-    if name.endswith("pipeline"):
-        assert {"ServiceAccount", "Role", "RoleBinding"} <= kinds
+    assert {"ConfigMap", "CronJob", "Job", "Service", "Pod", "ServiceAccount", "Role", "RoleBinding"} <= kinds, name
+    assert LOWEST_KUBE == "1.31.0" and tuple(map(int, KUBE_VERSION.split(".")[:2])) >= (1, 35)
     for d in docs:
         validate(d)
+
+
+def test_the_lowest_version_is_what_catches_a_missing_condition_status():
+    """1.31–1.34 require `status` in onPodConditions (1.35+ default it): validating at the newest version
+    alone passed a chart that every 1.31–1.34 CI gate rejects."""
+    spec = job(render({}), "teacher-scores")
+    cond = spec["spec"]["podFailurePolicy"]["rules"][0]["onPodConditions"][0]
+    assert cond == {"type": "DisruptionTarget", "status": "True"}
+    del cond["status"]
+    assert kubernetes_validate.validate(spec, KUBE_VERSION, strict=True)
+    with pytest.raises(kubernetes_validate.ValidationError, match="'status' is a required property"):
+        kubernetes_validate.validate(spec, LOWEST_KUBE, strict=True)
 
 
 def test_the_schema_checks_are_strict():
@@ -194,23 +211,31 @@ def test_every_values_key_is_in_the_schema_and_the_job_blocks_are_symmetric():
 def test_batch_fields_and_failure_policy_on_every_job(rendered):
     name, docs = rendered
     specs = job_specs(docs)
-    # build-prefixes, teacher-scores, train, evaluate (driver templates or manual Jobs), the CronJob's,
-    # and the driver itself in pipeline mode
-    assert len(specs) == (6 if name.endswith("pipeline") else 5), [n for n, _ in specs]
+    # the four stage templates (the driver's, or the manual gates'), the CronJob's, the driver (pipeline)
+    # or the four gates (manual), and ALFWorld's data fill where the benchmark is ALFWorld
+    alfworld = any(n.startswith("sapd-test-alfworld-fill-") for n, _ in specs)
+    assert alfworld == (name.split("-")[0] in ("base", "alfworld")), name
+    assert len(specs) == (6 if name.endswith("pipeline") else 9) + alfworld, [n for n, _ in specs]
     for job_name, spec in specs:
-        retries = "backoffLimitPerIndex" if "teacher-scores" in job_name else "backoffLimit"
+        retries = "backoffLimitPerIndex" if "teacher-scores" in job_name and "gate" not in job_name else "backoffLimit"
         for f in (retries, "activeDeadlineSeconds", "ttlSecondsAfterFinished"):
             assert isinstance(spec.get(f), int) and spec[f] >= 0, (name, job_name, f)
         assert spec["template"]["spec"]["restartPolicy"] == "Never"
         assert spec["podReplacementPolicy"] == "Failed"
         rules = spec["podFailurePolicy"]["rules"]
-        assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
-        fail = [r for r in rules if r["action"] == "FailJob"]
-        assert len(fail) == 1 and fail[0]["onExitCodes"]["containerName"] == container(spec)["name"]
+        # a preemption is not the pod's fault: ignored (the pod is replaced, uncounted), except in a torchrun
+        # group, which cannot take one replaced rank: there it fails the Job, and the whole group restarts
+        gang = container(spec)["name"] == "train"
+        assert rules[0] == {"action": "FailJob" if gang else "Ignore",
+                            "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}, job_name
+        fail = [r for r in rules if "onExitCodes" in r]
+        assert rules[1:] == fail and len(fail) == 1 and fail[0]["action"] == "FailJob"  # rule 1: JobSet relies on it
+        assert fail[0]["onExitCodes"]["containerName"] == container(spec)["name"]
         codes = fail[0]["onExitCodes"]["values"]
         # a config error (2) is not retried on a GPU node; storage trouble (75) and kills (137) are
         assert 2 in codes and 75 not in codes and 137 not in codes
-        assert codes == ([1, 2] if "pipeline" in job_name else [2]), job_name
+        driver = "pipeline" in job_name or "-gate-" in job_name
+        assert codes == ([1, 2] if driver else [2]), job_name
 
 
 def test_pods_run_as_non_root_with_a_read_only_root_and_tini_as_pid_1(rendered):
@@ -252,14 +277,30 @@ def test_every_pod_requests_ephemeral_storage_and_sizes_its_scratch(rendered):
         assert scratch["emptyDir"]["sizeLimit"], name
 
 
-def test_image_tag_defaults_to_app_version_and_a_digest_pins_it():
+def test_image_tag_defaults_to_app_version_and_a_digest_per_flavor_pins_it():
     app = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
-    docs = render({})
+    docs = render(overlay_values("searchqa"))
     assert container(job(docs, "train")["spec"])["image"] == f"ghcr.io/sapd/sapd:{app}-gpu"
     assert container(job(docs, "evaluate")["spec"])["image"] == f"ghcr.io/sapd/sapd:{app}-eval"  # benchmarks
-    digest = "sha256:" + "a" * 64
-    docs = render({"image": {"repository": "registry.example/sapd", "digest": digest}})
-    assert container(job(docs, "train")["spec"])["image"] == f"registry.example/sapd@{digest}"
+    retriever = by_kind(docs, "Deployment")["sapd-test-retriever"]["spec"]["template"]["spec"]
+    assert {c["image"] for c in retriever["containers"] + retriever["initContainers"]} == {f"ghcr.io/sapd/sapd:{app}-cpu"}
+    # each flavor is its own image: a digest per flavor, so the evaluation keeps the eval image's
+    gpu, ev, cpu = ("sha256:" + c * 64 for c in "abc")
+    docs = render({**overlay_values("searchqa"),
+                   "image": {"repository": "registry.example/sapd", "digests": {"gpu": gpu, "eval": ev, "cpu": cpu}}})
+    assert container(job(docs, "train")["spec"])["image"] == f"registry.example/sapd@{gpu}"
+    assert container(job(docs, "evaluate")["spec"])["image"] == f"registry.example/sapd@{ev}"
+    (cron,) = by_kind(docs, "CronJob").values()
+    assert container(cron["spec"]["jobTemplate"]["spec"])["image"] == f"registry.example/sapd@{ev}"
+    dep = by_kind(docs, "Deployment")["sapd-test-retriever"]["spec"]["template"]["spec"]
+    assert dep["containers"][0]["image"] == f"registry.example/sapd@{cpu}"
+    # a flavor without a digest keeps its tag; a job's own digest pins that job alone
+    docs = render({"image": {"digests": {"gpu": gpu}}, "pipeline": {"image": {"digest": cpu}}})
+    assert container(job(docs, "evaluate")["spec"])["image"] == f"ghcr.io/sapd/sapd:{app}-eval"
+    assert container(job(docs, "pipeline")["spec"])["image"] == f"ghcr.io/sapd/sapd@{cpu}"
+    assert container(job(docs, "train")["spec"])["image"] == f"ghcr.io/sapd/sapd@{gpu}"
+    with pytest.raises(helm.HelmValuesError, match="digest"):  # one digest for every flavor: refused
+        render_files({"image": {"digest": gpu}})
     docs = render({"image": {"tag": "dev"}, "evaluate": {"image": {"tag": "dev-eval"}}})
     assert container(job(docs, "train")["spec"])["image"].endswith(":dev")
     assert container(job(docs, "evaluate")["spec"])["image"].endswith(":dev-eval")
@@ -303,7 +344,8 @@ def test_tensor_parallel_engines_request_that_many_gpus_and_shm_is_a_value():
 
 
 def test_model_cache_is_shared_per_node():
-    for cache, vol in (({"type": "hostPath", "hostPath": "/mnt/nvme/sapd"}, {"hostPath": {"path": "/mnt/nvme/sapd", "type": "DirectoryOrCreate"}}),
+    # hostPath: an existing folder (a created one would be root-owned, unwritable for uid 1000)
+    for cache, vol in (({"type": "hostPath", "hostPath": "/mnt/nvme/sapd"}, {"hostPath": {"path": "/mnt/nvme/sapd", "type": "Directory"}}),
                        ({"type": "pvc", "claimName": "models"}, {"persistentVolumeClaim": {"claimName": "models"}})):
         docs = render({"modelCache": cache})
         for name, pod in pod_specs(docs):
@@ -352,12 +394,20 @@ def test_train_as_a_jobset_restarts_the_group_and_the_driver_may_create_it():
     assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and validate_crd(js, JOBSET_SCHEMA) == []
     name = js["metadata"]["name"]
     assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+    # JobSet's host-maintenance pattern: the child Job fails on a preempted pod (rule 0) and on exit code 2
+    # (rule 1); the first restarts the group without counting, the second fails the JobSet
     assert js["spec"]["failurePolicy"] == {"maxRestarts": 5, "rules": [
-        {"name": "permanent-error", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]}
+        {"name": "preempted", "action": "RestartJobSetAndIgnoreMaxRestarts", "onJobFailureReasons": ["PodFailurePolicy"],
+         "onJobFailureMessagePatterns": ["matching FailJob rule at index 0$"]},
+        {"name": "permanent-error", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
+         "onJobFailureMessagePatterns": ["matching FailJob rule at index 1$"]}]}
     assert js["spec"]["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
     (rj,) = js["spec"]["replicatedJobs"]
     spec = rj["template"]["spec"]
     assert rj["replicas"] == 1 and spec["completions"] == spec["parallelism"] == 4 and spec["backoffLimit"] == 0
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[0]["action"] == "FailJob" and rules[0]["onPodConditions"][0]["type"] == "DisruptionTarget"
+    assert rules[1]["action"] == "FailJob" and rules[1]["onExitCodes"]["values"] == [2]
     assert "kueue.x-k8s.io/queue-name" not in rj["template"]["metadata"]["labels"]  # the JobSet is the workload
     args = container(spec)["args"]
     assert f"--master-addr={name}-node-0-0.{name}" in args  # JobSet's pod hostname and Service
@@ -366,15 +416,15 @@ def test_train_as_a_jobset_restarts_the_group_and_the_driver_may_create_it():
     assert "Service" not in {d["kind"] for d in docs}  # JobSet creates its own
     (role,) = by_kind(docs, "Role").values()
     assert {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["create", "get", "delete"]} in role["rules"]
-    # the manual-mode JobSet too
-    m = job(render(manual(values)), "train")
-    assert m["kind"] == "JobSet" and m["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["initContainers"]
+    # manual mode: the same JobSet template, created by the train gate
+    m = render(manual(values))
+    assert job(m, "train")["kind"] == "JobSet" and job(m, "gate-train")["kind"] == "Job"
 
 
 def test_kueue_labels_on_every_job_the_cronjob_template_and_the_driver_templates():
     docs = render({"kueue": {"queueName": "team-a", "priorityClass": "batch-low"}})
     jobs = [d for d in docs if d["kind"] == "Job"]
-    assert len(jobs) == 5  # the driver + its four templates
+    assert len(jobs) == 6  # the driver + its four templates + ALFWorld's data fill
     for d in jobs:
         assert d["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a", d["metadata"]["name"]
         assert d["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "batch-low"
@@ -437,29 +487,48 @@ def test_evaluation_gets_each_benchmark_what_it_needs():
     def ev(values):
         docs = render(values)
         return docs, job(docs, "evaluate")["spec"]["template"]["spec"]
-    # ALFWorld: game files downloaded by an init container (eval image), or from a claim
+    # the driver's evaluate-r<R> evaluates exactly checkpoint R (the CronJob: the newest)
     _, pod = ev({})
-    (init,) = pod["initContainers"]
-    assert init["args"] == ["alfworld-download"] and env_of(init)["ALFWORLD_DATA"]["value"] == "/scratch/alfworld"
     args = pod["containers"][0]["args"]
-    assert args[args.index("--data-dir") + 1] == "/scratch/alfworld"
-    _, pod = ev({"evaluate": {"alfworld": {"data": "pvc", "claimName": "alfworld-data"}}})
-    assert "initContainers" not in pod
-    assert {"name": "alfworld", "persistentVolumeClaim": {"claimName": "alfworld-data", "readOnly": True}} in pod["volumes"]
+    assert args[args.index("--checkpoint") + 1] == "0"  # round 0 of the rendered template
+    (cron,) = by_kind(render({}), "CronJob").values()
+    assert "--checkpoint" not in container(cron["spec"]["jobTemplate"]["spec"])["args"]
+    # ALFWorld: the game files on a claim filled once, mounted read-only: no download in evaluation pods
+    docs, pod = ev({})
+    assert "initContainers" not in pod and "alfworld-download" not in json.dumps(docs)
+    assert {"name": "alfworld", "persistentVolumeClaim": {"claimName": "sapd-test-alfworld-data", "readOnly": True}} \
+        in pod["volumes"]
+    assert {"name": "alfworld", "mountPath": "/data/alfworld", "readOnly": True} in pod["containers"][0]["volumeMounts"]
     assert env_of(pod["containers"][0])["ALFWORLD_DATA"]["value"] == "/data/alfworld"
-    # WebShop: the configured URL, or the release's own server
-    _, pod = ev(overlay_values("webshop"))
+    assert args[args.index("--data-dir") + 1] == "/data/alfworld"
+    (pvc,) = by_kind(docs, "PersistentVolumeClaim").values()
+    assert pvc["metadata"]["name"] == "sapd-test-alfworld-data" and pvc["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    (fill,) = [d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].startswith("sapd-test-alfworld-fill-")]
+    fpod = fill["spec"]["template"]["spec"]
+    assert container(fill["spec"])["args"] == ["sapd", "alfworld-games", "--out", "/data/alfworld", "--split", "valid_unseen"]
+    assert container(fill["spec"])["image"].endswith("-eval") and GPU not in json.dumps(fpod)
+    assert {"name": "alfworld", "persistentVolumeClaim": {"claimName": "sapd-test-alfworld-data"}} in fpod["volumes"]
+    assert env_of(container(fill["spec"]))["ALFWORLD_DATA"]["value"] == "/data/alfworld"
+    # a changed command is a new Job (Jobs are immutable); the same one is left alone by an upgrade
+    other = render({"evaluate": {"alfworld": {"fill": {"command": ["alfworld-download"]}}}})
+    assert [d["metadata"]["name"] for d in other if "alfworld-fill" in d["metadata"]["name"]] != [fill["metadata"]["name"]]
+    # a claim of one's own, filled by hand: no claim and no fill rendered
+    docs, pod = ev({"evaluate": {"alfworld": {"claimName": "alfworld-games", "fill": {"enabled": False}}}})
+    assert not by_kind(docs, "PersistentVolumeClaim") and "alfworld-fill" not in json.dumps(docs)
+    assert {"name": "alfworld", "persistentVolumeClaim": {"claimName": "alfworld-games", "readOnly": True}} in pod["volumes"]
+    # WebShop: bring your own server; the chart deploys no image it cannot name, and helm test probes the URL
+    docs, pod = ev(overlay_values("webshop"))
     args = pod["containers"][0]["args"]
     assert args[args.index("--webshop-url") + 1] == "http://webshop.sapd-system.svc.cluster.local:3000"
-    docs, pod = ev({**overlay_values("webshop"), "evaluate": {"webshop": {"url": "", "server": {
-        "enabled": True, "image": {"repository": "registry.example/webshop", "tag": "1.0"}}}}})
-    args = pod["containers"][0]["args"]
-    assert args[args.index("--webshop-url") + 1] == "http://sapd-test-webshop:3000"
-    assert by_kind(docs, "Deployment")["sapd-test-webshop"]["spec"]["template"]["spec"]["containers"][0]["image"] == \
-        "registry.example/webshop:1.0"
-    with pytest.raises(helm.HelmRenderError, match="webshop.url"):
+    assert not by_kind(docs, "Deployment") and "webshop" not in " ".join(by_kind(docs, "Service"))
+    assert env_of(pod["containers"][0])["SAPD_WEBSHOP_URL"]["value"] == "http://webshop.sapd-system.svc.cluster.local:3000"
+    (test_pod,) = by_kind(docs, "Pod").values()
+    assert env_of(test_pod["spec"]["containers"][0])["SAPD_WEBSHOP_URL"]["value"].endswith(":3000")
+    with pytest.raises(helm.HelmRenderError, match="evaluate.webshop.url is required for benchmark webshop"):
         render_files({"config": {"data": {"benchmark": "webshop"}}})
-    # search QA: question rows from S3 and the release's BM25 retriever
+    with pytest.raises(helm.HelmValuesError, match="server"):
+        render_files({"evaluate": {"webshop": {"server": {"enabled": True}}}})
+    # search QA: question rows from S3 and the release's BM25 retriever (on the cpu image: it has bm25s)
     docs, pod = ev(overlay_values("searchqa"))
     args = pod["containers"][0]["args"]
     assert args[args.index("--rows") + 1] == "s3://sapd/data/searchqa/test.parquet"
@@ -467,7 +536,9 @@ def test_evaluation_gets_each_benchmark_what_it_needs():
     dep = by_kind(docs, "Deployment")["sapd-test-retriever"]["spec"]["template"]["spec"]
     assert dep["initContainers"][0]["args"][:3] == ["python", "-m", "jobs.fetch"]
     assert dep["containers"][0]["args"][:3] == ["python", "-m", "sapd.envs.retriever"] and dep["restartPolicy"] == "Always"
+    assert dep["containers"][0]["image"].endswith("-cpu") and GPU not in json.dumps(dep)
     assert by_kind(docs, "Service")["sapd-test-retriever"]["spec"]["ports"][0]["port"] == 8000
+    assert not by_kind(docs, "PersistentVolumeClaim")  # no ALFWorld data for another benchmark
     # TextWorld: games generated into the scratch volume (the root filesystem is read-only)
     _, pod = ev(overlay_values("textworld"))
     assert env_of(pod["containers"][0])["SAPD_TEXTWORLD_CACHE"]["value"] == "/scratch/textworld"
@@ -493,66 +564,77 @@ def test_pipeline_driver_rbac_is_what_it_calls():
     docs = render({})
     (role,) = by_kind(docs, "Role").values()
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): r["verbs"] for r in role["rules"]}
-    # the calls of sapd/run/k8s.py: read/create/delete job, read/create service, list pods, read a log
+    # the calls of sapd/run/k8s.py: read/create/delete job, read its owner (the templates ConfigMap, no
+    # other), read/create service, list pods, read a log
     assert rules == {(("batch",), ("jobs",)): ["create", "get", "delete"], (("",), ("services",)): ["get", "create"],
-                     (("",), ("pods",)): ["list"], (("",), ("pods/log",)): ["get"]}
+                     (("",), ("configmaps",)): ["get"], (("",), ("pods",)): ["list"], (("",), ("pods/log",)): ["get"]}
+    (cm_rule,) = [r for r in role["rules"] if r["resources"] == ["configmaps"]]
+    assert cm_rule["resourceNames"] == ["sapd-test-pipeline-templates"]
     (binding,) = by_kind(docs, "RoleBinding").values()
     (sa,) = by_kind(docs, "ServiceAccount").values()
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "sapd"}]
     drv = job(docs, "pipeline")["spec"]["template"]["spec"]
     assert drv["serviceAccountName"] == sa["metadata"]["name"] and drv["automountServiceAccountToken"] is True
-    assert not by_kind(render(manual({})), "Role")  # manual mode: no driver
+    # manual mode: the gates run as the same ServiceAccount, with the same Role
+    mdocs = render(manual({}))
+    assert by_kind(mdocs, "Role") == by_kind(docs, "Role")
+    for stage in STAGES:
+        assert job(mdocs, f"gate-{stage}")["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
     for component in STAGES:
         assert job(docs, component)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
 def test_pipeline_driver_creates_the_stage_jobs_from_the_same_templates_as_manual_mode():
     docs = render({}, with_templates=False)
-    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Job"] == ["sapd-test-pipeline-1"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Job" and "fill" not in d["metadata"]["name"]] == \
+        ["sapd-test-pipeline-1"]
     (svc,) = by_kind(docs, "Service").values()  # round-independent: rendered either way
     templates = dict(stage_templates(docs, round_=3))
     assert set(templates) == {"build-prefixes", "teacher-scores", "train", "train-service", "evaluate"}
     assert templates["train-service"] == svc
     assert templates["teacher-scores"]["metadata"]["name"] == "sapd-test-teacher-scores-r3"
     assert templates["evaluate"]["metadata"]["name"] == "sapd-test-evaluate-r3"
-    # manual mode renders the same Jobs, plus a wait for their input and a name suffix from the values
-    alone = render(manual({"round": 3}), revision=4)
-    suffix = job(alone, "train")["metadata"]["name"].rsplit("-", 1)[1]
-    assert re.fullmatch(r"[0-9a-f]{5}", suffix)
-    waits = {"build-prefixes": None, "teacher-scores": "checkpoint:3", "train": "scored:3", "evaluate": "checkpoint:4"}
-    for stage, wait in waits.items():
-        t, m = templates[stage], job(alone, stage)
-        assert "annotations" not in m["metadata"]
-        assert m["metadata"]["name"] == (t["metadata"]["name"] if stage != "evaluate" else "sapd-test-evaluate-r4") + f"-{suffix}"
-        tpod, mpod = t["spec"]["template"]["spec"], m["spec"]["template"]["spec"]
-        if stage == "train":
-            mc = dict(container(m["spec"]), args=[a.replace(f"-{suffix}-0.", "-0.") for a in container(m["spec"])["args"]])
-            assert mc == container(t["spec"])
-        elif stage != "evaluate":
-            assert container(m["spec"]) == container(t["spec"]), stage
-        inits = [c for c in mpod.get("initContainers", []) if c["name"] == "wait-for-input"]
-        if wait is None:
-            assert not inits
-        else:
-            (init,) = inits
-            assert init["args"][:3] == ["python", "-m", "jobs.wait"] and init["args"][init["args"].index("--for") + 1] == wait
-            assert init["image"] == container(m["spec"])["image"]
-            skip = {"initContainers", "containers"} if stage == "train" else {"initContainers"}  # train: compared above
-            assert {k: v for k, v in mpod.items() if k not in skip} == {k: v for k, v in tpod.items() if k not in skip}
-    # the driver pod mounts its templates where its command reads them
-    drv = job(docs, "pipeline")["spec"]["template"]["spec"]
-    args = container({"template": {"spec": drv}})["args"]
+    # the driver pod mounts its templates where its command reads them, and makes the stage Jobs dependents
+    # of the templates ConfigMap, which every revision keeps (an upgrade never deletes a running stage)
+    drv = job(docs, "pipeline")
+    args = container(drv["spec"])["args"]
     assert args[:3] == ["python", "-m", "jobs.pipeline"] and args[args.index("--templates") + 1] == "/etc/sapd-pipeline"
-    (vol,) = [v for v in drv["volumes"] if v["name"] == "stage-templates"]
+    assert args[args.index("--owner") + 1] == "configmap/sapd-test-pipeline-templates"
+    (vol,) = [v for v in drv["spec"]["template"]["spec"]["volumes"] if v["name"] == "stage-templates"]
     assert vol["configMap"]["name"] == "sapd-test-pipeline-templates"
-    mount = next(m for m in drv["containers"][0]["volumeMounts"] if m["name"] == "stage-templates")
+    mount = next(m for m in container(drv["spec"])["volumeMounts"] if m["name"] == "stage-templates")
     assert mount["mountPath"] == "/etc/sapd-pipeline" and mount["readOnly"] is True
     assert args[args.index("--retries") + 1] == "2"
-    assert env_of(drv["containers"][0])["SAPD_DRIVER_JOB"]["value"] == "sapd-test-pipeline-1"
-    # a disabled stage has no template (the driver then refuses or skips it)
-    off = dict(stage_templates(render({"evaluate": {"enabled": False}}, with_templates=False)))
-    assert "evaluate" not in off and "train" in off
+    # Argo CD (helm template: revision 1 forever) deletes and recreates the driver Job when it changes
+    assert drv["metadata"]["annotations"]["argocd.argoproj.io/sync-options"] == "Force=true,Replace=true"
+    # manual mode renders the same templates, and per stage a gate Job: the driver limited to that stage,
+    # a small CPU pod that creates the stage Job once its input is committed (no GPU held while waiting)
+    alone = render(manual({"round": 3}), revision=4, with_templates=False)
+    assert dict(stage_templates(alone, round_=3)) == templates
+    gates = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in alone
+             if d["kind"] == "Job" and "-gate-" in d["metadata"]["name"]}
+    assert set(gates) == {f"gate-{s}" for s in STAGES} and not [d for d in alone if d["kind"] == "Job" and
+                                                             d["metadata"]["name"].endswith(("-r3", "-r4"))]
+    suffix = gates["gate-train"]["metadata"]["name"].rsplit("-", 1)[1]
+    assert re.fullmatch(r"[0-9a-f]{5}", suffix)
+    rounds = {"build-prefixes": None, "teacher-scores": "3", "train": "3", "evaluate": "4"}
+    for stage, k in rounds.items():
+        g = gates[f"gate-{stage}"]
+        assert g["metadata"]["name"] == f"sapd-test-gate-{stage}{'' if k is None else f'-r{k}'}-{suffix}"
+        gargs = container(g["spec"])["args"]
+        assert gargs[:3] == ["python", "-m", "jobs.pipeline"] and gargs[gargs.index("--stage") + 1] == stage
+        assert (gargs[gargs.index("--round") + 1] if "--round" in gargs else None) == k
+        assert gargs[gargs.index("--owner") + 1] == "configmap/sapd-test-pipeline-templates"
+        gpod = g["spec"]["template"]["spec"]
+        assert GPU not in json.dumps(gpod) and "initContainers" not in gpod
+        assert container(g["spec"])["resources"] == container(drv["spec"])["resources"]  # the driver's
+        assert [v["configMap"]["name"] for v in gpod["volumes"] if "configMap" in v] == \
+            ["sapd-test-config", "sapd-test-pipeline-templates"]
+    # a disabled stage has no template (the driver then refuses or skips it), and no gate
+    off = render({"evaluate": {"enabled": False}}, with_templates=False)
+    assert "evaluate" not in dict(stage_templates(off)) and "train" in dict(stage_templates(off))
+    assert "gate-evaluate" not in json.dumps(render(manual({"evaluate": {"enabled": False}}), with_templates=False))
 
 
 def test_config_map_holds_overlays_that_sapd_loads(rendered, tmp_path):
@@ -574,7 +656,8 @@ def test_config_map_holds_overlays_that_sapd_loads(rendered, tmp_path):
         assert vol["configMap"]["items"][0]["key"] in cm["data"]
         mount = next(m for m in container(spec)["volumeMounts"] if m["name"] == "config")
         assert mount["mountPath"] == "/etc/sapd"
-        assert "/etc/sapd/config.yaml" in container(spec)["args"]
+        if container(spec)["name"] != "alfworld-fill":  # ALFWorld's game files need no run config
+            assert "/etc/sapd/config.yaml" in container(spec)["args"]
 
 
 def test_config_map_content_per_overlay(tmp_path):
@@ -880,3 +963,61 @@ def test_float_values_arrive_as_floats(tmp_path, how):
     (tmp_path / "s.yaml").write_text(by_kind(render(values), "ConfigMap")["sapd-test-config"]["data"]["config.yaml"])
     cfg = load_config(tmp_path / "s.yaml")
     assert (cfg.data.input, cfg.model.device) == ("1e5.jsonl", "cuda:1")
+
+
+# ------------------------------------------------------------------------------------------ cluster review 2
+
+
+def test_a_dotted_release_name_is_refused_with_a_clear_message():
+    """Helm accepts "sapd.alfworld"; the API server would refuse the Service `sapd.alfworld-train` (a
+    DNS-1035 label) once half the release exists. The chart refuses it first, naming a name that works."""
+    helm.validate_release_name("sapd.alfworld")  # Helm's own rule lets it through
+    for bad, better in (("sapd.alfworld", "sapd-alfworld"), ("1sapd", "1sapd")):
+        with pytest.raises(helm.HelmRenderError, match=rf'release name "{re.escape(bad)}": the chart names Services '
+                                                       rf'after it.*DNS-1035.*"{better}"'):
+            render_files({}, release=bad)
+    assert render_files({}, release="sapd-alfworld-2")
+
+
+def test_volumes_are_chowned_only_on_a_root_mismatch():
+    for _, pod in pod_specs(render({"modelCache": {"type": "pvc", "claimName": "models"}})):
+        assert pod["securityContext"]["fsGroup"] == 1000
+        assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+
+
+def test_job_level_annotations_go_on_the_job_not_its_pods():
+    """Kueue reads its partial-admission annotation from the Job's own metadata."""
+    min_par = {"kueue.x-k8s.io/job-min-parallelism": "2"}
+    values = {"jobDefaults": {"jobAnnotations": {"team": "nlp"}}, "teacherScores": {"jobAnnotations": min_par}}
+    docs = render(values)
+    ts = job(docs, "teacher-scores")
+    assert ts["metadata"]["annotations"] == {"team": "nlp", **min_par}
+    assert "kueue.x-k8s.io/job-min-parallelism" not in json.dumps(ts["spec"]["template"])
+    assert job(docs, "pipeline")["metadata"]["annotations"]["team"] == "nlp"
+    (cron,) = by_kind(docs, "CronJob").values()
+    assert cron["spec"]["jobTemplate"]["metadata"]["annotations"] == {"team": "nlp"}
+    js = job(render({"train": {"launcher": "jobset", "jobAnnotations": {
+        "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}}}), "train")
+    assert js["metadata"]["annotations"] == {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
+    # the driver keeps them when it adds its own (attempt, run root)
+    from sapd.run.k8s import Driver, StageTemplates
+    cm = [d for d in render(values, with_templates=False) if d["metadata"]["name"] == "sapd-test-pipeline-templates"][0]
+    drv = Driver.__new__(Driver)
+    drv.templates = StageTemplates({k.removesuffix(".yaml"): v for k, v in cm["data"].items()})
+    drv.cfg, drv._owner_ref = load_config_from_docs(docs), None
+    assert drv.manifest("teacher-scores", 1, 2)["metadata"]["annotations"] == {
+        "team": "nlp", **min_par, "sapd.io/attempt": "2", "sapd.io/run-root": "s3://sapd/runs/default"}
+
+
+def load_config_from_docs(docs: list[dict]):
+    from sapd.config import config_from_dict
+    return config_from_dict(yaml.safe_load(by_kind(docs, "ConfigMap")["sapd-test-config"]["data"]["pipeline.yaml"]))
+
+
+def test_the_train_rendezvous_waits_for_the_whole_group():
+    """torchrun's static rendezvous gives up after 600 s: a group whose second pod waits for a GPU node
+    would fail and burn a retry. Its timeout is a value (an hour by default)."""
+    args = container(job(render({}), "train")["spec"])["args"]
+    assert "--rdzv-conf=timeout=3600" in args and args.index("--rdzv-conf=timeout=3600") < args.index("-m")
+    args = container(job(render({"train": {"rendezvousTimeoutSeconds": 7200}}), "train")["spec"])["args"]
+    assert "--rdzv-conf=timeout=7200" in args

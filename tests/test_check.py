@@ -137,3 +137,67 @@ def test_checks_run_for_one_stage_only(tmp_path, models):
     cfg = config_from_dict(tiny_config(str(tmp_path / "run"), *models))
     names = [o.name for o in run_checks(cfg, stage="train", log=lambda s: None)]
     assert names == ["storage", "run root", "student", "memory"]
+
+
+def test_webshop_is_bring_your_own_server_probed_in_seconds(tmp_path, models, monkeypatch, capsys):
+    """`SAPD_WEBSHOP_URL=… sapd check run.yaml` for a WebShop run: the server's instruction page answers → ok;
+    nothing listening → one FAILED line within seconds and exit 75 (retry later); a server that is not
+    WebShop, or a malformed URL → exit 2 (fix the URL)."""
+    import socket
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tests.test_alfworld_webshop import _records, _site
+    first_page = _site(_records("webshop_eto.json")[0])[("init", "")]  # a recorded goal's instruction page
+
+    class Handler(BaseHTTPRequestHandler):
+        page: str | None = first_page
+
+        def do_GET(self):  # noqa: N802
+            body = (self.page or "<html><body>a blog</body></html>").encode()
+            self.send_response(200 if self.path == "/fixed_0" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    config = tmp_path / "webshop.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(str(tmp_path / "run"), *models, data={
+        "input": str(REPO / "sapd" / "sample_data" / "webshop_eto.json"), "format": "eto", "benchmark": "webshop"})))
+
+    def check(webshop_url: str) -> tuple[int, list[str], float]:
+        monkeypatch.setenv("SAPD_WEBSHOP_URL", webshop_url)
+        capsys.readouterr()
+        t0 = time.monotonic()
+        code = main(["check", str(config)])
+        return code, [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("check webshop")], \
+            time.monotonic() - t0
+
+    try:
+        code, lines, _ = check(url)
+        assert code == EXIT_OK and lines == [f"check webshop: ok ({url} answers with WebShop's instruction page)"]
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        code, lines, seconds = check(dead)
+        assert code == EXIT_UNAVAILABLE and len(lines) == 1 and seconds < 30, (lines, seconds)
+        assert lines[0].startswith(f"check webshop: FAILED: {dead} is unreachable (") and "evaluate.webshop.url" in lines[0]
+        Handler.page = None  # another web server answers there
+        code, lines, _ = check(url)
+        assert code == EXIT_USER_ERROR and "answers, but not with WebShop's instruction page" in lines[0]
+        code, lines, _ = check(url + "/shop/")
+        assert code == EXIT_USER_ERROR and f"{url}/shop/fixed_0 answered HTTP 404: not a WebShop server" in lines[0]
+        code, lines, _ = check("webshop.sapd-system:3000")
+        assert code == EXIT_USER_ERROR and "'webshop.sapd-system:3000' is not an http(s) URL" in lines[0]
+    finally:
+        server.shutdown()
+        server.server_close()
+    # another benchmark does not need the server: no line at all
+    code, lines = _lines(config_from_dict(tiny_config(str(tmp_path / "run2"), *models)))
+    assert code == EXIT_OK and not any(ln.startswith("check webshop") for ln in lines)

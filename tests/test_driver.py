@@ -1,10 +1,12 @@
 """The pipeline driver (jobs/pipeline.py, sapd/run/k8s.py) against the real ``kubernetes`` client,
 with only its HTTP layer faked: ``urllib3.PoolManager.request`` is routed to an in-memory API server
-that stores the Jobs and Services it is sent, plays a Job controller (a test scripts each Job's
-attempts: complete, fail or keep running) and, when a Job completes, performs the Job's effect on a
-local run root — the commit markers the real stage would write (prefix manifest, checkpoint markers,
-precompute workers' done-markers, evaluation files). The driver itself commits each round's scored
-manifest with the real ``sapd.data.scored.commit_round``.
+that stores the Jobs, JobSets, Services and the ConfigMap it is sent, plays a Job controller (a test
+scripts each Job's attempts: complete, fail, fail permanently, be preempted, stay queued by Kueue, wait
+for an unschedulable pod, keep running) and a JobSet controller with JobSet's own condition reasons
+(FailJobSetFailurePolicyAction, ReachedMaxRestarts — never the child Job's), and, when a Job completes,
+performs the Job's effect on a local run root — the commit markers the real stage would write (prefix
+manifest, checkpoint markers, precompute workers' done-markers, evaluation files). The driver itself
+commits each round's scored manifest with the real ``sapd.data.scored.commit_round``.
 
 The stage templates and the driver's config come from rendering the chart (pipeline enabled), and
 every Job or Service body the client puts on the wire is validated with ``kubernetes-validate`` in
@@ -42,11 +44,18 @@ RELEASE = "sapd-t"
 
 
 class FakeKube:
-    """A tiny API server: jobs (create/read/delete), services (create/read), pods (list) and pod logs.
+    """A tiny API server: jobs and jobsets (create/read/delete), services (create/read), configmaps (read),
+    pods (list) and pod logs.
 
     ``script[name]`` lists what each attempt (each created incarnation) of Job ``name`` does:
-    "complete" (run the effect, then the Complete condition), "fail" (a failed pod, then Failed),
-    "run" (stay running). Unscripted attempts complete. A Job finishes on its second read."""
+    "complete" (run the effect, then the Complete condition), "fail" (a failed pod, then Failed:
+    BackoffLimitExceeded), "fail-permanent" (exit code 2: the podFailurePolicy's exit-code rule),
+    "preempted" (a pod's DisruptionTarget: the policy's rule 0 for train), "unschedulable" (a pod the
+    scheduler cannot place, until the group fails), "queued:N" (suspended by Kueue for N reads, then it
+    completes), "run" (stay running). Unscripted attempts complete. A Job finishes on its second read.
+    A JobSet plays JobSet's controller over the same script: a preempted group restarts by itself
+    (status.restarts), exit code 2 fails it with FailJobSetFailurePolicyAction, a failure with
+    ReachedMaxRestarts."""
 
     def __init__(self, effect: Callable[[dict], None]):
         self.effect = effect
@@ -61,6 +70,8 @@ class FakeKube:
         self.reads: dict[str, int] = {}
         self.race_on_create: set[str] = set()  # POST finds the Job created meanwhile → 409
         self.fail_next: list[int] = []  # statuses to answer the next requests with (transient errors)
+        self.configmaps: dict[str, dict] = {}
+        self.ended: dict[str, str] = {}  # how each Job's last incarnation failed (the scripted action)
         self.uid = 0
 
     # -- helpers for tests
@@ -86,26 +97,21 @@ class FakeKube:
         if m:
             return self._jobs(method, m.group(1), json.loads(body) if body else None, query)
         m = re.fullmatch(rf"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets(?:/([^/]+))?", path)
-        if m:  # a JobSet (train.launcher: jobset): the Job logic, seen through JobSet's status
-            resp = self._jobs(method, m.group(1), json.loads(body) if body else None, query)
-            data = json.loads(resp.data)
-            if data.get("kind") == "JobSet" and "status" in data:
-                st = data["status"]
-                data["status"] = {"conditions": [{**c, "type": {"Complete": "Completed"}.get(c["type"], c["type"])}
-                                                 for c in st.get("conditions", [])],
-                                  "replicatedJobsStatus": [{"name": "node", "active": st.get("active", 0),
-                                                            "ready": 0, "succeeded": st.get("succeeded", 0),
-                                                            "failed": 0, "suspended": 0}]}
-                return self._json(resp.status, data)
-            return resp
+        if m:  # a JobSet (train.launcher: jobset): stored and scripted like a Job, its status JobSet's own
+            return self._jobs(method, m.group(1), json.loads(body) if body else None, query)
+        m = re.fullmatch(rf"/api/v1/namespaces/{NS}/configmaps/([^/]+)", path)
+        if m and method == "GET":
+            cm = self.configmaps.get(m.group(1))
+            return self._json(200, cm) if cm else self._status(404, "NotFound", f'configmaps "{m.group(1)}" not found')
         m = re.fullmatch(rf"/api/v1/namespaces/{NS}/services(?:/([^/]+))?", path)
         if m:
             return self._services(method, m.group(1), json.loads(body) if body else None, query)
         if method == "GET" and path == f"/api/v1/namespaces/{NS}/pods":
             sel = query.get("labelSelector", [""])[0]
-            job = sel.split("=", 1)[1] if sel.startswith("batch.kubernetes.io/job-name=") else None
-            return self._json(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {},
-                                    "items": self.pods.get(job, [])})
+            label, _, job = sel.partition("=")
+            assert label in ("batch.kubernetes.io/job-name", "jobset.sigs.k8s.io/jobset-name"), sel
+            items = sorted(self.pods.get(job, []), key=lambda p: p["metadata"]["name"])  # the API lists by name
+            return self._json(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items})
         m = re.fullmatch(rf"/api/v1/namespaces/{NS}/pods/([^/]+)/log", path)
         if m and method == "GET":
             return self._raw(200, f"loading checkpoint\nRuntimeError: CUDA out of memory ({m.group(1)})\n",
@@ -138,15 +144,66 @@ class FakeKube:
             self.pods.pop(name, None)
             return self._json(200, job)
         self.reads[name] = self.reads.get(name, 0) + 1
+        attempt = self.incarnations.get(name, 1)
+        steps = self.script.get(name, [])
+        action = steps[attempt - 1] if attempt <= len(steps) else "complete"
+        if action.startswith("queued:"):  # Kueue keeps it suspended for N reads, then admits it
+            job["spec"]["suspend"] = self.reads[name] <= int(action.split(":")[1])
+            if job["spec"]["suspend"]:
+                job["status"] = {"active": 0}
+                return self._view(job)
+            job["status"].setdefault("startTime", "2026-01-01T00:30:00Z")
+            if self.reads[name] == int(action.split(":")[1]) + 1:  # admitted: running for one read
+                job["status"]["active"] = job["spec"].get("completions", 1)
+                return self._view(job)
+            action = "complete"
+        if job["kind"] == "JobSet" and action == "preempted" and not job["status"].get("restarts") \
+                and self.reads[name] >= 2:
+            job["status"]["restarts"] = 1  # JobSet restarts the group itself (RestartJobSetAndIgnoreMaxRestarts)
+            self.reads[name] = 0
+            return self._view(job)
+        if action == "unschedulable" and self.reads[name] == 1:
+            self.pods[name] = [self._pod(name, 0, "Running"), self._pod(name, 1, "Pending")]
         if not job["status"].get("conditions") and self.reads[name] >= 2:
-            attempt = self.incarnations.get(name, 1)
-            steps = self.script.get(name, [])
-            action = steps[attempt - 1] if attempt <= len(steps) else "complete"
             if action != "run":
+                if action in ("complete", "preempted") and job["kind"] == "JobSet":
+                    action = "complete"
                 if action == "complete":
                     self.effect(job)
                 self._finish(name, action)
-        return self._json(200, job)
+        return self._view(job)
+
+    def _view(self, job: dict):
+        """The object as the API returns it; a JobSet with JobSet's own status."""
+        if job["kind"] != "JobSet":
+            return self._json(200, job)
+        st = job["status"]
+        reasons = {"fail-permanent": ("FailJobSetFailurePolicyAction", "applying FailJobSet failure policy action"),
+                   "fail": ("ReachedMaxRestarts", "jobset failed due to reaching max number of restarts")}
+        conds = []
+        for c in st.get("conditions", []):
+            if c["type"] == "Complete":
+                conds.append({**c, "type": "Completed", "reason": "AllJobsCompleted", "message": "jobset completed successfully"})
+            else:
+                reason, message = reasons[self.ended[job["metadata"]["name"]]]
+                conds.append({"type": "Failed", "status": "True", "reason": reason, "message": message,
+                              "lastTransitionTime": c["lastTransitionTime"]})
+        status = {"conditions": conds, "restarts": st.get("restarts", 0),
+                  "replicatedJobsStatus": [{"name": "node", "active": st.get("active", 0), "ready": 0,
+                                            "succeeded": st.get("succeeded", 0), "failed": 0, "suspended": 0}]}
+        return self._json(200, {**job, "status": status})
+
+    @staticmethod
+    def _pod(job: str, index: int, phase: str, finished: str = "2026-01-01T01:00:00Z", suffix: str = "abcde") -> dict:
+        conds = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                  "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}] if phase == "Pending" else []
+        status: dict[str, Any] = {"phase": phase, "conditions": conds}
+        if phase == "Failed":
+            status["containerStatuses"] = [{"name": "train", "ready": False, "restartCount": 0, "image": "x",
+                                            "imageID": "", "state": {"terminated": {"exitCode": 1, "finishedAt": finished}}}]
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{job}-{index}-{suffix}",
+                                                               "creationTimestamp": "2026-01-01T00:00:00Z"},
+                "status": status}
 
     def _services(self, method, name, body, query):
         if method == "POST":
@@ -178,6 +235,8 @@ class FakeKube:
         body["metadata"].update({"namespace": NS, "uid": f"uid-{self.uid}", "creationTimestamp": "2026-01-01T00:00:00Z"})
         n = body["spec"].get("completions", 1) if body["kind"] == "Job" else 1
         body["status"] = {"active": n, "ready": 0, "startTime": "2026-01-01T00:00:00Z"}
+        if "kueue.x-k8s.io/queue-name" in body["metadata"].get("labels", {}):
+            body["spec"]["suspend"] = True  # Kueue's webhook suspends a queued Job until it admits it
         self.jobs[body["metadata"]["name"]] = body
         self.reads[body["metadata"]["name"]] = 0
         return body
@@ -190,13 +249,18 @@ class FakeKube:
             job["status"] = {"succeeded": n, "active": 0, "completionTime": t,
                              "conditions": [{"type": "Complete", "status": "True", "lastTransitionTime": t}]}
         else:
-            reason, message = (("PodFailurePolicy", "Container train for pod sapd/x failed with exit code 2 matching "
-                                "FailJob rule at index 1") if state == "fail-permanent" else
-                               ("BackoffLimitExceeded", "Job has reached the specified backoff limit"))
+            # the Job controller's own wording (pkg/controller/job/pod_failure_policy.go)
+            reason, message = {
+                "fail-permanent": ("PodFailurePolicy", "Container train for pod sapd/x failed with exit code 2 "
+                                   "matching FailJob rule at index 1"),
+                "preempted": ("PodFailurePolicy", f"Pod sapd/{name}-1-abcde has condition DisruptionTarget matching "
+                              "FailJob rule at index 0"),
+            }.get(state, ("BackoffLimitExceeded", "Job has reached the specified backoff limit"))
             job["status"] = {"failed": job["spec"].get("backoffLimit", 0) + 1, "active": 0, "conditions": [
                 {"type": "Failed", "status": "True", "reason": reason, "message": message, "lastTransitionTime": t}]}
-            self.pods[name] = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-0-abcde"},
-                                "status": {"phase": "Failed"}}]
+            self.ended[name] = state
+            pending = [p for p in self.pods.get(name, []) if p["status"]["phase"] == "Pending"]
+            self.pods[name] = [self._pod(name, 0, "Failed")] + pending
 
     def _json(self, status: int, obj: Any):
         return self._raw(status, json.dumps(obj), "application/json")
@@ -264,12 +328,17 @@ class Env:
             (self.templates / key).write_text(text)
         self.config = tmp_path / "config.yaml"  # … and at /etc/sapd/config.yaml
         self.config.write_text(cms[f"{RELEASE}-config"]["data"]["pipeline.yaml"])
-        (self.driver_job,) = [d for d in docs if d["kind"] == "Job"]
+        (self.driver_job,) = [d for d in docs if d["kind"] == "Job"
+                              and d["metadata"]["labels"]["app.kubernetes.io/component"] == "pipeline"]
         self.root = str(tmp_path / "run")
         self.cfg = load_config(self.config, overrides={"run_root": self.root})
         self.effect = job_effect(self.root)
         self.kube = FakeKube(self.effect)
-        self.kube.add_job(self.driver_job)  # the driver's own Job, owner of the stage Jobs
+        self.kube.add_job(self.driver_job)  # the driver's own Job (of this revision)
+        # the release's templates ConfigMap, which every revision keeps: the owner of the stage Jobs
+        self.owner = f"{RELEASE}-pipeline-templates"
+        self.kube.configmaps[self.owner] = {**cms[self.owner], "metadata": {
+            **cms[self.owner]["metadata"], "namespace": NS, "uid": "uid-templates-cm"}}
         monkeypatch.setattr(urllib3.PoolManager, "request",
                             lambda pm, *a, **kw: self.kube.request(*a, **kw))
         self.kubeconfig = tmp_path / "kubeconfig"
@@ -285,12 +354,13 @@ class Env:
         # which run before it creates anything, are tested in tests/test_jobs.py)
         return ["--no-check", "--config", str(self.config), "--run-root", self.root, "--release", RELEASE,
                 "--templates", str(self.templates), "--namespace", NS, "--kubeconfig", str(self.kubeconfig),
-                "--poll-seconds", "0", "--owner-job", self.driver_job["metadata"]["name"], *extra]
+                "--poll-seconds", "0", "--owner", f"configmap/{self.owner}", *extra]
 
     def driver(self, **kw):
         from sapd.run.k8s import Driver, StageTemplates, load_api_client
         kw.setdefault("poll_seconds", 0)
         kw.setdefault("log", self.lines.append)
+        kw.setdefault("owner", f"configmap/{self.owner}")
         return Driver(self.cfg, StageTemplates.from_dir(self.templates), load_api_client(str(self.kubeconfig)), NS,
                       **kw)
 
@@ -334,7 +404,6 @@ def test_two_rounds_in_order_with_valid_manifests(env, capsys):
         m = shards.read_manifest(layout.scored_dir(env.root, k))
         assert m["round"] == k and m["workers"] == 2 and m["rows"] == 6
     jobs = {b["metadata"]["name"]: b for b in env.kube.posted if b["kind"] == "Job"}
-    owner_uid = env.kube.jobs[env.driver_job["metadata"]["name"]]["metadata"]["uid"]
     for k in (0, 1):
         ts = jobs[f"{RELEASE}-teacher-scores-r{k}"]
         assert ts["spec"]["completionMode"] == "Indexed"
@@ -349,7 +418,11 @@ def test_two_rounds_in_order_with_valid_manifests(env, capsys):
         assert tr["spec"]["completionMode"] == "Indexed"
     for body in jobs.values():
         assert body["metadata"]["annotations"] == {"sapd.io/attempt": "1", "sapd.io/run-root": env.root}
-        assert body["metadata"]["ownerReferences"][0]["uid"] == owner_uid
+        # owned by the release's templates ConfigMap, which `helm upgrade` keeps (it deletes the old driver
+        # Job, whose dependents the garbage collector would delete), and `helm uninstall` removes
+        assert body["metadata"]["ownerReferences"] == [{
+            "apiVersion": "v1", "kind": "ConfigMap", "name": f"{RELEASE}-pipeline-templates", "uid": "uid-templates-cm",
+            "controller": False, "blockOwnerDeletion": False}]
         assert body["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "sapd-pipeline"
         assert "__SAPD_ROUND__" not in json.dumps(body)
     # nothing the chart renders was dropped by the typed client on the way out
@@ -494,7 +567,7 @@ def test_sft_runs_no_teacher_scores(tmp_path, monkeypatch):
 def test_forbidden_is_a_clear_exit_3(env, capsys):
     from jobs import pipeline
     env.kube.fail_next = [403]
-    assert pipeline.main(env.argv("--owner-job", "")) == 3
+    assert pipeline.main(env.argv("--owner", "")) == 3
     assert "the driver's ServiceAccount may not do this" in capsys.readouterr().err
 
 
@@ -538,3 +611,153 @@ def test_a_jobset_train_stage_is_created_watched_and_retried(tmp_path, monkeypat
     assert result["retried"] == [name] and layout.committed_checkpoints(e.root) == [0, 1, 2]
     assert any(f"job {name}: created (attempt 1/2, a JobSet, Indexed: 2 completions" in ln for ln in e.lines)
     assert not any(b["kind"] == "Service" for b in e.kube.posted)  # JobSet makes its own
+
+
+# ------------------------------------------------------------------------------------------ queues, gangs, failures
+
+
+def test_a_jobset_permanent_failure_is_recognised_by_jobsets_own_reason(tmp_path, monkeypatch, capsys):
+    """Exit code 2 in a JobSet's child Job: JobSet applies the chart's FailJobSet rule and reports
+    FailJobSetFailurePolicyAction (never the child's PodFailurePolicy): no retry on 16 GPUs, exit 1."""
+    from jobs import pipeline
+    e = Env(tmp_path, monkeypatch, {"train": {"launcher": "jobset"}})
+    name = f"{RELEASE}-train-r0"
+    e.kube.script[name] = ["fail-permanent"]
+    assert pipeline.main(e.argv("--retries", "2")) == 1
+    err = capsys.readouterr().err
+    assert e.kube.incarnations[name] == 1 and "a permanent error: not retried" in err
+    assert "FailJobSetFailurePolicyAction" in err and f"describe job {name}-node-0" in err  # the child Job's name
+    assert f"delete jobset {name}" in err
+
+
+def test_a_preempted_jobset_restarts_itself_and_the_driver_waits_on(tmp_path, monkeypatch):
+    e = Env(tmp_path, monkeypatch, {"train": {"launcher": "jobset"}})
+    e.lines = []
+    name = f"{RELEASE}-train-r0"
+    e.kube.script[name] = ["preempted"]
+    result = e.driver(retries=0).run()
+    assert e.kube.incarnations[name] == 1 and result["retried"] == [] and result["restarted"] == []
+    assert f"job {name}: its group was restarted by JobSet (restart 1); its time limit starts again" in e.lines
+    assert layout.committed_checkpoints(e.root) == [0, 1, 2]
+
+
+def test_a_preempted_train_pod_restarts_the_whole_group_uncounted(env):
+    """The chart fails the train Job on a pod's DisruptionTarget (rule 0): one replaced rank cannot rejoin a
+    static torchrun group. The driver recreates the group and does not count it: with no retries at all,
+    the run still completes."""
+    name = f"{RELEASE}-train-r0"
+    env.kube.script[name] = ["preempted", "preempted", "complete"]
+    result = env.driver(retries=0).run()
+    assert env.kube.incarnations[name] == 3 and result["retried"] == [] and result["restarted"] == [name, name]
+    assert all(b["metadata"]["annotations"]["sapd.io/attempt"] == "1" for b in env.kube.posted
+               if b["metadata"]["name"] == name)
+    assert any(f"job {name}: attempt 1/1 ended: PodFailurePolicy: Pod sapd/{name}-1-abcde has condition "
+               "DisruptionTarget matching FailJob rule at index 0; a pod was preempted or evicted (DisruptionTarget): "
+               "recreating the whole group, not counted against the retries" == ln for ln in env.lines), env.lines
+    assert layout.committed_checkpoints(env.root) == [0, 1, 2]
+
+
+def test_a_kueue_queued_job_is_logged_as_queued_and_its_time_limit_starts_at_admission(tmp_path, monkeypatch):
+    """Kueue suspends a Job until it admits it; the driver logs it as queued, and its stage limit (here
+    1000 s) counts from the admission: 50 minutes in the queue are no timeout."""
+    e = Env(tmp_path, monkeypatch, {"kueue": {"queueName": "team-a"}})
+    e.lines = []
+    name = f"{RELEASE}-teacher-scores-r0"
+    e.kube.script[name] = ["queued:5"]
+    now = [0.0]
+    e.driver(stage_timeout_seconds=1000, sleep=lambda s: now.__setitem__(0, now[0] + 600), clock=lambda: now[0],
+             log_every_seconds=1200).run()
+    queued = [ln for ln in e.lines if ln.startswith(f"job {name}: queued")]
+    assert queued[0] == f"job {name}: queued 0m00s: suspended, waiting for admission by Kueue (LocalQueue team-a)"
+    assert len(queued) >= 2 and any("queued 50m00s" in ln or "queued 40m00s" in ln for ln in queued), queued
+    assert any(ln.startswith(f"job {name}: running 0m00s:") for ln in e.lines)
+    assert layout.committed_checkpoints(e.root) == [0, 1, 2]
+
+
+def test_without_kueue_a_group_that_never_assembled_is_recreated_uncounted(env):
+    """No Kueue: train pod 1 cannot be scheduled (no free GPU node) and pod 0 gives up at its rendezvous
+    timeout. The driver logged why the group waited, and the failure is not counted against the retries."""
+    name = f"{RELEASE}-train-r0"
+    env.kube.script[name] = ["unschedulable", "complete"]
+    result = env.driver(retries=0).run()
+    assert env.kube.incarnations[name] == 2 and result["retried"] == [] and result["restarted"] == [name]
+    unsched = "1 of 2 pods unschedulable: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    assert any(ln.startswith(f"job {name}: running") and ln.endswith(f"; waiting for the group to assemble: {unsched}")
+               for ln in env.lines), env.lines
+    assert any(f"; the group never assembled ({unsched}): recreating the whole group, not counted" in ln
+               for ln in env.lines)
+
+
+def test_the_newest_failed_pod_is_the_one_whose_log_is_shown(env):
+    """The API lists pods by name, not by time: the driver picks the failed pod that ended last."""
+    drv = env.driver()
+    name = f"{RELEASE}-train-r0"
+    env.kube.pods[name] = [env.kube._pod(name, 0, "Failed", "2026-01-01T01:00:00Z", "zzzzz"),
+                           env.kube._pod(name, 0, "Failed", "2026-01-01T02:00:00Z", "aaaaa")]
+    drv._log_failed_pods(name)
+    assert f"job {name}: last 2 log lines of failed pod {name}-0-aaaaa:" in env.lines
+
+
+def test_a_failed_final_evaluation_leaves_the_run_complete(env, capsys):
+    """The checkpoints are committed: an evaluation that keeps failing is reported, and the driver exits 0
+    (the driver Job Complete) instead of failing a run whose training succeeded."""
+    from jobs import pipeline
+    name = f"{RELEASE}-evaluate-r2"
+    env.kube.script[name] = ["fail"] * 3
+    assert pipeline.main(env.argv("--retries", "2")) == 0
+    out = capsys.readouterr().out
+    assert env.kube.incarnations[name] == 3
+    assert f"pipeline: WARNING: the final evaluation failed; checkpoints are committed, so the run completes. stage " \
+           f"evaluate (round 2): Job {name} failed 3 time(s), giving up" in out
+    assert "pipeline done: checkpoints [0, 1, 2] committed; the final evaluation FAILED (see the WARNING above)" in out
+
+
+def test_evaluate_r_evaluates_exactly_checkpoint_r(env):
+    from sapd.run.k8s import StageTemplates
+    args = StageTemplates.from_dir(env.templates).render("evaluate", 2)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--checkpoint") + 1] == "2"
+
+
+# ------------------------------------------------------------------------------------------ one stage (manual mode)
+
+
+def test_one_stage_waits_for_its_input_then_runs_only_its_job(env):
+    """`python -m jobs.pipeline --stage train --round 1` (a manual-mode gate): a small pod that waits until
+    round 1's scored manifest is committed — no GPU, no deadline running meanwhile — then creates train-r1."""
+    from sapd.data.scored import commit_round
+    from sapd.run.k8s import StageTemplates
+    from sapd.run.plan import Step
+    t = StageTemplates.from_dir(env.templates)
+    for stage, k in (("build-prefixes", None), ("teacher-scores", 0), ("train", 0)):
+        env.effect(t.render(stage, k))
+        if stage == "teacher-scores":
+            commit_round(env.cfg, 0)
+    polls = []
+
+    def sleep(s):  # round 1's scoring finishes while the gate waits
+        polls.append(s)
+        if len(polls) == 3:
+            env.effect(t.render("teacher-scores", 1))
+            commit_round(env.cfg, 1)
+    result = env.driver(sleep=sleep, log_every_seconds=0).run_stage(Step("train", 1))
+    assert env.kube.posted_jobs() == [f"{RELEASE}-train-r1"] and result["created"] == [f"{RELEASE}-train-r1"]
+    assert env.lines[0] == f"stage train-r1: waiting for the output of teacher-scores-r1 in {env.root}"
+    assert any(ln.startswith("stage train-r1: still waiting (0m00s): round 1's scored manifest is not committed")
+               for ln in env.lines)
+    assert any(ln.startswith("stage train-r1: its input (teacher-scores-r1) is committed after") for ln in env.lines)
+    assert layout.committed_checkpoints(env.root) == [0, 1, 2]
+    # run again (the gate pod restarted, or a later revision's gate): committed, nothing created
+    env.lines.clear()
+    assert env.driver().run_stage(Step("train", 1))["skipped"] == ["train-r1"]
+    assert len(env.kube.posted_jobs()) == 1
+
+
+def test_one_stage_from_the_command_line(env, capsys):
+    from jobs import pipeline
+    assert pipeline.main(env.argv("--stage", "build-prefixes")) == 0
+    assert env.kube.posted_jobs() == [f"{RELEASE}-build-prefixes"]
+    for bad in (["--stage", "train"], ["--stage", "build-prefixes", "--round", "0"]):
+        with pytest.raises(SystemExit) as e:
+            pipeline.main(env.argv(*bad))
+        assert e.value.code == 2
+    assert "--stage train needs a --round" in capsys.readouterr().err

@@ -83,3 +83,26 @@ def test_no_pushgateway_configured_pushes_nothing(monkeypatch):
     monkeypatch.setenv("SAPD_PUSHGATEWAY_URL", "http://127.0.0.1:1")
     with pytest.raises(OSError):  # configured but unreachable: the job hears about it
         Metrics.from_env("pipeline").push()
+
+
+@pytest.mark.integration
+def test_the_same_release_in_two_namespaces_keeps_two_groups(prometheus_stack, monkeypatch):
+    """Two teams install a release named alike in their own namespaces, sharing the cluster's Pushgateway:
+    the namespace is part of the grouping key, so neither push replaces the other's."""
+    monkeypatch.setenv("SAPD_PUSHGATEWAY_URL", prometheus_stack["pushgateway"])
+    monkeypatch.setenv("SAPD_RELEASE", "sapd-alfworld")
+    for ns, value in (("team-a", 0.25), ("team-b", 0.75)):
+        monkeypatch.setenv("SAPD_NAMESPACE", ns)
+        m = Metrics.from_env("evaluate")
+        m.record_eval("alfworld", value)
+        m.push()
+    groups = json.loads(get_url(f"{prometheus_stack['pushgateway']}/api/v1/metrics"))["data"]
+    keys = sorted((g["labels"]["namespace"], g["labels"]["release"], g["labels"]["job"]) for g in groups)
+    assert keys == [("team-a", "sapd-alfworld", "evaluate"), ("team-b", "sapd-alfworld", "evaluate")]
+    got = {r["metric"]["namespace"]: float(r["value"][1])
+           for r in _wait_query(prometheus_stack["prometheus"], 'sapd_eval_success_ratio{category="all"}')}
+    if len(got) < 2:  # one scrape may predate the second push
+        time.sleep(2)
+        got = {r["metric"]["namespace"]: float(r["value"][1])
+               for r in _query(prometheus_stack["prometheus"], 'sapd_eval_success_ratio{category="all"}')}
+    assert got == {"team-a": 0.25, "team-b": 0.75}

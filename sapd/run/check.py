@@ -5,13 +5,18 @@ Checks (each prints one line; every check runs even after one failed):
 
 - **storage**: the run root is reachable with the given credentials and writable (a probe object is
   written and deleted);
-- **run root**: it holds no *different* committed config (only ``workers`` may change);
+- **run root**: it holds no *different* committed config (only ``workers`` may change, and
+  ``train.rounds`` under a constant learning rate: the run continues from its newest checkpoint);
 - **data**: the input exists and a sample of its records parses in the configured format;
 - **student** / **teacher**: model folders with a config and a tokenizer with a chat template (no
   weights are read; from S3 only the small files are fetched);
 - **tokenizers**: the student's and the teacher's are identical (the token signal needs one vocabulary);
 - **memory**: an estimate per stage (parameters, gradients, optimizer, activations, KV cache) from the
   models' shapes and the config's batch sizes, against the device the stage runs on;
+- **webshop** (benchmark webshop only): the WebShop server the evaluation talks to (``SAPD_WEBSHOP_URL``,
+  else sapd's default ``http://127.0.0.1:3000``; the chart sets it from ``evaluate.webshop.url``) answers
+  with WebShop's instruction page, within seconds: unreachable is exit 75, anything else that answers
+  (an HTTP error, another server) or a malformed URL exit 2;
 - **pushgateway**: answers, when ``SAPD_PUSHGATEWAY_URL`` is set.
 
 A failure is one line naming what to fix. Exit codes (:mod:`sapd.entry`): 0 every check passed, 2 a
@@ -29,9 +34,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sapd import layout, storage
-from sapd.config import ConfigError, RunConfig, committed_config_problem
+from sapd.config import ConfigError, RunConfig, committed_config, committed_config_problem
 from sapd.data.loaders import LoadOptions, load_trajectories
 from sapd.entry import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USER_ERROR, exit_code
+from sapd.envs.webshop_env import DEFAULT_URL as WEBSHOP_DEFAULT_URL
+from sapd.envs.webshop_env import page_text, parse_page
 from sapd.models.loading import check_same_tokenizer, load_tokenizer, read_model_config
 from sapd.models.memory import GIB, HEADROOM, Shape, estimate, shape_from_config
 from sapd.run.starter import PLACEHOLDER
@@ -117,11 +124,14 @@ def check_run_root(cfg: RunConfig) -> str:
     problem = committed_config_problem(cfg)
     if problem:
         raise ConfigError(problem)
-    if not storage.exists(layout.config_uri(cfg.run_root)):
+    stored = committed_config(cfg)
+    if stored is None:
         return "a new run"
     done = layout.committed_checkpoints(cfg.run_root)
-    return (f"the committed config is this one; checkpoints {done[0]}..{done[-1]} committed, resuming"
-            if done else "the committed config is this one")
+    rounds = (f"; train.rounds {stored.train.rounds} there, {cfg.train.rounds} here: the run now has "
+              f"{cfg.train.rounds} rounds" if stored.train.rounds != cfg.train.rounds else "")
+    return (f"the committed config is this one{rounds}; checkpoints {done[0]}..{done[-1]} committed, resuming"
+            if done else f"the committed config is this one{rounds}")
 
 
 def check_data(cfg: RunConfig, sample: int = SAMPLE_RECORDS) -> str:
@@ -216,6 +226,34 @@ def check_pushgateway() -> str:
         return f"{url} answers {r.status}"
 
 
+WEBSHOP_PROBE_SECONDS = 5.0
+
+
+def check_webshop(url: str | None = None, timeout: float = WEBSHOP_PROBE_SECONDS) -> str:
+    """WebShop is "bring your own server": its instruction page for goal 0 (``/fixed_0``, a session URL the
+    evaluation plays) must answer. Unreachable → ConnectionError (exit 75); a malformed URL, an HTTP error or
+    a page that is not WebShop's → ConfigError (exit 2)."""
+    url = (url or os.environ.get("SAPD_WEBSHOP_URL") or WEBSHOP_DEFAULT_URL).rstrip("/")
+    where = "SAPD_WEBSHOP_URL (the chart's evaluate.webshop.url)"
+    if not url.startswith(("http://", "https://")) or not url.split("://", 1)[1]:
+        raise ConfigError(f"{where}: {url!r} is not an http(s) URL", "evaluate.webshop.url")
+    probe = f"{url}/fixed_0"
+    try:
+        with urllib.request.urlopen(probe, timeout=timeout) as r:  # noqa: S310 - the user's own server
+            html = r.read(1_000_000).decode("utf-8", errors="replace")
+    except urllib.error.HTTPError as e:
+        raise ConfigError(f"{probe} answered HTTP {e.code}: not a WebShop server (run WebShop's own web_agent_site "
+                          f"server there, README 'Evaluation'), or fix {where}", "evaluate.webshop.url") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise ConnectionError(f"{url} is unreachable ({reason}) within {timeout:g}s: start your WebShop server "
+                              f"(README 'Evaluation') or fix {where}") from None
+    if "Instruction:" not in page_text(parse_page(html)):
+        raise ConfigError(f"{probe} answers, but not with WebShop's instruction page: is {where} another server's?",
+                          "evaluate.webshop.url")
+    return f"{url} answers with WebShop's instruction page"
+
+
 # ---------------------------------------------------------------------------------------------------
 # running them
 
@@ -292,6 +330,8 @@ def run_checks(cfg: RunConfig, *, stage: str | None = None, sample_records: int 
     if verbose:
         for line in memory_lines:
             log(f"  {line}")
+    if wanted is None and cfg.data.benchmark == "webshop":
+        run("webshop", check_webshop)
     if wanted is None and pushgateway:
         run("pushgateway", check_pushgateway)
     return outcomes

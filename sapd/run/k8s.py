@@ -2,23 +2,40 @@
 (:mod:`sapd.run.plan`, the same one ``sapd run`` follows) with every step run as a Kubernetes Job:
 ``build-prefixes``, then per round ``teacher-scores-r<k>`` (an Indexed Job, one pod per worker; the last
 worker commits the round, and the driver commits it too if a Job completes with every part written)
-and ``train-r<k>``, then ``evaluate-r<R>`` when the chart renders an evaluate template.
+and ``train-r<k>``, then ``evaluate-r<R>`` when the chart renders an evaluate template. With a ``stage``
+(:meth:`Driver.run_stage`, ``jobs.pipeline --stage``: the chart's manual mode) it runs one step only,
+after waiting — in its own small pod, holding no GPU — until that step's input is committed.
 
 The stage manifests come from the chart (the ``pipeline-templates`` ConfigMap, one file per stage):
 ``__SAPD_ROUND__`` is replaced by the round, the driver adds its annotations (attempt, run root) and an
-owner reference to its own Job, and creates the Job in its namespace.
+owner reference to an object of the release that every revision keeps (the ``pipeline-templates``
+ConfigMap): ``helm upgrade`` replaces the driver Job, never the stage Job it started, which the next
+driver adopts; ``helm uninstall`` removes the ConfigMap and with it every stage Job.
 
-Idempotent: a stage Job that already exists (a restarted driver pod, or a second driver racing — 409
-AlreadyExists) is adopted, not duplicated: a running one is waited for, a completed one is checked
+Idempotent: a stage Job that already exists (a restarted or replaced driver, or a second driver racing —
+409 AlreadyExists) is adopted, not duplicated: a running one is waited for, a completed one is checked
 for its committed output. A Job that fails — or completes without its output being committed — is
 deleted and created again at most ``retries`` times (the attempt number lives in the Job's
 ``sapd.io/attempt`` annotation, so a restarted driver keeps counting); then the driver stops with
-:class:`StageFailed`. Every wait is bounded; every decision is one plain log line.
+:class:`StageFailed`. Failures that are not the stage's own are not counted:
+
+- a training pod preempted or evicted (the chart's podFailurePolicy fails the train Job on the pod's
+  ``DisruptionTarget`` condition): the whole torchrun group is recreated, as JobSet's
+  ``RestartJobSetAndIgnoreMaxRestarts`` does for its own;
+- a training group that never assembled (some of its pods still unschedulable when it failed: no GPU
+  nodes free, and no Kueue to admit the group as a whole).
+
+A permanent failure (exit code 2: the podFailurePolicy's exit-code rule, or JobSet's
+``FailJobSetFailurePolicyAction``) is not retried. A Job that Kueue keeps suspended is logged as queued,
+and the driver's own limit on a stage (its ``activeDeadlineSeconds`` + 600 s) counts from its admission.
+A failed final evaluation is reported and leaves the run complete: its checkpoints are committed.
+Every wait is bounded; every decision is one plain log line.
 """
 
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import os
 import re
 import time
@@ -43,7 +60,14 @@ TRAIN_SERVICE = "train-service"
 ATTEMPT_ANNOTATION = "sapd.io/attempt"
 RUN_ROOT_ANNOTATION = "sapd.io/run-root"
 MANAGED_BY = "sapd-pipeline"
+# the Failed condition's reasons that end a stage at once: the Job's podFailurePolicy matched its exit-code
+# rule (the message then names the rule: "… matching FailJob rule at index N"), or JobSet applied its
+# FailJobSet rule (jobset pkg/constants: FailJobSetActionReason)
+POD_FAILURE_POLICY = "PodFailurePolicy"
+JOBSET_FAIL_ACTION = "FailJobSetFailurePolicyAction"
+_RULE_INDEX = re.compile(r"matching FailJob rule at index (\d+)")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+OWNER_KINDS = {"configmap": ("v1", "ConfigMap"), "job": ("batch/v1", "Job")}
 
 
 class DriverError(Exception):
@@ -125,6 +149,19 @@ class StageTemplates:
         return _stringify_quantities(doc)
 
 
+def input_step(cfg: RunConfig, step: plan.Step) -> plan.Step | None:
+    """The step whose committed output ``step`` needs (None for build-prefixes): checkpoint k for
+    teacher-scores k and for the evaluation of checkpoint k, round k's scored manifest for train k (for
+    the sft objective, which scores nothing, checkpoint k)."""
+    if step.stage == "build-prefixes":
+        return None
+    k = step.round
+    assert k is not None
+    if step.stage == "train" and cfg.loss_cfg.objective != "sft":
+        return plan.Step("teacher-scores", k)
+    return plan.Step("build-prefixes") if k == 0 else plan.Step("train", k - 1)
+
+
 # ------------------------------------------------------------------------------------------ driver
 
 
@@ -133,6 +170,7 @@ class DriverStats:
     created: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)
     retried: list[str] = field(default_factory=list)
+    restarted: list[str] = field(default_factory=list)  # recreated without counting: preempted, never assembled
     skipped: list[str] = field(default_factory=list)
 
 
@@ -141,13 +179,29 @@ def _fmt_s(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+@dataclass
+class Outcome:
+    """How one incarnation of a stage Job ended."""
+    state: str  # Complete | Failed | Gone
+    reason: str = ""
+    message: str = ""
+    rule: str = ""  # a PodFailurePolicy failure: the kind of rule that matched (see _rule_kind)
+    unscheduled: str = ""  # the group had pods the scheduler could not place when it failed (why), if any
+
+    @property
+    def text(self) -> str:
+        return ": ".join(x for x in (self.reason, self.message) if x) or self.state
+
+
 class Driver:
-    """Sequences one run's stage Jobs. ``api_client`` is a ``kubernetes.client.ApiClient``."""
+    """Sequences one run's stage Jobs. ``api_client`` is a ``kubernetes.client.ApiClient``; ``owner`` is
+    ``configmap/<name>`` (the chart's: the release's pipeline-templates ConfigMap) or ``job/<name>``, the
+    object every stage Job is made a dependent of."""
 
     def __init__(self, cfg: RunConfig, templates: StageTemplates, api_client, namespace: str, *,
                  retries: int = 2, poll_seconds: float = 30.0, log_every_seconds: float = 300.0,
                  stage_timeout_seconds: float | None = None, delete_timeout_seconds: float = 600.0,
-                 owner_job: str | None = None, log: Callable[[str], None] = print,
+                 owner: str | None = None, log: Callable[[str], None] = print,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
                  api_attempts: int = 5):
         self.cfg, self.templates, self.namespace = cfg, templates, namespace
@@ -157,10 +211,11 @@ class Driver:
         self._jobsets: set[str] = set()  # names of stage "Jobs" that are JobSets
         self.retries, self.poll, self.log_every = retries, poll_seconds, log_every_seconds
         self.stage_timeout, self.delete_timeout = stage_timeout_seconds, delete_timeout_seconds
-        self.owner_job, self.log, self.sleep, self.clock = owner_job, log, sleep, clock
+        self.owner, self.log, self.sleep, self.clock = owner, log, sleep, clock
         self.api_attempts = api_attempts
         self.stats = DriverStats()
         self._owner_ref: dict[str, Any] | None = None
+        self.evaluation_failed: str | None = None
 
     # ---------------------------------------------------------------------------------- the sequence
 
@@ -174,17 +229,74 @@ class Driver:
                 self.log(f"stage {step}: committed, skipping")
                 self.stats.skipped.append(str(step))
                 continue
-            if step.stage == "train":
-                self.ensure_service()
-            check = (lambda step=step: self._commit_scores(step)) if step.stage == "teacher-scores" else \
-                (lambda step=step: plan.missing(cfg, step))
-            self.run_job(step.stage, step.round, check)
+            if step.stage != "evaluate":
+                self._run_step(step)
+                continue
+            try:
+                self._run_step(step)
+            except StageFailed as e:  # the checkpoints are committed: the run is done, its evaluation is not
+                self.evaluation_failed = str(e)
+                self.log(f"pipeline: WARNING: the final evaluation failed; checkpoints are committed, so the run "
+                         f"completes. {e}")
         done = layout.committed_checkpoints(root)
-        self.log(f"pipeline done: checkpoints {done} committed; Jobs created {len(self.stats.created)}, "
-                 f"adopted {len(self.stats.adopted)}, retried {len(self.stats.retried)}")
+        evaluation = ("; the final evaluation FAILED (see the WARNING above)" if self.evaluation_failed else "")
+        self.log(f"pipeline done: checkpoints {done} committed{evaluation}; Jobs created {len(self.stats.created)}, "
+                 f"adopted {len(self.stats.adopted)}, retried {len(self.stats.retried)}"
+                 + (f", restarted uncounted {len(self.stats.restarted)}" if self.stats.restarted else ""))
         return {"run_root": root, "checkpoints": done, "created": list(self.stats.created),
                 "adopted": list(self.stats.adopted), "retried": list(self.stats.retried),
-                "skipped": list(self.stats.skipped)}
+                "restarted": list(self.stats.restarted), "skipped": list(self.stats.skipped),
+                "evaluation_failed": self.evaluation_failed}
+
+    def run_stage(self, step: plan.Step) -> dict[str, Any]:
+        """One step of the plan (the chart's manual mode: one such Job per stage of a round): skip it if it is
+        committed, else wait until its input is, then run its Job like :meth:`run` does."""
+        self._resolve_owner()
+        if plan.missing(self.cfg, step) is None:
+            self.log(f"stage {step}: committed, skipping")
+            self.stats.skipped.append(str(step))
+        else:
+            self.wait_for_input(step)
+            self._run_step(step)
+        return {"run_root": self.cfg.run_root, "step": str(step), "created": list(self.stats.created),
+                "adopted": list(self.stats.adopted), "retried": list(self.stats.retried),
+                "restarted": list(self.stats.restarted), "skipped": list(self.stats.skipped)}
+
+    def wait_for_input(self, step: plan.Step, storage_attempts: int = 5) -> None:
+        """Poll until ``step``'s input (:func:`input_step`) is committed; a storage error is retried a few
+        times. Bounded by the pod's own activeDeadlineSeconds."""
+        need = input_step(self.cfg, step)
+        if need is None:
+            return
+        start = last = self.clock()
+        errors = 0
+        why: str | None = "?"
+        self.log(f"stage {step}: waiting for the output of {need} in {self.cfg.run_root}")
+        while True:
+            try:
+                why = plan.missing(self.cfg, need)
+                errors = 0
+            except OSError as e:  # StorageError is an OSError: a hiccup is retried, a lasting failure raises
+                errors += 1
+                if errors >= storage_attempts:
+                    raise
+                why = f"storage: {e}"
+            now = self.clock()
+            if why is None:
+                self.log(f"stage {step}: its input ({need}) is committed after {_fmt_s(now - start)}")
+                return
+            if now - last >= self.log_every:
+                self.log(f"stage {step}: still waiting ({_fmt_s(now - start)}): {why}")
+                last = now
+            self.sleep(self.poll)
+
+    def _run_step(self, step: plan.Step) -> None:
+        cfg = self.cfg
+        if step.stage == "train":
+            self.ensure_service()
+        check = (lambda: self._commit_scores(step)) if step.stage == "teacher-scores" else \
+            (lambda: plan.missing(cfg, step))
+        self.run_job(step.stage, step.round, check)
 
     def _commit_scores(self, step: plan.Step) -> str | None:
         """After a teacher-scores Job completes: its last worker committed the round; if that worker died
@@ -225,30 +337,51 @@ class Driver:
         else:
             attempt = self._adopt(name, job)
         while True:
-            state, reason = self._wait(name)
-            if state == "Complete":
+            out = self._wait(name, gang=stage == "train")
+            if out.state == "Complete":
                 problem = check()
                 if problem is None:
                     self.log(f"job {name}: complete")
                     return
-                reason = f"the Job completed, but {problem}"
-            self.log(f"job {name}: attempt {attempt}/{max_attempts} failed: {reason}")
-            if state != "Gone":
+                out.reason, out.message = "", f"the Job completed, but {problem}"
+            if out.state != "Gone":
                 self._log_failed_pods(name)
-            # a podFailurePolicy FailJob rule matched (exit code 2: a config or input error): permanent
-            permanent = state == "Failed" and reason.startswith("PodFailurePolicy")
-            if attempt >= max_attempts or permanent:
-                raise StageFailed(
-                    f"stage {stage}{'' if k is None else f' (round {k})'}: Job {name} failed {attempt} time(s), "
-                    f"giving up{' (a permanent error: not retried)' if permanent else ''}; last: {reason}. "
-                    f"Inspect it with `kubectl -n {self.namespace} describe job {name}` "
-                    f"and `kubectl -n {self.namespace} logs job/{name}`; once the cause is fixed, "
-                    f"`kubectl -n {self.namespace} delete job {name}` and restart the driver")
-            attempt += 1
-            self.stats.retried.append(name)
-            if state != "Gone":
+            uncounted = self._not_its_fault(out)
+            if uncounted:
+                self.log(f"job {name}: attempt {attempt}/{max_attempts} ended: {out.text}; {uncounted}: recreating "
+                         "the whole group, not counted against the retries")
+                self.stats.restarted.append(name)
+            else:
+                self.log(f"job {name}: attempt {attempt}/{max_attempts} failed: {out.text}")
+                # exit code 2 (a config or input error) matched the podFailurePolicy's exit-code rule, or JobSet
+                # applied its FailJobSet rule: permanent, not worth a retry on GPU nodes
+                permanent = out.state == "Failed" and (out.reason == JOBSET_FAIL_ACTION or (
+                    out.reason == POD_FAILURE_POLICY and out.rule != "disruption"))
+                if attempt >= max_attempts or permanent:
+                    described = f"{name}-node-0" if name in self._jobsets else name  # a JobSet's child Job
+                    raise StageFailed(
+                        f"stage {stage}{'' if k is None else f' (round {k})'}: Job {name} failed {attempt} time(s), "
+                        f"giving up{' (a permanent error: not retried)' if permanent else ''}; last: {out.text}. "
+                        f"Inspect it with `kubectl -n {self.namespace} describe job {described}` "
+                        f"and `kubectl -n {self.namespace} logs job/{described}`; once the cause is fixed, "
+                        f"`kubectl -n {self.namespace} delete {'jobset' if name in self._jobsets else 'job'} {name}` "
+                        "and restart the driver (a `helm upgrade` starts a new one)")
+                attempt += 1
+                self.stats.retried.append(name)
+            if out.state != "Gone":
                 self._delete_job(name)
             self._create_job(stage, k, name, attempt)
+
+    @staticmethod
+    def _not_its_fault(out: Outcome) -> str:
+        """Why a failed incarnation is no failure of the stage itself ("" if it is one)."""
+        if out.state != "Failed":
+            return ""
+        if out.reason == POD_FAILURE_POLICY and out.rule == "disruption":
+            return "a pod was preempted or evicted (DisruptionTarget)"
+        if out.unscheduled:
+            return f"the group never assembled ({out.unscheduled})"
+        return ""
 
     def _adopt(self, name: str, job) -> int:
         ann = job.metadata.annotations or {}
@@ -260,8 +393,9 @@ class Driver:
             attempt = max(1, int(ann.get(ATTEMPT_ANNOTATION, "1")))
         except ValueError:
             attempt = 1
-        state, _ = _finished(job)
-        self.log(f"job {name}: exists ({(state or 'running').lower()}, attempt {attempt}), adopting it")
+        out = _finished(job)
+        state = out.state if out else ("queued" if _suspended(job) else "running")
+        self.log(f"job {name}: exists ({state.lower()}, attempt {attempt}), adopting it")
         self.stats.adopted.append(name)
         return attempt
 
@@ -312,32 +446,83 @@ class Driver:
             if e.status != 409:
                 raise
 
-    def _wait(self, name: str) -> tuple[str, str]:
-        """Poll until the Job is Complete or Failed (or gone); bounded by the stage timeout."""
-        start = last_log = self.clock()
-        last_counts = None
+    def _wait(self, name: str, gang: bool = False) -> Outcome:
+        """Poll until the Job is Complete or Failed (or gone). A Job that Kueue keeps suspended is queued:
+        the stage timeout (the Job's activeDeadlineSeconds + 600 s, which the Job controller also counts
+        from its admission) starts when it runs, and again after a JobSet restarts its group. ``gang``: the
+        pods of a torchrun group that the scheduler cannot place yet are logged with the scheduler's reason
+        and remembered, so a group that fails without ever assembling is not counted as the stage's failure."""
+        last_log = -float("inf")
+        last_line = ""
+        queued_since: float | None = None
+        running_since: float | None = None
+        restarts = 0
+        unscheduled = ""
         timeout = self.stage_timeout
         while True:
             job = self._get_job(name)
             if job is None:
-                return "Gone", "the Job disappeared while it ran (deleted by someone?)"
-            state, reason = _finished(job)
-            if state:
-                return state, reason
-            if timeout is None and job.spec is not None and job.spec.active_deadline_seconds:
-                timeout = job.spec.active_deadline_seconds + 600.0  # the Job fails itself at its deadline
-            st = job.status
-            counts = (st.active or 0, st.ready or 0, st.succeeded or 0, st.failed or 0) if st else (0, 0, 0, 0)
+                return Outcome("Gone", message="the Job disappeared while it ran (deleted by someone?)")
+            out = _finished(job)
+            if out is not None:
+                if out.reason == POD_FAILURE_POLICY:
+                    out.rule = _rule_kind(job, out.message)
+                out.unscheduled = unscheduled
+                return out
             now = self.clock()
-            if counts != last_counts or now - last_log >= self.log_every:
+            if _suspended(job):
+                if queued_since is None:
+                    queued_since, running_since = now, None
+                labels = job.metadata.labels or {}
+                queue = labels.get("kueue.x-k8s.io/queue-name")
+                line = (f"job {name}: queued {_fmt_s(now - queued_since)}: suspended, "
+                        + (f"waiting for admission by Kueue (LocalQueue {queue})" if queue else
+                           "waiting for whoever suspended it to resume it (no Kueue queue label)"))
+                key = "queued"
+            else:
+                if running_since is None or getattr(job.status, "restarts", 0) != restarts:
+                    if running_since is not None:
+                        self.log(f"job {name}: its group was restarted by JobSet (restart "
+                                 f"{job.status.restarts}); its time limit starts again")
+                    restarts = getattr(job.status, "restarts", 0) or 0
+                    running_since, queued_since = now, None
+                if timeout is None and job.spec is not None and job.spec.active_deadline_seconds:
+                    timeout = job.spec.active_deadline_seconds + 600.0  # the Job fails itself at its deadline
+                st = job.status
+                counts = (st.active or 0, st.ready or 0, st.succeeded or 0, st.failed or 0) if st else (0, 0, 0, 0)
                 total = job.spec.completions if job.spec is not None and job.spec.completions else 1
-                self.log(f"job {name}: running {_fmt_s(now - start)}: {counts[0]} active ({counts[1]} ready), "
-                         f"{counts[2]}/{total} succeeded, {counts[3]} failed pods")
-                last_counts, last_log = counts, now
-            if timeout is not None and now - start > timeout:
-                raise KubeError(f"job {name}: not finished after {_fmt_s(now - start)} (limit {_fmt_s(timeout)}); "
-                                f"check `kubectl -n {self.namespace} describe job {name}`")
+                unscheduled = self._unscheduled_pods(name) if gang else ""
+                line = (f"job {name}: running {_fmt_s(now - running_since)}: {counts[0]} active ({counts[1]} ready), "
+                        f"{counts[2]}/{total} succeeded, {counts[3]} failed pods"
+                        + (f"; waiting for the group to assemble: {unscheduled}" if unscheduled else ""))
+                key = f"{counts} {unscheduled}"
+                if timeout is not None and now - running_since > timeout:
+                    raise KubeError(f"job {name}: not finished after {_fmt_s(now - running_since)} (limit "
+                                    f"{_fmt_s(timeout)}); check `kubectl -n {self.namespace} describe job {name}`")
+            if key != last_line or now - last_log >= self.log_every:
+                self.log(line)
+                last_line, last_log = key, now
             self.sleep(self.poll)
+
+    def _unscheduled_pods(self, name: str) -> str:
+        """"1 of 2 pods unschedulable: 0/3 nodes are available: …" for the Job's pods that the scheduler
+        could not place (PodScheduled False), "" when there are none or the pods cannot be listed."""
+        label = "jobset.sigs.k8s.io/jobset-name" if name in self._jobsets else "batch.kubernetes.io/job-name"
+        try:
+            pods = self._api(f"list pods of {name}", lambda: self.core.list_namespaced_pod(
+                self.namespace, label_selector=f"{label}={name}")).items
+        except (ApiException, KubeError):
+            return ""
+        waiting = []
+        for p in pods:
+            if p.status is None or p.status.phase != "Pending":
+                continue
+            for c in p.status.conditions or []:
+                if c.type == "PodScheduled" and c.status == "False":
+                    waiting.append(c.message or c.reason or "not scheduled")
+        if not waiting:
+            return ""
+        return f"{len(waiting)} of {len(pods)} pods unschedulable: {waiting[-1]}"
 
     def _delete_job(self, name: str) -> None:
         self.log(f"job {name}: deleting it (and its pods) before the next attempt")
@@ -373,7 +558,8 @@ class Driver:
         try:
             label = "jobset.sigs.k8s.io/jobset-name" if name in self._jobsets else "batch.kubernetes.io/job-name"
             pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"{label}={name}")
-            failed = [p for p in pods.items if p.status is not None and p.status.phase == "Failed"]
+            failed = sorted((p for p in pods.items if p.status is not None and p.status.phase == "Failed"),
+                            key=_finished_at)  # the API lists by name, not by time
             if not failed:
                 return
             pod = str(failed[-1].metadata.name)  # type: ignore[union-attr]  # a listed pod has metadata
@@ -387,19 +573,26 @@ class Driver:
             self.log(f"  | {line}")
 
     def _resolve_owner(self) -> None:
-        """Stage Jobs are owned by the driver's Job, so deleting it (``helm uninstall``) removes them."""
-        if not self.owner_job:
+        """Stage Jobs are dependents of ``owner`` (the chart: the release's pipeline-templates ConfigMap,
+        which every revision keeps), so `helm uninstall` removes them and `helm upgrade` does not."""
+        if not self.owner:
             return
+        kind, _, name = self.owner.partition("/")
+        if kind.lower() not in OWNER_KINDS or not name:
+            raise DriverError(f"--owner {self.owner!r}: expected configmap/<name> or job/<name>")
+        api_version, kind = OWNER_KINDS[kind.lower()]
         try:
-            job = self._get_job(self.owner_job)
-        except Exception as e:  # noqa: BLE001 - ownership is a convenience
-            self.log(f"pipeline: cannot read own Job {self.owner_job} ({e}); stage Jobs get no owner")
+            if kind == "ConfigMap":
+                obj = self._api(f"read configmap {name}", lambda: self.core.read_namespaced_config_map(
+                    name, self.namespace))
+            else:
+                obj = self._api(f"read job {name}", lambda: self.batch.read_namespaced_job(name, self.namespace))
+        except (ApiException, KubeError) as e:
+            self.log(f"pipeline: cannot read the owner {kind} {name} ({getattr(e, 'status', '') or e}); stage Jobs "
+                     "get no owner (`helm uninstall` will not remove them)")
             return
-        if job is None or not job.metadata.uid:
-            self.log(f"pipeline: own Job {self.owner_job} not found; stage Jobs get no owner")
-            return
-        self._owner_ref = {"apiVersion": "batch/v1", "kind": "Job", "name": self.owner_job,
-                           "uid": job.metadata.uid, "controller": False, "blockOwnerDeletion": False}
+        self._owner_ref = {"apiVersion": api_version, "kind": kind, "name": name, "uid": obj.metadata.uid,
+                           "controller": False, "blockOwnerDeletion": False}
 
     def _api(self, what: str, call: Callable[[], Any]):
         """One API call, retried on transient errors (5xx, 429, connection errors); 4xx pass through
@@ -428,30 +621,62 @@ class Driver:
 
 def _jobset_view(d: dict[str, Any]):
     """A JobSet (a dict from the custom-objects API) seen through the Job attributes the driver reads:
-    conditions (Completed → Complete, Failed), pod counts summed over the child Jobs, and a deadline of
-    the child Jobs' activeDeadlineSeconds times the restarts allowed."""
+    conditions (Completed → Complete, Failed), suspension, restarts, pod counts summed over the child
+    Jobs, and the child Jobs' activeDeadlineSeconds (the driver restarts its limit at each restart)."""
 
     meta, spec, status = d.get("metadata", {}), d.get("spec", {}), d.get("status") or {}
     rjobs = spec.get("replicatedJobs", [])
     child = rjobs[0]["template"]["spec"] if rjobs else {}
-    restarts = int((spec.get("failurePolicy") or {}).get("maxRestarts", 0)) + 1
-    ads = child.get("activeDeadlineSeconds")
     counts = {k: sum(int(r.get(k, 0)) for r in status.get("replicatedJobsStatus") or [])
               for k in ("active", "ready", "succeeded", "failed")}
     conds = [NS(type={"Completed": "Complete"}.get(c.get("type"), c.get("type")), status=c.get("status"),
                 reason=c.get("reason"), message=c.get("message")) for c in status.get("conditions") or []]
-    return NS(metadata=NS(annotations=meta.get("annotations") or {}, uid=meta.get("uid"), name=meta.get("name")),
-              spec=NS(active_deadline_seconds=ads * restarts if ads else None,
-                      completions=sum(int(r.get("replicas", 1)) for r in rjobs) or 1),
-              status=NS(conditions=conds, **counts))
+    return NS(metadata=NS(annotations=meta.get("annotations") or {}, labels=meta.get("labels") or {},
+                          uid=meta.get("uid"), name=meta.get("name")),
+              spec=NS(active_deadline_seconds=child.get("activeDeadlineSeconds"), suspend=bool(spec.get("suspend")),
+                      completions=sum(int(r.get("replicas", 1)) * int(r["template"]["spec"].get("completions", 1))
+                                      for r in rjobs) or 1, pod_failure_policy=None),
+              status=NS(conditions=conds, restarts=int(status.get("restarts", 0)), **counts))
 
 
-def _finished(job) -> tuple[str | None, str]:
-    """("Complete"|"Failed", reason) from the Job's terminal condition, or (None, "") while it runs."""
+def _suspended(job) -> bool:
+    return bool(job.spec is not None and job.spec.suspend)
+
+
+def _finished(job) -> Outcome | None:
+    """The Job's terminal condition as an Outcome, or None while it runs (or is queued)."""
     for c in (job.status.conditions or []) if job.status is not None else []:
         if c.type in ("Complete", "Failed") and c.status == "True":
-            return c.type, ": ".join(x for x in (c.reason, c.message) if x) or c.type
-    return None, ""
+            return Outcome(c.type, c.reason or "", c.message or "")
+    return None
+
+
+def _rule_kind(job, message: str) -> str:
+    """Which rule of the Job's podFailurePolicy a "… matching FailJob rule at index N" message names:
+    "disruption" (an onPodConditions rule on DisruptionTarget: a preempted, evicted or drained pod),
+    "exit-code", or "unknown"."""
+    if "has condition DisruptionTarget" in message:  # the Job controller's own wording for such a rule
+        return "disruption"
+    m = _RULE_INDEX.search(message)
+    policy = job.spec.pod_failure_policy if job.spec is not None else None
+    rules = (policy.rules if policy is not None else None) or []
+    if m is None or int(m.group(1)) >= len(rules):
+        return "unknown"
+    rule = rules[int(m.group(1))]
+    if any(c.type == "DisruptionTarget" for c in rule.on_pod_conditions or []):
+        return "disruption"
+    return "exit-code" if rule.on_exit_codes is not None else "unknown"
+
+
+def _finished_at(pod) -> dt.datetime:
+    """When a pod's last container ended (its creation time if none reports it): orders failed pods."""
+    st = pod.status
+    statuses = (st.container_statuses or []) + (st.init_container_statuses or [])
+    times = [cs.state.terminated.finished_at for cs in statuses
+             if cs.state is not None and cs.state.terminated is not None and cs.state.terminated.finished_at]
+    created = pod.metadata.creation_timestamp if pod.metadata is not None else None
+    fallback = created or dt.datetime.min.replace(tzinfo=dt.timezone.utc)
+    return max(times, default=fallback)
 
 
 def load_api_client(kubeconfig: str | None = None):

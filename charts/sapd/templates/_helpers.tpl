@@ -11,6 +11,15 @@
 {{- printf "%s-%s" $rel .component -}}
 {{- end -}}
 
+{{/* The release name must be a DNS-1035 label: the chart names Services (`<release>-train`,
+     `<release>-retriever`) and Jobs after it. Helm itself accepts dots ("sapd.alfworld"); the API server would
+     refuse the Service later, so refuse the name here, before anything is created. */}}
+{{- define "sapd.validateRelease" -}}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" .Release.Name) -}}
+{{- fail (printf "release name %q: the chart names Services after it, which must be DNS-1035 labels (lowercase letters, digits and '-', starting with a letter): choose e.g. %q" .Release.Name (.Release.Name | lower | replace "." "-" | replace "_" "-")) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "sapd.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -75,7 +84,7 @@ annotations:
 {{- range $k := list "extraEnv" "envFrom" "extraVolumes" "extraVolumeMounts" "tolerations" "topologySpreadConstraints" -}}
 {{- $_ := set $out $k (concat (get $d $k | default list) (get $j $k | default list)) -}}
 {{- end -}}
-{{- range $k := list "podAnnotations" "podLabels" "nodeSelector" "affinity" -}}
+{{- range $k := list "podAnnotations" "podLabels" "jobAnnotations" "nodeSelector" "affinity" -}}
 {{- $_ := set $out $k (mergeOverwrite (deepCopy (get $d $k | default dict)) (deepCopy (get $j $k | default dict))) -}}
 {{- end -}}
 {{- range $k := list "priorityClassName" "serviceAccountName" "runtimeClassName" "schedulerName" "terminationGracePeriodSeconds" -}}
@@ -87,20 +96,23 @@ annotations:
 {{- end -}}
 
 {{/* The image of a job: its block's `image` keys over the top-level ones; the tag defaults to
-     <appVersion>-<flavor>; a digest wins over the tag. `.flavor` (optional) is the job's default flavor. */}}
+     <appVersion>-<flavor>; a digest wins over the tag: the job block's own `image.digest`, else the
+     top-level `image.digests[<flavor>]` (each flavor is its own image). `.flavor` (optional) is the
+     job's default flavor. */}}
 {{- define "sapd.imageRef" -}}
 {{- $img := mergeOverwrite (deepCopy .root.Values.image) (deepCopy (.job.image | default dict)) -}}
 {{- $flavor := $img.flavor -}}
 {{- if and .flavor (not (.job.image | default dict).flavor) -}}{{- $flavor = .flavor -}}{{- end -}}
-{{- if $img.digest -}}
-{{- printf "%s@%s" $img.repository $img.digest -}}
+{{- $digest := (.job.image | default dict).digest | default (get (.root.Values.image.digests | default dict) $flavor) -}}
+{{- if $digest -}}
+{{- printf "%s@%s" $img.repository $digest -}}
 {{- else -}}
 {{- printf "%s:%s" $img.repository ($img.tag | default (printf "%s-%s" .root.Chart.AppVersion $flavor)) -}}
 {{- end -}}
 {{- end -}}
 
 {{- define "sapd.image" -}}
-{{- $img := mergeOverwrite (deepCopy .root.Values.image) (deepCopy (.job.image | default dict)) -}}
+{{- $img := omit (mergeOverwrite (deepCopy .root.Values.image) (deepCopy (.job.image | default dict))) "digests" -}}
 image: {{ include "sapd.imageRef" . | quote }}
 imagePullPolicy: {{ $img.pullPolicy }}
 {{- end -}}
@@ -182,6 +194,10 @@ imagePullPolicy: {{ $img.pullPolicy }}
   value: {{ ternary (printf "%s/textworld" .root.Values.modelCache.mountPath) "/scratch/textworld" (ne .root.Values.modelCache.type "") | quote }}
 - name: PYTHONUNBUFFERED
   value: "1"
+{{- if and .webshop .root.Values.evaluate.webshop.url }}
+- name: SAPD_WEBSHOP_URL
+  value: {{ .root.Values.evaluate.webshop.url | quote }}
+{{- end }}
 {{- with .env }}
 {{ toYaml . }}
 {{- end }}
@@ -200,7 +216,12 @@ imagePullPolicy: {{ $img.pullPolicy }}
 {{/* Batch fields every Job spec carries: retries (or per-index retries), deadline, TTL, and a
      podFailurePolicy that fails the Job at once on exit code 2 (a config or input error, not worth a
      retry on a GPU node) and counts everything else (75 is sapd's "storage unreachable, retry").
-     `.failJobCodes` overrides [2]; `.perIndex` uses backoffLimitPerIndex instead of backoffLimit. */}}
+     `.failJobCodes` overrides [2]; `.perIndex` uses backoffLimitPerIndex instead of backoffLimit.
+     A preemption, eviction or drain (the pod's DisruptionTarget condition) is not the pod's fault: it is
+     ignored (the pod is replaced, uncounted), except with `.gang` (a torchrun group, which cannot take one
+     replaced rank): then it fails the Job through rule 0, and the driver (or JobSet) restarts the whole
+     group without counting it. Rule 1 is always the exit-code rule: JobSet's rules tell them apart by index.
+     `status: "True"` is written out: the API server defaults it, but the 1.31–1.34 schemas require it. */}}
 {{- define "sapd.batchFields" -}}
 {{- if .perIndex }}
 backoffLimitPerIndex: {{ int .job.backoffLimitPerIndex }}
@@ -213,10 +234,10 @@ ttlSecondsAfterFinished: {{ int .job.ttlSecondsAfterFinished }}
 podReplacementPolicy: Failed
 podFailurePolicy:
   rules:
-    # a preemption, eviction or node drain is not the pod's fault: it is not counted
-    - action: Ignore
+    - action: {{ ternary "FailJob" "Ignore" (eq (toString .gang) "true") }}
       onPodConditions:
         - type: DisruptionTarget
+          status: "True"
     - action: FailJob
       onExitCodes:
         containerName: {{ .container | default .component }}
@@ -289,10 +310,11 @@ volumes:
   {{- end }}
   {{- with .root.Values.modelCache }}
   {{- if eq .type "hostPath" }}
+  # an existing folder (the kubelet would create a missing one root-owned 0755, which uid 1000 cannot write)
   - name: model-cache
     hostPath:
       path: {{ .hostPath }}
-      type: DirectoryOrCreate
+      type: Directory
   {{- else if eq .type "pvc" }}
   - name: model-cache
     persistentVolumeClaim:
@@ -347,20 +369,4 @@ volumeMounts:
 envFrom:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- end -}}
-
-{{/* manual mode: an init container that waits until the stage's input is committed
-     (python -m jobs.wait --for checkpoint:K | scored:K). */}}
-{{- define "sapd.waitInit" -}}
-- name: wait-for-input
-  {{- include "sapd.image" . | nindent 2 }}
-  securityContext:
-    {{- toYaml .root.Values.securityContext.container | nindent 4 }}
-  resources:
-    {{- toYaml .root.Values.manual.waitResources | nindent 4 }}
-  args: [python, -m, jobs.wait, --config, /etc/sapd/config.yaml, --for, {{ .waitFor | quote }}, --poll-seconds, {{ int .root.Values.manual.pollSeconds | quote }}]
-  volumeMounts:
-    {{- include "sapd.mounts" . | nindent 4 }}
-  env:
-    {{- include "sapd.env" . | nindent 4 }}
 {{- end -}}

@@ -1,11 +1,11 @@
-{{/* The stage Jobs, each as one named template, so that the Jobs the driver creates (the
-     pipeline-templates ConfigMap) and those `mode: manual` renders are one source. Call with
-     (dict "root" $ "round" R): R is the round as a string, or "__SAPD_ROUND__" for the driver, which
-     replaces that placeholder with the round it starts; "" means no round (build-prefixes).
-     `manual` true adds what a Helm-rendered stage needs: a wait-for-input init container, and a name
-     suffix from a hash of the release's values: Jobs are immutable, so an upgrade that changes any
-     value replaces them (new names; Helm deletes the old ones, their stages resume from what is
-     committed) instead of patching them, and an upgrade that changes nothing leaves them running. */}}
+{{/* The stage Jobs, each as one named template rendered into the pipeline-templates ConfigMap, from
+     which the driver (mode pipeline) and the gate Jobs (mode manual) create them. Call with
+     (dict "root" $ "round" R): R is the round as a string, or "__SAPD_ROUND__", which the driver replaces
+     with the round it starts; "" means no round (build-prefixes).
+     `manual` true (the gate Jobs Helm renders) adds a name suffix from a hash of the release's values:
+     Jobs are immutable, so an upgrade that changes any value replaces the gates (new names; Helm deletes
+     the old ones, the new ones adopt the stage Jobs, which belong to the ConfigMap) instead of patching
+     them, and an upgrade that changes nothing leaves them running. */}}
 
 {{/* "<release>-<stage>[-r<R>][-<values hash>]" with room for 4 round digits and `.hostSuffix` more
      characters (an Indexed Job's pods are named "<job>-<index>", a JobSet's "<js>-node-0-<index>"),
@@ -23,13 +23,18 @@
 {{- end -}}
 
 {{- define "sapd.stageMeta" -}}
+{{- $s := include "sapd.settings" . | fromYaml -}}
 name: {{ include "sapd.stageName" . }}
 labels:
   {{- include "sapd.jobLabels" . | nindent 2 }}
+{{- with $s.jobAnnotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{- define "sapd.buildPrefixesJob" -}}
-{{- $c := dict "root" .root "component" "build-prefixes" "job" .root.Values.buildPrefixes "round" "" "manual" .manual }}
+{{- $c := dict "root" .root "component" "build-prefixes" "job" .root.Values.buildPrefixes "round" "" }}
 apiVersion: batch/v1
 kind: Job
 metadata:
@@ -63,9 +68,8 @@ spec:
 
 {{- define "sapd.teacherScoresJob" -}}
 {{- $workers := int .root.Values.teacherScores.parallelism }}
-{{- $c := dict "root" .root "component" "teacher-scores" "job" .root.Values.teacherScores "round" .round "manual" .manual "index" true "perIndex" true "hostSuffix" (add 1 (len (toString (sub $workers 1)))) }}
+{{- $c := dict "root" .root "component" "teacher-scores" "job" .root.Values.teacherScores "round" .round "index" true "perIndex" true "hostSuffix" (add 1 (len (toString (sub $workers 1)))) }}
 {{- $_ := set $c "resources" (include "sapd.teacherScoresResources" $c | fromYaml) }}
-{{- $_ := set $c "waitFor" (printf "checkpoint:%s" (toString .round)) }}
 # Indexed Job: pod i of `workers` is teacher-scores worker i (JOB_COMPLETION_INDEX); a retried index
 # redoes only its own uncommitted part; the last worker to finish commits the round.
 apiVersion: batch/v1
@@ -82,10 +86,6 @@ spec:
       {{- include "sapd.podMeta" $c | nindent 6 }}
     spec:
       {{- include "sapd.podCommon" $c | nindent 6 }}
-      {{- if .manual }}
-      initContainers:
-        {{- include "sapd.waitInit" $c | nindent 8 }}
-      {{- end }}
       containers:
         - name: teacher-scores
           {{- include "sapd.containerCommon" $c | nindent 10 }}
@@ -106,10 +106,6 @@ spec:
 {{- with .subdomain }}
 subdomain: {{ . }}
 {{- end }}
-{{- if .manual }}
-initContainers:
-  {{- include "sapd.waitInit" $c | nindent 2 }}
-{{- end }}
 containers:
   - name: train
     {{- include "sapd.containerCommon" $c | nindent 4 }}
@@ -120,6 +116,8 @@ containers:
       - --node-rank=$(NODE_RANK)
       - --master-addr={{ .masterAddr }}
       - --master-port={{ int $t.rendezvousPort }}
+      # every pod waits this long for the whole group (torchrun's static rendezvous: 600 s by default)
+      - --rdzv-conf=timeout={{ int $t.rendezvousTimeoutSeconds }}
       - -m
       - jobs.train
       - --config
@@ -157,14 +155,14 @@ containers:
 {{- include "sapd.trainJobSet" . }}
 {{- else }}
 {{- $nodes := int .root.Values.train.parallelism }}
-{{- $c := dict "root" .root "component" "train" "job" .root.Values.train "round" .round "manual" .manual "hostSuffix" (add 1 (len (toString (sub $nodes 1)))) }}
+{{- $c := dict "root" .root "component" "train" "job" .root.Values.train "round" .round "gang" true "hostSuffix" (add 1 (len (toString (sub $nodes 1)))) }}
 {{- $_ := set $c "env" (include "sapd.trainEnv" $c | fromYamlArray) }}
-{{- $_ := set $c "waitFor" (printf "scored:%s" (toString .round)) }}
 {{- $svc := include "sapd.name" (dict "root" .root "component" "train") }}
 {{- $name := include "sapd.stageName" $c }}
 # Indexed Job of `parallelism` torchrun pods: node rank = completion index; the rendezvous is pod 0
 # (hostname <job>-0) through the headless Service. backoffLimit 0: one failed pod fails the Job and the
-# driver recreates the whole group (a static torchrun rendezvous cannot take one replaced rank).
+# driver recreates the whole group (a static torchrun rendezvous cannot take one replaced rank); a
+# preempted pod fails it too (podFailurePolicy rule 0), and that restart is not counted.
 apiVersion: batch/v1
 kind: Job
 metadata:
@@ -178,18 +176,20 @@ spec:
     metadata:
       {{- include "sapd.podMeta" $c | nindent 6 }}
     spec:
-      {{- include "sapd.trainPodSpec" (dict "root" .root "c" $c "round" .round "manual" .manual "subdomain" $svc "masterAddr" (printf "%s-0.%s" $name $svc)) | nindent 6 }}
+      {{- include "sapd.trainPodSpec" (dict "root" .root "c" $c "round" .round "subdomain" $svc "masterAddr" (printf "%s-0.%s" $name $svc)) | nindent 6 }}
 {{- end }}
 {{- end -}}
 
 {{/* The train stage as a JobSet (jobset.x-k8s.io/v1alpha2): one replicated Job "node" of `parallelism`
      Indexed pods; JobSet creates the headless Service (named after the JobSet) and restarts the whole
-     group up to `maxRestarts` times; a pod failing with exit code 2 fails it at once. */}}
+     group up to `maxRestarts` times. The child Job's podFailurePolicy fails it on a preempted pod (rule 0)
+     or exit code 2 (rule 1), and JobSet's rules tell the two apart by the rule index in the failure
+     message (onJobFailureMessagePatterns, JobSet >= 0.10; its host-maintenance pattern): a preemption
+     restarts the group without counting against maxRestarts, exit code 2 fails the JobSet at once. */}}
 {{- define "sapd.trainJobSet" -}}
 {{- $nodes := int .root.Values.train.parallelism }}
-{{- $c := dict "root" .root "component" "train" "job" .root.Values.train "round" .round "manual" .manual "hostSuffix" (add 8 (len (toString (sub $nodes 1)))) }}
+{{- $c := dict "root" .root "component" "train" "job" .root.Values.train "round" .round "gang" true "hostSuffix" (add 8 (len (toString (sub $nodes 1)))) }}
 {{- $_ := set $c "env" (include "sapd.trainEnv" $c | fromYamlArray) }}
-{{- $_ := set $c "waitFor" (printf "scored:%s" (toString .round)) }}
 {{- $name := include "sapd.stageName" $c }}
 apiVersion: jobset.x-k8s.io/v1alpha2
 kind: JobSet
@@ -200,9 +200,14 @@ spec:
   failurePolicy:
     maxRestarts: {{ int .root.Values.train.maxRestarts }}
     rules:
+      - name: preempted
+        action: RestartJobSetAndIgnoreMaxRestarts
+        onJobFailureReasons: [PodFailurePolicy]
+        onJobFailureMessagePatterns: ["matching FailJob rule at index 0$"]
       - name: permanent-error
         action: FailJobSet
         onJobFailureReasons: [PodFailurePolicy]
+        onJobFailureMessagePatterns: ["matching FailJob rule at index 1$"]
   network:
     enableDNSHostnames: true
     publishNotReadyAddresses: true
@@ -223,7 +228,7 @@ spec:
             metadata:
               {{- include "sapd.podMeta" $c | nindent 14 }}
             spec:
-              {{- include "sapd.trainPodSpec" (dict "root" .root "c" $c "round" .round "manual" .manual "masterAddr" (printf "%s-node-0-0.%s" $name $name)) | nindent 14 }}
+              {{- include "sapd.trainPodSpec" (dict "root" .root "c" $c "round" .round "masterAddr" (printf "%s-node-0-0.%s" $name $name)) | nindent 14 }}
 {{- end -}}
 
 {{- define "sapd.trainService" -}}
@@ -251,53 +256,27 @@ spec:
       targetPort: metrics
 {{- end -}}
 
-{{/* The evaluation pod: benchmark-specific data and servers, device & co. from the run config. */}}
+{{/* The evaluation pod: benchmark-specific data and servers, device & co. from the run config; with
+     `.round` (the evaluate-r<R> Job, not the CronJob's) exactly checkpoint R is evaluated. */}}
 {{- define "sapd.evaluatePod" -}}
 {{- $c := .c }}
 {{- $e := .root.Values.evaluate }}
 {{- $bench := include "sapd.benchmark" $c }}
 {{- $args := list "python" "-m" "jobs.evaluate" "--config" "/etc/sapd/config.yaml" }}
+{{- with .round }}{{ $args = concat $args (list "--checkpoint" (toString .)) }}{{ end }}
 {{- range $e.args }}{{ $args = append $args (toString .) }}{{ end }}
-{{- $init := list }}
 {{- if eq $bench "alfworld" }}
-{{- if eq $e.alfworld.data "pvc" }}
-{{- $_ := set $c "extraVolumes" (list (dict "name" "alfworld" "persistentVolumeClaim" (dict "claimName" (required "evaluate.alfworld.claimName is required with evaluate.alfworld.data pvc" $e.alfworld.claimName) "readOnly" true))) }}
+{{- $_ := set $c "extraVolumes" (list (dict "name" "alfworld" "persistentVolumeClaim" (dict "claimName" (include "sapd.alfworldClaim" .root) "readOnly" true))) }}
 {{- $_ := set $c "extraMounts" (list (dict "name" "alfworld" "mountPath" "/data/alfworld" "readOnly" true)) }}
 {{- $args = concat $args (list "--data-dir" "/data/alfworld") }}
-{{- else }}
-{{- $args = concat $args (list "--data-dir" "/scratch/alfworld") }}
-{{- end }}
 {{- else if eq $bench "webshop" }}
-{{- $url := $e.webshop.url | default (ternary (printf "http://%s:%d" (include "sapd.name" (dict "root" .root "component" "webshop")) (int $e.webshop.server.port)) "" $e.webshop.server.enabled) }}
-{{- $args = concat $args (list "--webshop-url" (required "evaluate.webshop.url (or evaluate.webshop.server.enabled) is required for benchmark webshop" $url)) }}
+{{- $args = concat $args (list "--webshop-url" (required "evaluate.webshop.url is required for benchmark webshop: the URL of your WebShop server (README \"Evaluation\"; the chart deploys none)" $e.webshop.url)) }}
+{{- $_ := set $c "webshop" true }}
 {{- else if eq $bench "searchqa" }}
 {{- $url := $e.searchqa.retrieverUrl | default (ternary (printf "http://%s:%d" (include "sapd.name" (dict "root" .root "component" "retriever")) (int $e.searchqa.retriever.port)) "" $e.searchqa.retriever.enabled) }}
 {{- $args = concat $args (list "--rows" $e.searchqa.rows "--retriever-url" (required "evaluate.searchqa.retrieverUrl (or evaluate.searchqa.retriever.enabled) is required for benchmark searchqa" $url)) }}
 {{- end }}
 {{- include "sapd.podCommon" $c }}
-{{- if or .manual (and (eq $bench "alfworld") (ne $e.alfworld.data "pvc")) }}
-initContainers:
-  {{- if .manual }}
-  {{- include "sapd.waitInit" $c | nindent 2 }}
-  {{- end }}
-  {{- if and (eq $bench "alfworld") (ne $e.alfworld.data "pvc") }}
-  # ALFWorld's game files, downloaded into the scratch volume (alfworld-download, the eval image)
-  - name: alfworld-data
-    {{- include "sapd.image" $c | nindent 4 }}
-    securityContext:
-      {{- toYaml .root.Values.securityContext.container | nindent 6 }}
-    resources:
-      {{- toYaml .root.Values.manual.waitResources | nindent 6 }}
-    args: [alfworld-download]
-    env:
-      - name: ALFWORLD_DATA
-        value: /scratch/alfworld
-      - name: HOME
-        value: /scratch/home
-    volumeMounts:
-      {{- include "sapd.mounts" $c | nindent 6 }}
-  {{- end }}
-{{- end }}
 containers:
   - name: evaluate
     {{- include "sapd.containerCommon" $c | nindent 4 }}
@@ -306,8 +285,13 @@ containers:
       {{- include "sapd.env" $c | nindent 6 }}
       {{- if eq $bench "alfworld" }}
       - name: ALFWORLD_DATA
-        value: {{ ternary "/data/alfworld" "/scratch/alfworld" (eq $e.alfworld.data "pvc") }}
+        value: /data/alfworld
       {{- end }}
+{{- end -}}
+
+{{/* The claim holding ALFWorld's game files: the user's, or the one this release creates. */}}
+{{- define "sapd.alfworldClaim" -}}
+{{- .Values.evaluate.alfworld.claimName | default (include "sapd.name" (dict "root" . "component" "alfworld-data")) -}}
 {{- end -}}
 
 {{- define "sapd.evaluateContext" -}}
@@ -316,8 +300,7 @@ containers:
 {{- end -}}
 
 {{- define "sapd.evaluateJob" -}}
-{{- $c := merge (dict "root" .root "job" .root.Values.evaluate "round" .round "manual" .manual) (include "sapd.evaluateContext" . | fromYaml) }}
-{{- $_ := set $c "waitFor" (printf "checkpoint:%s" (toString .waitRound)) }}
+{{- $c := merge (dict "root" .root "job" .root.Values.evaluate "round" .round) (include "sapd.evaluateContext" . | fromYaml) }}
 apiVersion: batch/v1
 kind: Job
 metadata:
@@ -328,5 +311,36 @@ spec:
     metadata:
       {{- include "sapd.podMeta" $c | nindent 6 }}
     spec:
-      {{- include "sapd.evaluatePod" (dict "root" .root "c" $c "manual" .manual) | nindent 6 }}
+      {{- include "sapd.evaluatePod" (dict "root" .root "c" $c "round" .round) | nindent 6 }}
+{{- end -}}
+
+{{/* mode manual: the gate of one stage of round `round` — the driver limited to that stage
+     (python -m jobs.pipeline --stage S --round K). Its small pod waits until the stage's input is
+     committed, then creates the stage Job from the pipeline-templates ConfigMap (so no GPU is held, and no
+     deadline runs, while a stage waits), adopts it if it exists, and retries it like the driver does. */}}
+{{- define "sapd.gateJob" -}}
+{{- $templates := include "sapd.name" (dict "root" .root "component" "pipeline-templates") }}
+{{- $vols := list (dict "name" "stage-templates" "configMap" (dict "name" $templates)) }}
+{{- $mounts := list (dict "name" "stage-templates" "mountPath" "/etc/sapd-pipeline" "readOnly" true) }}
+{{- $sa := include "sapd.name" (dict "root" .root "component" "pipeline") }}
+{{- $c := dict "root" .root "component" (printf "gate-%s" .stage) "job" .root.Values.pipeline "round" .round "manual" true "extraVolumes" $vols "extraMounts" $mounts "serviceAccount" $sa "automount" true "failJobCodes" (list 1 2) "configKey" "pipeline" }}
+{{- $args := list "python" "-m" "jobs.pipeline" "--config" "/etc/sapd/config.yaml" "--release" .root.Release.Name "--templates" "/etc/sapd-pipeline" "--owner" (printf "configmap/%s" $templates) "--retries" (toString (int .root.Values.pipeline.stageRetries)) "--poll-seconds" (toString (int .root.Values.manual.pollSeconds)) "--log-every-seconds" (toString .root.Values.pipeline.logEverySeconds) "--stage" .stage }}
+{{- with .round }}{{ $args = concat $args (list "--round" (toString .)) }}{{ end }}
+apiVersion: batch/v1
+kind: Job
+metadata:
+  {{- include "sapd.stageMeta" $c | nindent 2 }}
+spec:
+  {{- include "sapd.batchFields" $c | trim | nindent 2 }}
+  template:
+    metadata:
+      {{- include "sapd.podMeta" $c | nindent 6 }}
+    spec:
+      {{- include "sapd.podCommon" $c | nindent 6 }}
+      containers:
+        - name: {{ printf "gate-%s" .stage }}
+          {{- include "sapd.containerCommon" $c | nindent 10 }}
+          args: {{ toJson $args }}
+          env:
+            {{- include "sapd.env" $c | nindent 12 }}
 {{- end -}}

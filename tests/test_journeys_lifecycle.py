@@ -1,0 +1,275 @@
+"""A run's lifecycle on a cluster, end to end (the harness of tests/k8s_harness, as tests/test_journeys.py
+uses it): what a user does to a release while it runs, each ending in the same committed result as a run
+nobody touched.
+
+- `helm upgrade` in the middle of a stage: the new driver adopts the running stage Job — which belongs
+  to the release's pipeline-templates ConfigMap, kept by every revision — instead of the garbage collector
+  deleting it with the old driver Job;
+- `helm upgrade --reuse-values --set config.train.rounds=2` on a finished run of 1 round: the new driver
+  continues from checkpoint 1;
+- mode manual: small gate Jobs create each stage Job once its input is committed (no GPU held while
+  waiting; the evaluation's deadline starts when it runs), round after round with `--set round=K+1`.
+
+Inputs are what a user uploads (a tiny student and teacher, TextWorld expert games recorded with sapd's
+collector) in a real S3 server (SeaweedFS); the four releases run side by side in one cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import free_port
+from tests.k8s_harness import Cluster
+from tests.pipeline_util import make_models
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "sapd"
+SMOKE = CHART / "values" / "smoke.yaml"
+NS = "sapd"
+LR = ["config.train.lr=0.001"]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@dataclasses.dataclass
+class Inputs:
+    prefix: str
+    endpoint: str
+    games: Path
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, s3_server):
+    """The user's uploads: models and expert games (the smoke panel's, which are its training data too)."""
+    from sapd import storage
+    from sapd.data.loaders import write_native_jsonl
+    from sapd.envs.loop import LoopOptions, collect_expert
+    from sapd.envs.panels import PanelSpec, episode_specs
+    previous = storage.configure_s3(endpoint_url=s3_server.endpoint_url, access_key_id=s3_server.access_key,
+                                    secret_access_key=s3_server.secret_key, region="us-east-1")
+    tmp = tmp_path_factory.mktemp("lifecycle-inputs")
+    try:
+        student, teacher = make_models(tmp / "models")
+        specs = episode_specs(PanelSpec("textworld", families=("simple", "coin"), games_per_family=1, seed=0,
+                                        cache_dir=str(tmp / "games")))
+        trajs = collect_expert(specs, "textworld", successful_only=True, opts=LoopOptions(invalid_action="look"))
+        prefix = f"s3://{s3_server.bucket}/lifecycle-{uuid.uuid4().hex[:8]}"
+        write_native_jsonl(trajs, f"{prefix}/data/textworld.jsonl")
+        for name, folder in (("student", student), ("teacher", teacher)):
+            for f in sorted(Path(folder).rglob("*")):
+                if f.is_file():
+                    storage.write_bytes(f"{prefix}/models/{name}/{f.relative_to(folder)}", f.read_bytes())
+        yield Inputs(prefix, s3_server.endpoint_url, tmp / "games")
+    finally:
+        storage.configure_s3(**dataclasses.asdict(previous))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, inputs, s3_server):
+    c = Cluster(tmp_path_factory.mktemp("cluster"), namespace=NS, backoff_base_seconds=0.2, max_grace_seconds=3).start()
+    try:
+        c.create_secret("sapd-s3-credentials", {"AWS_ACCESS_KEY_ID": s3_server.access_key,
+                                                "AWS_SECRET_ACCESS_KEY": s3_server.secret_key})
+        # a node whose shared cache already holds the evaluation panel's games (modelCache: hostPath)
+        shutil.copytree(inputs.games, c.host_path("/var/cache/sapd") / "textworld")
+        yield c
+    finally:
+        c.stop()
+    assert c.errors == [], c.errors[-1]
+
+
+def user_sets(inputs: Inputs, release: str, *extra: str) -> list[str]:
+    p = inputs.prefix
+    return [f"runRoot={p}/runs/{release}", f"config.data.input={p}/data/textworld.jsonl",
+            f"config.model.student={p}/models/student", f"config.model.teacher={p}/models/teacher",
+            "config.sampling.max_new_tokens=12", "config.data.val_fraction=0", "config.train.trajectories_per_round=1",
+            "teacherScores.parallelism=2", f"s3.endpoint={inputs.endpoint}", "pushgateway.url=",
+            "pipeline.pollSeconds=0.5", "pipeline.logEverySeconds=60", "manual.pollSeconds=1", "modelCache.type=hostPath",
+            f"train.rendezvousPort={free_port()}", f"train.metricsPort={free_port()}", *extra]
+
+
+def logs_of_job(cluster: Cluster, job: str) -> str:
+    return "\n".join(cluster.logs(p["metadata"]["name"]) for p in cluster.pods(f"batch.kubernetes.io/job-name={job}"))
+
+
+def finished(cluster: Cluster, job: str, timeout: float = 1200) -> str:
+    """Wait for a driver or gate Job; it must be Complete with no stage left failing (its log, and the
+    failed pods' logs, are the failure message)."""
+    state = cluster.wait_job(job, timeout)
+    log = logs_of_job(cluster, job)
+    assert state == "Complete" and "FAILED" not in log and "WARNING" not in log, f"{job}:\n{log}\n{cluster.describe()}"
+    return log
+
+
+def weights(root: str, k: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    from sapd import layout, storage
+    out: dict[str, torch.Tensor] = {}
+    for u in storage.list_files(layout.checkpoint_model_dir(root, k)):
+        if u.endswith(".safetensors"):
+            out.update(load(storage.read_bytes(u)))
+    assert out, f"no weights in checkpoint {k} of {root}"
+    return out
+
+
+def assert_same_result(root: str, reference: str, rounds: tuple[int, ...] = (0, 1)) -> None:
+    """The committed scored rounds and checkpoint weights of ``root`` are ``reference``'s."""
+    from sapd import layout
+    from sapd.data.scored import read_scored
+    assert layout.committed_checkpoints(root) == layout.committed_checkpoints(reference)
+    cols = ["prefix_id", "response_token_ids", "teacher_logprobs"]
+    for k in rounds:
+        a, b = read_scored(reference, k), read_scored(root, k)
+        assert a.sort_by("prefix_id").select(cols).equals(b.sort_by("prefix_id").select(cols)), k
+        wa, wb = weights(reference, k + 1), weights(root, k + 1)
+        assert wa.keys() == wb.keys()
+        for name in wa:
+            torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=1e-6, msg=f"checkpoint {k + 1} {name}")
+
+
+def evaluation(root: str, k: int) -> dict:
+    from sapd import layout, storage
+    ev = storage.read_json(storage.join(layout.evals_dir(root, k), "textworld.json"))
+    return {key: ev[key] for key in ("checkpoint", "overall", "by_category")}
+
+
+@dataclasses.dataclass
+class Releases:
+    """Four releases of the smoke overlay, started together: `base` left alone, `upg` upgraded in the middle
+    of train-r0, `ext` installed with 1 round then extended to 2, `man` in mode manual."""
+    roots: dict[str, str]
+    notes: dict[str, str]
+    adopted_train_uid: str
+    seen: dict[str, object]
+
+
+@pytest.fixture(scope="module")
+def releases(cluster, inputs) -> Releases:
+    from sapd import checkpoints
+    roots, notes, seen = {}, {}, {}
+    for rel, extra in (("base", []), ("upg", []), ("ext", ["config.train.rounds=1"]),
+                       ("man", ["mode=manual", "round=0"])):
+        r = cluster.helm.install(f"sapd-{rel}", CHART, values_files=[SMOKE],
+                                 set_values=user_sets(inputs, f"sapd-{rel}", *extra), set_json=LR)
+        roots[rel], notes[rel] = r.values["runRoot"], r.notes
+
+    # manual mode: the stage Jobs appear only once their input is committed (the gates create them)
+    def first_sight(job: str, k: int) -> bool:
+        if cluster.job(job) is None:
+            return False
+        seen[job] = checkpoints.is_committed(roots["man"], k)
+        return True
+    cluster.wait_for(lambda: first_sight("sapd-man-teacher-scores-r0", 0), 600, "the manual teacher-scores-r0 Job")
+
+    # upg: `helm upgrade` while train-r0 runs (a value change: a new driver revision). The tiny model
+    # trains in seconds, a real one for hours: the train pod is paused (SIGSTOP) from its start until the
+    # new driver has met it running, so the upgrade lands mid-stage whatever the load on this machine
+    trainer = cluster.wait_pod("batch.kubernetes.io/job-name=sapd-upg-train-r0",
+                               lambda p: p["status"].get("phase") == "Running", 900)
+    uid = cluster.job("sapd-upg-train-r0")["metadata"]["uid"]
+    assert cluster.kill_pod(trainer["metadata"]["name"], signal.SIGSTOP)
+    try:
+        assert cluster.helm.upgrade("sapd-upg", reuse_values=True,
+                                    set_values=["pipeline.logEverySeconds=30"]).revision == 2
+        cluster.wait_for(lambda: cluster.job("sapd-upg-pipeline-1") is None, 60, "the first driver Job to go")
+        cluster.wait_for(lambda: "job sapd-upg-train-r0: exists" in logs_of_job(cluster, "sapd-upg-pipeline-2"), 600,
+                         "the new driver to find train-r0")
+        seen["train alive after the upgrade"] = cluster.job("sapd-upg-train-r0") is not None
+    finally:
+        cluster.kill_pod(trainer["metadata"]["name"], signal.SIGCONT)
+    seen["train pod"] = trainer["metadata"]["name"]
+
+    # ext: 1 round done (and evaluated), then 2
+    finished(cluster, "sapd-ext-pipeline-1")
+    seen["ext round 1 evaluation"] = evaluation(roots["ext"], 1)
+    assert cluster.helm.upgrade("sapd-ext", reuse_values=True, set_values=["config.train.rounds=2"]).revision == 2
+
+    # man: round 0 done, then round 1
+    for gate in ("gate-train-r0", "gate-evaluate-r1"):
+        name = next(j["metadata"]["name"] for j in cluster.store.list("Job", NS)
+                    if j["metadata"]["name"].startswith(f"sapd-man-{gate}-"))
+        seen[gate] = finished(cluster, name)  # its log, before the next revision's gates replace it
+    cluster.helm.upgrade("sapd-man", reuse_values=True, set_values=["round=1"])
+    for gate in ("gate-train-r1", "gate-evaluate-r2"):
+        name = next(j["metadata"]["name"] for j in cluster.store.list("Job", NS)
+                    if j["metadata"]["name"].startswith(f"sapd-man-{gate}-"))
+        finished(cluster, name)
+
+    for driver in ("sapd-base-pipeline-1", "sapd-upg-pipeline-2", "sapd-ext-pipeline-2"):
+        finished(cluster, driver)
+    return Releases(roots, notes, uid, seen)
+
+
+def test_helm_upgrade_mid_stage_keeps_the_running_stage(releases, cluster):
+    """The old driver Job went (Helm deletes what the new revision no longer renders), the train Job it
+    had started did not: the new driver adopted it, and the run ends where the untouched one does."""
+    upg = releases.roots["upg"]
+    assert releases.seen["train alive after the upgrade"]
+    job = cluster.job("sapd-upg-train-r0")
+    assert job["metadata"]["uid"] == releases.adopted_train_uid and job["metadata"]["annotations"]["sapd.io/attempt"] == "1"
+    assert job["metadata"]["ownerReferences"][0]["kind"] == "ConfigMap"
+    assert job["metadata"]["ownerReferences"][0]["name"] == "sapd-upg-pipeline-templates"
+    (pod,) = cluster.pods("batch.kubernetes.io/job-name=sapd-upg-train-r0")
+    assert pod["metadata"]["name"] == releases.seen["train pod"] and pod["status"]["phase"] == "Succeeded"
+    log = logs_of_job(cluster, "sapd-upg-pipeline-2")
+    assert "job sapd-upg-train-r0: exists (running, attempt 1), adopting it" in log
+    assert "pipeline done: checkpoints [0, 1, 2] committed" in log
+    assert_same_result(upg, releases.roots["base"])
+    assert evaluation(upg, 2) == evaluation(releases.roots["base"], 2)
+    # `helm uninstall` still removes every stage Job: they belong to the release's ConfigMap
+    cluster.helm.uninstall("sapd-upg")
+    cluster.wait_for(lambda: not [j for j in cluster.store.list("Job", NS)
+                                  if j["metadata"]["name"].startswith("sapd-upg-")], 120, "sapd-upg's Jobs to go")
+
+
+def test_more_rounds_extend_a_finished_run(releases, cluster):
+    """`helm upgrade --reuse-values --set config.train.rounds=2` after a 1-round run: the new driver
+    checks the run root (rounds may grow under a constant learning rate), skips round 0 and continues
+    from checkpoint 1, to the result of a run that had 2 rounds from the start."""
+    from sapd import layout, storage, yamlio
+    ext = releases.roots["ext"]
+    log = logs_of_job(cluster, "sapd-ext-pipeline-2")
+    assert "stage train-r0: committed, skipping" in log and "job sapd-ext-train-r1: created" in log
+    created = [ln.split()[1].rstrip(":") for ln in log.splitlines() if ln.startswith("job ") and ": created (" in ln]
+    assert created == ["sapd-ext-teacher-scores-r1", "sapd-ext-train-r1", "sapd-ext-evaluate-r2"]
+    assert_same_result(ext, releases.roots["base"])
+    assert evaluation(ext, 2) == evaluation(releases.roots["base"], 2)
+    assert releases.seen["ext round 1 evaluation"] == evaluation(ext, 1)  # the first revision's evaluation stays
+    assert yamlio.load(storage.read_text(layout.config_uri(ext)))["train"]["rounds"] == 2
+
+
+def test_manual_mode_gates_create_each_stage_once_its_input_is_committed(releases, cluster):
+    """mode manual: Helm renders small gate Jobs; each stage Job (with its GPUs, on a GPU cluster) exists
+    only from the moment its input is committed, so nothing waits inside a GPU pod and the evaluation's
+    deadline is not eaten by waiting. Two rounds end in the pipeline's result."""
+    man = releases.roots["man"]
+    assert releases.seen["sapd-man-teacher-scores-r0"] is True  # checkpoint 0 was committed when it appeared
+    gate_log = releases.seen["gate-evaluate-r1"]
+    assert f"stage evaluate-r1: waiting for the output of train-r0 in {man}" in gate_log
+    assert gate_log.index("its input (train-r0) is committed") < gate_log.index("job sapd-man-evaluate-r1: created")
+    for stage in ("build-prefixes", "teacher-scores-r0", "train-r0", "evaluate-r1", "teacher-scores-r1", "train-r1",
+                  "evaluate-r2"):
+        job = cluster.job(f"sapd-man-{stage}")
+        assert job is not None and cluster.job_state(f"sapd-man-{stage}") == "Complete", stage
+        assert job["metadata"]["ownerReferences"][0]["name"] == "sapd-man-pipeline-templates"
+        for p in cluster.pods(f"batch.kubernetes.io/job-name=sapd-man-{stage}"):
+            assert not p["spec"].get("initContainers"), stage
+    assert_same_result(man, releases.roots["base"])
+    assert evaluation(man, 2) == evaluation(releases.roots["base"], 2)
+    assert evaluation(man, 1)["checkpoint"] == 1
+    assert "gate Job" in releases.notes["man"] and "--set round=1" in releases.notes["man"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_time():
+    t0 = time.monotonic()
+    yield
+    print(f"\nlifecycle journeys: {time.monotonic() - t0:.0f}s")
