@@ -26,6 +26,7 @@ from itertools import chain
 from typing import Any, Callable, Iterator
 
 from sapd import storage
+from sapd.config import ConfigError
 from sapd.data.errors import InvalidRecordError
 from sapd.data.formats import conversation, native, searchr1, skillrl
 from sapd.data.formats.base import (
@@ -53,9 +54,12 @@ __all__ = ["AUTO", "FORMATS", "REGISTRY", "LoadOptions", "LoadResult", "detect_f
 
 
 def check_format(fmt: str) -> None:
-    """A ValueError naming the formats when ``fmt`` is none of them (the config's ``data.format``)."""
+    """A :class:`~sapd.config.ConfigError` (about ``data.format``) naming the formats when ``fmt`` is none
+    of them. The registry is the one list, so the run config does not spell it: ``sapd check`` and every
+    stage that reads data check it here."""
     if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)} (docs/FORMATS.md)")
+        raise ConfigError(f"data.format: unknown format {fmt!r}; expected one of {', '.join(FORMATS)} "
+                          "(docs/FORMATS.md)", "data.format")
 
 
 def input_files(input_uri: str, fmt: str) -> list[str]:
