@@ -38,7 +38,7 @@ from sapd.data.formats.base import (
     one_per_record,
     record_location,
 )
-from sapd.data.formats.records import read_records
+from sapd.data.formats.records import files_below, read_records
 from sapd.data.schema import Trajectory
 from sapd.method.benchmarks import get_benchmark
 
@@ -65,14 +65,9 @@ def check_format(fmt: str) -> None:
 def input_files(input_uri: str, fmt: str) -> list[str]:
     """A file, or every file of the format's extensions below a folder (local or ``s3://``), sorted."""
     check_format(fmt)
-    if storage.exists(input_uri):
-        return [input_uri]
     exts = tuple(sorted({e for f in REGISTRY.values() for e in f.extensions})) if fmt == AUTO \
         else REGISTRY[fmt].extensions
-    found = [u for u in storage.list_files(input_uri) if u.endswith(exts)]
-    if not found:
-        raise FileNotFoundError(f"{input_uri}: no such file, and no {'/'.join(exts)} files below it")
-    return found
+    return files_below(input_uri, exts)
 
 
 def detect_format(rec: Any) -> tuple[str, str] | None:

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from sapd.data.errors import InvalidRecordError
+from sapd.data.formats import searchr1
 from sapd.data.formats.base import record_location
-from sapd.data.formats.records import read_records
+from sapd.data.formats.records import files_below, read_records
 from sapd.data.formats.searchr1 import searchr1_golden_answers, searchr1_question
-from sapd.data.loaders import input_files
 from sapd.envs.base import EpisodeSpec, StepInfo, StepResult
 from sapd.envs.retriever import DEFAULT_TOPK, RetrieverClient
 from sapd.method.benchmarks import exact_match, parse_search_response
@@ -121,7 +121,7 @@ def read_questions(rows_path: str | Path, limit: int | None = None, per_source: 
     out: list[Question] = []
     per: dict[str | None, int] = {}
     seen: set[str] = set()
-    for path in input_files(str(rows_path), "searchr1"):
+    for path in files_below(str(rows_path), searchr1.FORMAT.extensions):
         for loc, rec in read_records(path):
             if isinstance(rec, InvalidRecordError):
                 raise rec

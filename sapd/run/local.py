@@ -19,13 +19,13 @@ from sapd.method.objective import objective_of
 from sapd.metrics import Metrics
 from sapd.progress import Progress
 from sapd.run import plan
-from sapd.stages import build_prefixes, evaluate, teacher_scores, train
+from sapd.stages import build_prefixes, teacher_scores, train
 from sapd.stages.context import Engines, Stage, StageContext, run_stage, write_config_once
 from sapd.stages.train import EngineFactory
 
-# the stage module of each plan step (the cluster's driver creates the Job of the same name instead)
-STAGES: dict[str, Stage] = {"build-prefixes": build_prefixes, "teacher-scores": teacher_scores, "train": train,
-                            "evaluate": evaluate}
+# the stage module of each step of a local run (the cluster's driver creates the Job of the same name instead).
+# The local plan has no evaluate step: `sapd evaluate` plays the episodes, so `sapd run` loads no environment.
+STAGES: dict[str, Stage] = {"build-prefixes": build_prefixes, "teacher-scores": teacher_scores, "train": train}
 
 
 def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_progress: bool = True,

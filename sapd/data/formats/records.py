@@ -125,3 +125,13 @@ def read_records(path: str) -> Iterator[tuple[str, Any]]:
     except UnicodeDecodeError as e:
         raise InvalidRecordError(path, f"byte {e.start}", "", "bad_encoding", "file is not UTF-8") from None
     yield from _json_records(path, text)
+
+
+def files_below(input_uri: str, extensions: tuple[str, ...]) -> list[str]:
+    """A file, or every file ending in one of ``extensions`` below a folder (local or ``s3://``), sorted."""
+    if storage.exists(input_uri):
+        return [input_uri]
+    found = [u for u in storage.list_files(input_uri) if u.endswith(extensions)]
+    if not found:
+        raise FileNotFoundError(f"{input_uri}: no such file, and no {'/'.join(extensions)} files below it")
+    return found
