@@ -5,10 +5,10 @@
   (``run 3/9 steps | round 1 sampling 12/40 prefixes 30% 0:42 ETA 1:38``); log lines printed through
   :meth:`Progress.log` go above it.
 - In a log (``"auto"`` without a TTY — a pod's ``kubectl logs`` — or ``"lines"``): plain lines through the
-  ``log`` callable, no carriage returns: one line per task every ``every`` seconds (30), also while a
-  single item takes longer than that (a background timer), so a reader never waits more than ``every``
-  seconds for a line; a task that printed a line prints its last one when it closes. Work shorter than
-  ``every`` prints nothing: the stages log their own one-line summaries.
+  ``log`` callable, no carriage returns: every ``every`` seconds (30) one line with the open tasks side by
+  side, also while a single item takes longer than that (a background timer), so a reader never waits
+  more than ``every`` seconds for a line; a task that was in a line prints its last one when it closes.
+  Work shorter than ``every`` prints nothing: the stages log their own one-line summaries.
 - ``"off"``: nothing.
 
     progress = Progress(log=print)                     # or ctx.progress in a stage
@@ -53,8 +53,7 @@ class Task:
         self.n = initial
         self._initial = initial
         self.start = time.monotonic()
-        self.last_line = self.start  # lines mode: when this task last printed
-        self.printed = False
+        self.printed = False  # lines mode: it was in a line (so it prints its last one when it closes)
         self.closed = False
 
     # -- counting -----------------------------------------------------------------------------------
@@ -123,7 +122,7 @@ class Progress:
         self.every = every
         self._open: list[Task] = []
         self._lock = threading.RLock()
-        self._drawn = 0.0  # bar mode: when the status line was last drawn
+        self._drawn = 0.0  # bar mode: when the status line was last drawn; lines mode: when a line was printed
         self._width = 0  # bar mode: characters of the status line on screen
         self._wake = threading.Event()
         self._timer: threading.Thread | None = None
@@ -141,6 +140,8 @@ class Progress:
         t = Task(self, desc, total, unit, initial)
         if self.mode != "off":
             with self._lock:
+                if not self._open:
+                    self._drawn = time.monotonic()  # lines mode: the first line comes `every` seconds from now
                 self._open.append(t)
                 self._ensure_timer()
                 if self.mode == "bar":
@@ -168,8 +169,8 @@ class Progress:
         with self._lock:
             if self.mode == "bar":
                 self._draw()
-            elif time.monotonic() - task.last_line >= self.every:
-                self._line(task)
+            elif time.monotonic() - self._drawn >= self.every:
+                self._line()
 
     def _closed(self, task: Task) -> None:
         if self.mode == "off":
@@ -185,10 +186,12 @@ class Progress:
             if not self._open:
                 self._wake.set()
 
-    def _line(self, task: Task) -> None:
-        task.last_line = time.monotonic()
-        task.printed = True
-        self._log(task.status(task.last_line))
+    def _line(self) -> None:
+        """Lines mode: one line with every open task."""
+        self._drawn = now = time.monotonic()
+        for t in self._open:
+            t.printed = True
+        self._log(" | ".join(t.status(now) for t in self._open))
 
     def _clear(self) -> None:
         if self._width:
@@ -218,26 +221,22 @@ class Progress:
         self._timer.start()
 
     def _tick(self) -> None:
-        """The heartbeat: redraw the bar every second, or print a task's line when it has been quiet for
-        ``every`` seconds; ends when no task is open."""
+        """The heartbeat: redraw the bar every second, or print a line when none was printed for ``every``
+        seconds; ends when no task is open."""
         while True:
             with self._lock:
                 if not self._open:
                     self._timer = None
                     return
-                quiet = min(t.last_line for t in self._open)
-            wait = 1.0 if self.mode == "bar" else max(0.05, quiet + self.every - time.monotonic())
+            wait = 1.0 if self.mode == "bar" else max(0.05, self._drawn + self.every - time.monotonic())
             if self._wake.wait(wait):
                 self._wake.clear()
                 continue
             with self._lock:
                 if self.mode == "bar":
                     self._draw(force=True)
-                else:
-                    now = time.monotonic()
-                    for t in list(self._open):
-                        if now - t.last_line >= self.every:
-                            self._line(t)
+                elif time.monotonic() - self._drawn >= self.every:
+                    self._line()
 
 
 def _columns() -> int:

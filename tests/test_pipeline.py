@@ -419,8 +419,9 @@ def test_a_registered_objective_trains_through_the_real_stages(tmp_path, models,
     lines: list[str] = []  # and the run's progress, as a log shows it (every update a line here)
     run_pipeline(cfg, log=lambda s: None, progress=Progress(lines.append, mode="lines", every=0.0))
     assert any(line.startswith(f"run {root}: 3/3 steps (100%)") for line in lines), lines
+    segments = [seg for line in lines for seg in line.split(" | ")]  # open tasks side by side in one line
     for what in ("round 0 sampling: ", "round 0 teacher scoring: ", "round 0 training: "):
-        assert any(line.startswith(what) and "ETA" in line for line in lines), (what, lines)
+        assert any(seg.startswith(what) and "ETA" in seg for seg in segments), (what, lines)
     assert not [line for line in lines if "\r" in line]
     steps = read_step_log(root)
     assert steps and all(s["loss"] == s["loss_gap"] > 0 and s["variant"] == "toy" for s in steps)
