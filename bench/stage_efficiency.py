@@ -218,7 +218,7 @@ def _train_round(cfg_path: Path, ranks: int | None, threads: int, extra_env: dic
     env = {**{k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}, **extra_env,
            "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
-    cli = ["-m", "sapd.cli", "train-round", str(cfg_path), "--round", "0", "--no-progress"]
+    cli = ["-m", "sapd.cli", "train-round", str(cfg_path), "--round", "0", "--no-progress", "--no-check"]
     if ranks is None:
         cmd = [sys.executable, *cli]
     else:
@@ -235,9 +235,7 @@ def _train_round(cfg_path: Path, ranks: int | None, threads: int, extra_env: dic
 
 def deepspeed_ranks(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """One training round by the torch engine, DeepSpeed on 1 rank and DeepSpeed on 2 ranks."""
-    import yaml
-
-    from sapd import layout
+    from sapd import layout, yamlio
     from sapd.run.local import run_pipeline
     from sapd.run.report import read_step_log
     threads = os.cpu_count() or 2
@@ -276,7 +274,7 @@ def deepspeed_ranks(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                     shutil.copytree(source / rel, root / rel)
                 cfg = {**base, "run_root": str(root), "train": {**base["train"], **train}}
                 cfg_path = tmp / f"{name}-{rep}.yaml"
-                cfg_path.write_text(yaml.safe_dump(cfg))
+                cfg_path.write_text(yamlio.dump(cfg))
                 wall = _train_round(cfg_path, ranks, n_threads, extra_env)
                 steps = read_step_log(str(root))
                 loop = sum(s.get("step_seconds", 0.0) + s.get("old_logp_seconds", 0.0) for s in steps)

@@ -50,16 +50,15 @@ def prepare(name: str, tmp: Path, checkpointing: bool) -> dict:
     from sapd import checkpoints
     from sapd.config import config_from_dict
     from sapd.data.scored import commit_round
+    from sapd.models.byte_tokenizer import SAMPLE_DATA, build_sample_tokenizer
     from sapd.models.generation import HFGenerator
     from sapd.models.loading import load_causal_lm, load_tokenizer
     from sapd.models.scoring import score_groups
     from sapd.models.tiny import build_tiny_model
     from sapd.stages.build_prefixes import ensure_initial_checkpoint, ensure_prefixes
     from sapd.stages.teacher_scores import run_worker
-    sys.path.insert(0, str(REPO))
-    from tests.tokenizer_util import SAMPLE_DATA, build_test_tokenizer
 
-    tok = build_test_tokenizer(tmp / "tok")
+    tok = build_sample_tokenizer(tmp / "tok")
     model_dir = tmp / name
     model = build_tiny_model(tok, model_dir, **SHAPES[name.removesuffix("+ckpt")])
     n_params = sum(p.numel() for p in model.parameters())

@@ -11,35 +11,17 @@ Exit codes (sapd.entry): 0 done (or already committed), 2 bad config or input, 7
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Sequence
 
-from sapd.entry import add_config_flags, config_from_args, log_line, run_main
-from sapd.metrics import Metrics
-from sapd.run.check import preflight
+from sapd.run.job import job_parser, stage_main
 from sapd.stages import build_prefixes
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs.build_prefixes", description=__doc__.splitlines()[0])
-    add_config_flags(p)
-    return p
+from sapd.stages.context import Step
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-
-    def body() -> None:
-        cfg = config_from_args(args)
-        if not args.no_check:
-            preflight(cfg, "build-prefixes", log=log_line)
-        metrics = Metrics.from_env("build_prefixes")
-        build_prefixes.run(cfg, log=log_line, show_progress=not args.no_progress, metrics=metrics)
-        metrics.mark_success()
-        metrics.push()
-
-    return run_main("build_prefixes", body)
+    args = job_parser("python -m jobs.build_prefixes", __doc__).parse_args(argv)
+    return stage_main("build_prefixes", build_prefixes, args, Step("build-prefixes"))
 
 
 if __name__ == "__main__":

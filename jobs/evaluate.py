@@ -18,24 +18,27 @@ import argparse
 import sys
 from typing import Sequence
 
-from sapd.entry import (
-    add_config_flags,
-    add_panel_flags,
-    config_from_args,
-    env_timeout,
-    log_line,
-    panel_from_args,
-    run_main,
-)
-from sapd.metrics import Metrics
-from sapd.run.check import preflight
+from sapd.config import RunConfig
+from sapd.envs.panels import PanelSpec
+from sapd.panel_flags import add_panel_flags, env_timeout, panel_fields
+from sapd.run.job import job_parser, stage_main
 from sapd.stages import evaluate
+from sapd.stages.context import Step
+
+
+def _checkpoint(value: str) -> int | None:
+    if value == "latest":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a checkpoint index or 'latest', not {value!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs.evaluate", description=__doc__.splitlines()[0])
-    add_config_flags(p)
-    p.add_argument("--checkpoint", default="latest", help="checkpoint index, or 'latest' (default)")
+    p = job_parser("python -m jobs.evaluate", __doc__)
+    p.add_argument("--checkpoint", type=_checkpoint, default=None, metavar="K|latest",
+                   help="checkpoint index, or 'latest' (default)")
     add_panel_flags(p, benchmark_default=None)
     p.add_argument("--horizon", type=int, default=None, help="max steps per episode (default: the benchmark's)")
     p.add_argument("--device", default=None, help="torch device (default: the config's model.device)")
@@ -47,21 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(argv)
 
-    def body() -> None:
-        cfg = config_from_args(args)
-        if not args.no_check:
-            preflight(cfg, "evaluate", log=log_line)
-        metrics = Metrics.from_env("evaluate")
-        panel = panel_from_args(args, benchmark=args.benchmark or cfg.data.benchmark)
-        evaluate.run(cfg, args.checkpoint, panel, horizon=args.horizon, env_timeout_s=env_timeout(args),
-                     device=args.device, max_new_tokens=args.max_new_tokens, log=log_line,
-                     show_progress=not args.no_progress, metrics=metrics, temperature=args.temperature)
-        metrics.mark_success()
-        metrics.push()
+    def options(cfg: RunConfig) -> dict[str, evaluate.Options]:
+        panel = PanelSpec(**panel_fields(args, benchmark=args.benchmark or cfg.data.benchmark))
+        return {"evaluate": evaluate.Options(panel, args.horizon, env_timeout(args), args.device, args.max_new_tokens,
+                                             args.temperature)}
 
-    return run_main("evaluate", body)
+    return stage_main("evaluate", evaluate, args, Step("evaluate", args.checkpoint), options=options)
 
 
 if __name__ == "__main__":

@@ -22,16 +22,13 @@ import os
 import sys
 from typing import Sequence
 
-from sapd.data.scored import commit_round
-from sapd.entry import add_config_flags, config_from_args, log_line, run_main
-from sapd.metrics import Metrics
-from sapd.run.check import preflight
+from sapd.run.job import job_parser, stage_main
 from sapd.stages import teacher_scores
+from sapd.stages.context import Step
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs.teacher_scores", description=__doc__.splitlines()[0])
-    add_config_flags(p)
+    p = job_parser("python -m jobs.teacher_scores", __doc__)
     p.add_argument("--round", type=int, required=True, metavar="K", help="the round to score")
     p.add_argument("--worker", type=int, default=None,
                    help="this worker's index (default: $JOB_COMPLETION_INDEX, set by an Indexed Job)")
@@ -51,27 +48,11 @@ def worker_index(flag: int | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-
-    def body() -> None:
-        cfg = config_from_args(args)
-        if not args.no_check:
-            preflight(cfg, "teacher-scores-commit" if args.commit else "teacher-scores", log=log_line)
-        k = args.round
-        metrics = Metrics.from_env("teacher_scores")
-        if args.commit:
-            manifest = commit_round(cfg, k)
-            log_line(f"round {k}: committed {manifest['rows']} scored groups from {manifest['workers']} workers")
-            metrics.round.set(k)
-        else:
-            w = worker_index(args.worker)
-            result = teacher_scores.run(cfg, k, w, log=log_line, show_progress=not args.no_progress, metrics=metrics)
-            log_line(f"round {k} worker {w}/{cfg.workers}: {'already done' if result.skipped else 'done'}, "
-                     f"{result.rows} groups")
-        metrics.mark_success()
-        metrics.push()
-
-    return run_main("teacher_scores", body)
+    args = build_parser().parse_args(argv)
+    return stage_main("teacher_scores", teacher_scores, args, Step("teacher-scores", args.round),
+                      options=lambda cfg: {"teacher-scores": teacher_scores.Options(
+                          worker=None if args.commit else worker_index(args.worker), commit_only=args.commit)},
+                      checks="teacher-scores-commit" if args.commit else None)
 
 
 if __name__ == "__main__":

@@ -15,34 +15,23 @@ Exit codes (sapd.entry): 0 checkpoint K+1 committed, 2 bad config or missing inp
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Sequence
 
-from sapd.entry import add_config_flags, config_from_args, log_line, run_main
-from sapd.run.check import preflight
+from sapd.run.job import job_parser, stage_main
 from sapd.stages import train
+from sapd.stages.context import Step
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__.splitlines()[0])
-    add_config_flags(p)
+    p = job_parser("python -m jobs.train", __doc__)
     p.add_argument("--round", type=int, required=True, metavar="K", help="the round to train")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-
-    def body() -> None:
-        cfg = config_from_args(args)
-        if not args.no_check:
-            preflight(cfg, "train", log=log_line)
-        port = os.environ.get("SAPD_METRICS_PORT")
-        train.run(cfg, args.round, log=log_line, show_progress=not args.no_progress,
-                  metrics_port=int(port) if port else None)
-
-    return run_main("train", body)
+    args = build_parser().parse_args(argv)
+    return stage_main("train", train, args, Step("train", args.round))
 
 
 if __name__ == "__main__":

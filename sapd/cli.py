@@ -80,7 +80,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_show_prefixes(args: argparse.Namespace) -> int:
-    from sapd.data.prefixes import read_prefixes
+    from sapd.data.prefix_table import read_prefixes
     table = read_prefixes(args.out, args.split)
     for row in table.slice(0, args.n).to_pylist():
         print(f"=== {row['prefix_id']}  ({row['category'] or '-'}, {row['prompt_tokens']} tokens; "
@@ -93,16 +93,11 @@ def cmd_show_prefixes(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """The embedded default: the powered study's setting at demo size — games, noisy logs, student and
     teacher, then SFT / OPD+Rule / SAPD from the student and a held-out evaluation (sapd.study.demo)."""
-    import yaml
-
-    from sapd.config import ConfigError
+    from sapd.config import ConfigError, read_yaml_mapping
     from sapd.study.demo import demo_config, run_demo
     overrides = None
     if args.config:
-        overrides = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}
-        if not isinstance(overrides, dict):
-            raise ValueError(f"{args.config}: expected a mapping of demo setting fields, "
-                             f"got {type(overrides).__name__}")
+        overrides = read_yaml_mapping(args.config)  # the one YAML reader: `lr: 1e-3` is a number
         try:
             demo_config(overrides)  # checked before anything runs, so the error can name the file
         except ConfigError as e:
@@ -152,29 +147,26 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_train_round(args: argparse.Namespace) -> int:
     """One training stage (checkpoint K + round K's scored shards → checkpoint K+1), on every process
-    torchrun starts; the engine is ``train.engine``. The run root's config.yaml is written if absent
-    and otherwise must equal the resolved config, exactly as for ``sapd run``."""
-    import os
-
-    from sapd.config import load_config
-    from sapd.entry import log_line
+    torchrun starts; the engine is ``train.engine``: what ``python -m jobs.train`` runs (checks, config,
+    metrics, the stage), through the same :func:`sapd.run.job.stage_main`."""
+    from sapd.run.job import stage_main
     from sapd.stages import train
-    cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
-    port = os.environ.get("SAPD_METRICS_PORT")
-    train.run(cfg, args.round, log=log_line, show_progress=not args.no_progress,
-              metrics_port=int(port) if port else None)
-    return 0
+    from sapd.stages.context import Step
+    return stage_main("sapd train-round", train, args, Step("train", args.round))
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from sapd.entry import env_timeout, log_line, panel_from_args
+    from sapd.entry import log_line
+    from sapd.envs.panels import PanelSpec
     from sapd.metrics import Metrics
+    from sapd.panel_flags import env_timeout, panel_fields
     from sapd.stages.evaluate import evaluate_checkpoint
     metrics = Metrics.from_env("evaluate")
-    result = evaluate_checkpoint(args.run, args.checkpoint, panel_from_args(args), horizon=args.horizon,
+    result = evaluate_checkpoint(args.run, args.checkpoint, PanelSpec(**panel_fields(args)), horizon=args.horizon,
                                  max_new_tokens=args.max_new_tokens, device=args.device,
                                  env_timeout_s=env_timeout(args), log=log_line, show_progress=not args.no_progress,
                                  metrics=metrics, temperature=args.temperature)
+    metrics.observe_stage("evaluate", result["seconds"])
     metrics.mark_success()
     metrics.push()
     print(json.dumps({"checkpoint": result["checkpoint"], "overall": result["overall"]["success"],
@@ -184,11 +176,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_collect_expert(args: argparse.Namespace) -> int:
     from sapd.data.loaders import write_native_jsonl
-    from sapd.entry import env_timeout, panel_from_args
     from sapd.envs.loop import LoopOptions, collect_expert, summarize
-    from sapd.envs.panels import episode_specs
+    from sapd.envs.panels import PanelSpec, episode_specs
     from sapd.method.benchmarks import noop_action
-    specs = episode_specs(panel_from_args(args))
+    from sapd.panel_flags import env_timeout, panel_fields
+    specs = episode_specs(PanelSpec(**panel_fields(args)))
     trajs = collect_expert(specs, args.benchmark, successful_only=args.successful_only,
                            opts=LoopOptions(invalid_action=noop_action(args.benchmark),
                                             env_timeout_s=env_timeout(args)))
@@ -206,8 +198,9 @@ def cmd_online(args: argparse.Namespace) -> int:
     in the TextWorld panel, then the same training stage as SAPD."""
     from sapd.baselines.online import cycling_games, run_online
     from sapd.config import load_config
-    from sapd.entry import env_timeout, log_line
+    from sapd.entry import log_line
     from sapd.envs.panels import textworld_specs
+    from sapd.panel_flags import env_timeout
     cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
     families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
     panel = textworld_specs(families, args.games_per_family, args.seed, args.cache)
@@ -220,25 +213,25 @@ def cmd_online(args: argparse.Namespace) -> int:
 
 def cmd_teacher_pool(args: argparse.Namespace) -> int:
     """A teacher plays the panel with sampling: a teacher-generated pool (ReOPD's input)."""
-    from tqdm import tqdm
-
     from sapd.baselines.reopd import teacher_pool
-    from sapd.entry import env_timeout, panel_from_args
+    from sapd.entry import log_line
     from sapd.envs.loop import summarize
-    from sapd.envs.panels import episode_specs
+    from sapd.envs.panels import PanelSpec, episode_specs
+    from sapd.panel_flags import env_timeout, panel_fields
+    from sapd.progress import Progress
     from sapd.stages.evaluate import latest_checkpoint
     if bool(args.model) == bool(args.run):
         raise ValueError("give exactly one of --model (an HF folder) or --run (a run root, with --checkpoint)")
     k = None
     if args.run:
         k = latest_checkpoint(args.run) if args.checkpoint == "latest" else int(args.checkpoint)
-    specs = episode_specs(panel_from_args(args))
-    with tqdm(total=len(specs) * args.samples_per_game, desc="teacher episodes", unit="episode",
-              disable=True if args.no_progress else None) as bar:
+    specs = episode_specs(PanelSpec(**panel_fields(args)))
+    progress = Progress.of(log_line, not args.no_progress)
+    with progress.task("teacher episodes", total=len(specs) * args.samples_per_game, unit="episode") as bar:
         trajs = teacher_pool(args.run or args.model, specs, args.out, k=k, benchmark=args.benchmark,
                              samples_per_spec=args.samples_per_game, temperature=args.temperature, top_p=args.top_p,
                              seed=args.sampling_seed, max_new_tokens=args.max_new_tokens, horizon=args.horizon,
-                             device=args.device, env_timeout_s=env_timeout(args), progress=bar.update)
+                             device=args.device, env_timeout_s=env_timeout(args), progress=bar)
     s = summarize(trajs)
     print(f"wrote {len(trajs)} teacher trajectories to {args.out}; success {s['overall']['success']:.2f}, "
           f"{s['overall']['mean_steps']:.1f} steps and {s['overall']['invalid_step_rate']:.2f} invalid steps "
@@ -298,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from sapd.data.loaders import FORMATS
-    from sapd.entry import add_panel_flags
     from sapd.method.benchmarks import BENCHMARKS
+    from sapd.panel_flags import add_panel_flags
 
     p = sub.add_parser("build-prefixes", help="cut recorded trajectories into decision prefixes (Parquet shards)")
     p.add_argument("--input", required=True, help="a file or folder (local or s3://) of trajectories")
@@ -354,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="+", help="YAML overlays, applied in order over the paper's defaults")
     p.add_argument("--round", type=int, required=True, metavar="K", help="the round to train")
     p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines only)")
+    p.add_argument("--no-check", action="store_true", help="skip the checks run first (see `sapd check`)")
     p.set_defaults(func=cmd_train_round)
 
     p = sub.add_parser("evaluate", help="task success of a checkpoint on a fixed, seeded environment panel")
@@ -453,11 +447,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cmd_retriever(argv: list[str]) -> int:
+    """``sapd retriever …``: the arguments go to :func:`sapd.envs.retriever.main` unparsed."""
+    from sapd.envs.retriever import main as retriever_main
+    return retriever_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["retriever"]:
-        from sapd.envs.retriever import main as retriever_main
-        return retriever_main(argv[1:])
+        return cmd_retriever(argv[1:])
     args = build_parser().parse_args(argv)
     from sapd.entry import run_main
     return run_main(f"sapd {args.command}", lambda: args.func(args))

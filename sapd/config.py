@@ -24,7 +24,7 @@ from sapd.method.objective import VARIANTS, LossConfig, loss_config_for
 @dataclass
 class DataConfig:
     input: str = ""  # trajectories: a file or folder, local or s3://
-    format: Literal["native", "eto", "agentgym", "fireact", "skillrl", "searchr1", "auto"] = "native"  # docs/FORMATS.md
+    format: str = "native"  # a name in sapd.data.loaders.FORMATS (docs/FORMATS.md), checked where data is read
     benchmark: str = "alfworld"  # alfworld | webshop | searchqa | textworld | scienceworld
     history_length: int | None = None  # recent (obs, action) pairs per prompt; None = the benchmark's default
     full_history: bool = False  # every earlier pair instead

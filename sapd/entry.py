@@ -1,5 +1,6 @@
 """What the two front doors share — the ``sapd`` command line and the ``jobs/*`` entry points the chart
-runs: one exit-code map, one error handler, and the flags that pick an evaluation panel.
+runs: one exit-code map, one error handler and the run-config flags. (A stage's job is one call of
+:func:`sapd.run.job.stage_main`; the evaluation panel's flags are in :mod:`sapd.panel_flags`.)
 
 Exit codes (the chart's podFailurePolicy keys on them):
 
@@ -21,10 +22,6 @@ from typing import Callable
 from sapd.config import ConfigError, RunConfig, load_config
 from sapd.data.errors import InvalidRecordError
 from sapd.data.shards import ShardError
-from sapd.envs.panels import PanelSpec
-from sapd.method.benchmarks import BENCHMARKS
-from sapd.models.loading import TokenizerMismatch
-from sapd.models.scoring import TeacherScoringError
 from sapd.storage import StorageError, StorageUnavailable
 
 EXIT_OK = 0
@@ -33,14 +30,15 @@ EXIT_USER_ERROR = 2
 EXIT_KUBE = 3
 EXIT_UNAVAILABLE = 75  # EX_TEMPFAIL (sysexits.h)
 
+# (mismatched tokenizers are a ValueError; the teacher's scoring errors and the pipeline driver's carry
+# their own exit_code)
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    InvalidRecordError, ShardError, StorageError, ConfigError, TokenizerMismatch, TeacherScoringError,
-    FileNotFoundError, ValueError)
+    InvalidRecordError, ShardError, StorageError, ConfigError, FileNotFoundError, ValueError)
 
 
 def exit_code(e: BaseException) -> int | None:
     """The exit code of an error a front door reports in one line; None for a bug (let it raise)."""
-    code = getattr(e, "exit_code", None)  # the pipeline driver's errors carry their own
+    code = getattr(e, "exit_code", None)  # errors that know their own code
     if isinstance(code, int):
         return code
     if isinstance(e, StorageUnavailable):
@@ -95,43 +93,3 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The run config of :func:`add_config_flags`' flags."""
     return load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
 
-
-# ---------------------------------------------------------------------------------------------------
-# evaluation panels as flags
-
-
-def _names(value: str | None) -> tuple[str, ...] | None:
-    return tuple(f.strip() for f in value.split(",") if f.strip()) if value else None
-
-
-def add_panel_flags(p: argparse.ArgumentParser, *, benchmark_default: str | None = "textworld") -> None:
-    """The flags of :class:`~sapd.envs.panels.PanelSpec` (and the environment deadline)."""
-    p.add_argument("--benchmark", default=benchmark_default, choices=sorted(BENCHMARKS))
-    p.add_argument("--families", default=None, help="comma-separated TextWorld families (default: all)")
-    p.add_argument("--games-per-family", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0, help="panel seed: the same seed, the same games")
-    p.add_argument("--cache", default=None, help="game cache folder (default .cache/textworld)")
-    p.add_argument("--tasks", default=None, help="ScienceWorld: comma-separated task names (default: all 30)")
-    p.add_argument("--variations-per-task", type=int, default=2, help="ScienceWorld: variations per task")
-    p.add_argument("--split", choices=["train", "dev", "test", "all"], default="test",
-                   help="ScienceWorld: which variations to draw from (ALFWorld: test = valid_unseen)")
-    p.add_argument("--rows", default=None, help="search QA: Search-R1 rows (JSONL/Parquet) to ask")
-    p.add_argument("--retriever-url", default=None, help="search QA: a Search-R1 /retrieve server")
-    p.add_argument("--limit", type=int, default=None, help="search QA / ALFWorld / WebShop: at most this many episodes")
-    p.add_argument("--data-dir", default=None, help="ALFWorld: the data folder (default $ALFWORLD_DATA)")
-    p.add_argument("--webshop-url", default=None, help="WebShop: the server (default http://127.0.0.1:3000)")
-    p.add_argument("--env-timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="each episode's environment runs in its own process; a call that takes longer is "
-                        "killed and the environment rebuilt (default 300; 0 = in-process, no deadline)")
-
-
-def panel_from_args(args: argparse.Namespace, benchmark: str | None = None) -> PanelSpec:
-    return PanelSpec(benchmark=benchmark or args.benchmark, families=_names(args.families),
-                     games_per_family=args.games_per_family, seed=args.seed, cache_dir=args.cache,
-                     tasks=_names(args.tasks), variations_per_task=args.variations_per_task, split=args.split,
-                     rows=args.rows, retriever_url=args.retriever_url, limit=args.limit, data_dir=args.data_dir,
-                     webshop_url=args.webshop_url)
-
-
-def env_timeout(args: argparse.Namespace) -> float | None:
-    return args.env_timeout if args.env_timeout and args.env_timeout > 0 else None

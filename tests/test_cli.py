@@ -73,3 +73,16 @@ def test_run_refuses_an_unknown_config_key(tmp_path):
     cfg.write_text("trian:\n  rounds: 2\n")
     res = run("run", str(cfg))
     assert res.returncode == 2 and "trian: unknown key (did you mean 'train'?)" in res.stderr
+
+
+def test_demo_config_reads_numbers_as_yaml_1_2(tmp_path, monkeypatch):
+    """`sapd demo --config` reads its file with the project's one YAML reader: `1e-3` is the number 0.001
+    (PyYAML alone reads it as the string '1e-3'), and the setting is checked before anything runs."""
+    from sapd.cli import main
+    seen = {}
+    monkeypatch.setattr("sapd.study.demo.run_demo", lambda out, **kw: seen.update(kw))
+    cfg = tmp_path / "demo.yaml"
+    cfg.write_text("pretrain_lr: 1e-3\ntest_games: 3\n")
+    assert main(["demo", "--out", str(tmp_path / "out"), "--config", str(cfg), "--no-progress"]) == 0
+    assert seen["overrides"] == {"pretrain_lr": 0.001, "test_games": 3}
+    assert isinstance(seen["overrides"]["pretrain_lr"], float)

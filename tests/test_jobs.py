@@ -248,7 +248,8 @@ def test_evaluate_takes_device_and_budget_from_the_config_and_skips_a_run_withou
                                    "model": {"device": "cuda"}, "sampling": {"max_new_tokens": 48}}))
     import sapd.stages.evaluate as stage
     seen = []
-    monkeypatch.setattr(stage, "evaluate_checkpoint", lambda root, k, panel, **kw: seen.append((root, k, panel, kw)) or {})
+    monkeypatch.setattr(stage, "evaluate_checkpoint",
+                        lambda root, k, panel, **kw: seen.append((root, k, panel, kw)) or {"overall": {"success": 0.5}})
     assert ev.main(["--config", str(cfg)]) == 0 and seen == []
     assert "nothing to evaluate" in capsys.readouterr().out
     from sapd import layout, storage
@@ -256,7 +257,8 @@ def test_evaluate_takes_device_and_budget_from_the_config_and_skips_a_run_withou
     assert checkpoints.is_committed(str(root), 0)
     assert ev.main(["--config", str(cfg), "--families", "simple"]) == 0
     run_root, k, panel, kw = seen[-1]
-    assert (run_root, k, panel.benchmark, panel.families) == (str(root), "latest", "textworld", ("simple",))
+    assert (run_root, k, panel.benchmark, panel.families) == (str(root), 0, "textworld", ("simple",))  # the newest
+    assert "checkpoint 0: textworld success 0.500" in capsys.readouterr().out
     assert kw["device"] == "cuda" and kw["max_new_tokens"] == 48  # from the run config
     assert ev.main(["--config", str(cfg), "--max-new-tokens=16", "--device", "cpu"]) == 0
     assert (seen[-1][3]["max_new_tokens"], seen[-1][3]["device"]) == (16, "cpu")  # a flag given wins

@@ -255,3 +255,14 @@ def test_native_errors(tmp_path):
     p.write_text(json.dumps({**rec, "turns": [{"observation": "o"}]}) + "\n", encoding="utf-8")
     with pytest.raises(InvalidRecordError, match=r"field turns\[0\].response: required field"):
         load(p, "native", "alfworld")
+
+
+def test_an_unknown_format_names_the_config_key_and_the_registry():
+    """The registry is the one list of formats: an unknown one is refused where data is read, as an error
+    about data.format that names every registered format."""
+    from sapd.config import ConfigError
+    from sapd.data.loaders import FORMATS, REGISTRY
+    assert FORMATS == (*REGISTRY, "auto") and {"native", "eto", "agentgym", "fireact", "skillrl", "searchr1"} == set(REGISTRY)
+    with pytest.raises(ConfigError, match=r"data.format: unknown format 'xml'; expected one of skillrl, native, ") as e:
+        load(SAMPLE_DATA / "alfworld_eto.json", "xml", "alfworld")
+    assert e.value.path == "data.format"

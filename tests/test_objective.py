@@ -7,13 +7,17 @@ import pytest
 import torch
 
 from sapd.method.objective import (
+    OBJECTIVES,
     LossConfig,
+    LossInputs,
     clipped_surrogate,
     kl_penalty,
     loss_config_for,
     loss_for,
     no_action_step_scores,
     reduce_loss,
+    register_objective,
+    required_inputs,
     rule_advantages,
     sapd_loss,
     sft_loss,
@@ -37,6 +41,11 @@ def _random_batch(P=3, G=4, T=7, seed=0, dtype=DT):
     action = resp & (torch.rand(P, G, T, generator=g) < 0.4)
     rules = -torch.randint(0, 3, (P, G), generator=g).to(dtype)
     return new, old, teacher, resp, action, rules
+
+
+def _inputs(new, old, teacher, resp, action, rules, advantage=None) -> LossInputs:
+    return LossInputs(new, resp, old_logp_P_G_T=old, teacher_logp_P_G_T=teacher, action_mask_P_G_T=action,
+                      rule_scores_P_G=rules, advantage_P_G=advantage)
 
 
 # ----------------------------------------------------------------------------------- hand-computed
@@ -340,7 +349,7 @@ def test_loop_equals_vectorised(variant, seed):
     new, old, teacher, resp, action, rules = _random_batch(P=3, G=4, T=6, seed=seed)
     new = old + 1.5 * (new - old)  # ratios well outside [0.8, 1.2], so clipping and dual-clip both bind
     cfg = loss_config_for(variant)
-    loss, m = loss_for(cfg, new, old, teacher, resp, action, rules)
+    loss, m = loss_for(cfg, _inputs(new, old, teacher, resp, action, rules))
     ref, (l_tok, l_step, l_rule) = _loop_reference(new, old, teacher, resp, action, rules,
                                                    **{f.name: getattr(cfg, f.name) for f in fields(cfg)})
     assert float(loss) == pytest.approx(ref, abs=1e-10)
@@ -355,13 +364,14 @@ def test_loop_equals_vectorised_with_sdar_options(options, seed):
     new, old, teacher, resp, action, rules = _random_batch(P=3, G=4, T=6, seed=seed)
     new = old + 4.0 * (new - old)
     cfg = loss_config_for("sapd", **options)
-    loss, m = loss_for(cfg, new, old, teacher, resp, action, rules)
+    loss, m = loss_for(cfg, _inputs(new, old, teacher, resp, action, rules))
     ref, parts = _loop_reference(new, old, teacher, resp, action, rules,
                                  **{f.name: getattr(cfg, f.name) for f in fields(cfg)})
     assert float(loss) == pytest.approx(ref, abs=1e-10)
     assert (m["loss_tok"], m["loss_step"], m["loss_rule"]) == pytest.approx(parts, abs=1e-10)
-    assert float(loss) != pytest.approx(float(loss_for(loss_config_for("sapd"), new, old, teacher, resp, action,
-                                                       rules)[0]), abs=1e-6)  # the option changes the loss
+    assert float(loss) != pytest.approx(float(loss_for(loss_config_for("sapd"),
+                                                       _inputs(new, old, teacher, resp, action, rules))[0]),
+                                        abs=1e-6)  # the option changes the loss
 
 
 # ------------------------------------------------------------------------------------- variants
@@ -381,9 +391,12 @@ def test_variants_set_the_documented_knobs():
         loss_config_for("ppo")
     with pytest.raises(ValueError, match="unknown loss option"):
         loss_config_for("sapd", lambda_kl=1.0)
-    with pytest.raises(ValueError, match="sft_loss"):
-        new, old, teacher, resp, action, rules = _random_batch()
-        loss_for(loss_config_for("sft"), new, old, teacher, resp, action, rules)
+    new, old, teacher, resp, action, rules = _random_batch()
+    # sft through the registry: the recorded responses' cross-entropy, nothing else read
+    sft, m = loss_for(loss_config_for("sft"), LossInputs(new, resp))
+    assert float(sft) == float(sft_loss(new, resp)[0]) and m["loss_sft"] == float(sft)
+    with pytest.raises(ValueError, match=r"objective must be one of \['grpo', 'sapd', 'sft'"):
+        loss_for(LossConfig(objective="ppo"), _inputs(new, old, teacher, resp, action, rules))
 
 
 def test_opd_variant_gradient_ignores_step_and_rule_signals():
@@ -391,8 +404,8 @@ def test_opd_variant_gradient_ignores_step_and_rule_signals():
     n1 = new.clone().requires_grad_(True)
     n2 = new.clone().requires_grad_(True)
     cfg = loss_config_for("opd")
-    loss_for(cfg, n1, old, teacher, resp, action, rules)[0].backward()
-    loss_for(cfg, n2, old, teacher, resp, ~action & resp, rules * 0 - 5)[0].backward()
+    loss_for(cfg, _inputs(n1, old, teacher, resp, action, rules))[0].backward()
+    loss_for(cfg, _inputs(n2, old, teacher, resp, ~action & resp, rules * 0 - 5))[0].backward()
     torch.testing.assert_close(n1.grad, n2.grad, atol=1e-12, rtol=0)
 
 
@@ -597,3 +610,33 @@ def test_new_variants_and_their_validation():
                 {"reduction": "sum"}):
         with pytest.raises(ValueError):
             loss_config_for("sapd", **bad)
+
+
+# ----------------------------------------------------------------------------- the objectives' registry
+
+
+def test_the_registry_derives_what_each_objective_reads():
+    assert sorted(OBJECTIVES) == ["grpo", "sapd", "sft"]
+    assert required_inputs(loss_config_for("sapd")) == {"new_logp_P_G_T", "response_mask_P_G_T", "old_logp_P_G_T",
+                                                        "teacher_logp_P_G_T", "action_mask_P_G_T", "rule_scores_P_G"}
+    sdar = required_inputs(loss_config_for("sapd_sdar"))  # its KL and entropy terms add their inputs
+    assert {"ref_logp_P_G_T", "entropy_P_G_T"} <= sdar
+    assert required_inputs(loss_config_for("sft")) == {"new_logp_P_G_T", "response_mask_P_G_T"}
+    assert required_inputs(loss_config_for("sft", kl_coef=0.1)) == {"new_logp_P_G_T", "response_mask_P_G_T"}
+    assert "advantage_P_G" in required_inputs(loss_config_for("grpo"))
+    assert (OBJECTIVES["sapd"].data, OBJECTIVES["sft"].data, OBJECTIVES["grpo"].data) == ("scored", "recorded",
+                                                                                          "online")
+    new, old, teacher, resp, action, rules = _random_batch()
+    with pytest.raises(ValueError, match="needs teacher_logp_P_G_T"):
+        loss_for(loss_config_for("sapd"), LossInputs(new, resp, old_logp_P_G_T=old, action_mask_P_G_T=action,
+                                                      rule_scores_P_G=rules))
+    with pytest.raises(ValueError, match="unknown variant"):
+        loss_config_for("toy")
+
+
+def test_register_objective_checks_the_function(monkeypatch):
+    monkeypatch.setattr("sapd.method.objective.OBJECTIVES", dict(OBJECTIVES))
+    with pytest.raises(TypeError, match="only LossInputs fields"):
+        register_objective("bad")(lambda new_logp_P_G_T, response_mask_P_G_T, teacher_logp, cfg: None)
+    with pytest.raises(ValueError, match="registered already"):
+        register_objective("sapd")(sapd_loss)

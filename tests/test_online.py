@@ -13,7 +13,7 @@ from sapd.baselines.online import online_config, run_online, task_reward
 from sapd.config import config_from_dict
 from sapd.data import shards
 from sapd.data.scored import read_scored
-from sapd.method.objective import grpo_advantages, grpo_loss, loss_config_for, loss_for, sapd_loss
+from sapd.method.objective import LossInputs, grpo_advantages, grpo_loss, loss_config_for, loss_for, sapd_loss
 from sapd.run.report import read_step_log, round_timings
 from tests.pipeline_util import make_models, tiny_config
 
@@ -56,11 +56,15 @@ def test_grpo_loss_by_hand_and_dispatch():
     # GRPO reads the rows' own advantage column, never the rule scores
     teacher, action, rules = -torch.rand(2, 1, 3), mask.clone(), torch.tensor([[0.5], [-0.5]])
     episode_adv = torch.tensor([[1.5], [-0.25]])
-    g, _ = loss_for(loss_config_for("grpo"), new, old, teacher, mask, action, rules, episode_adv)
+    def inputs(advantage=None):
+        return LossInputs(new, mask, old_logp_P_G_T=old, teacher_logp_P_G_T=teacher, action_mask_P_G_T=action,
+                          rule_scores_P_G=rules, advantage_P_G=advantage)
+
+    g, _ = loss_for(loss_config_for("grpo"), inputs(episode_adv))
     assert float(g.detach()) == pytest.approx(float(grpo_loss(new, old, mask, episode_adv)[0].detach()))
     with pytest.raises(ValueError, match="precomputed advantage"):
-        loss_for(loss_config_for("grpo"), new, old, teacher, mask, action, rules)
-    a, _ = loss_for(loss_config_for("opd"), new, old, teacher, mask, action, rules)
+        loss_for(loss_config_for("grpo"), inputs())
+    a, _ = loss_for(loss_config_for("opd"), inputs())
     b, _ = sapd_loss(new, old, teacher, mask, action, rules, loss_config_for("opd"))
     assert float(a.detach()) == float(b.detach())
 

@@ -17,6 +17,7 @@ from sapd.config import ConfigError, RunConfig, config_from_dict, dump_config, l
 from sapd.data import shards
 from sapd.data.scored import read_scored
 from sapd.method.objective import VARIANTS
+from sapd.progress import Progress
 from sapd.run.local import run_pipeline
 from sapd.run.report import read_step_log, write_report
 from tests.pipeline_util import make_models, tiny_config
@@ -395,3 +396,36 @@ def test_s3_server_dying_mid_checkpoint_leaves_nothing_committed(private_s3_serv
         assert run_pipeline(cfg, **QUIET)["checkpoints"] == [0, 1]  # …are redone, then committed
     finally:
         storage.configure_s3(**dataclasses.asdict(previous))
+
+
+def test_a_registered_objective_trains_through_the_real_stages(tmp_path, models, monkeypatch):
+    """Adding an objective is one registered function plus its variant entry: a toy objective (the squared
+    gap between the student's and the teacher's log-probs of the sampled tokens) trains a round through
+    the real teacher-scores and train stages; only the inputs it takes are computed (no π_old recompute)."""
+    from sapd.method import objective
+    monkeypatch.setattr(objective, "OBJECTIVES", dict(objective.OBJECTIVES))
+    monkeypatch.setitem(VARIANTS, "toy", {"objective": "toy_squared_gap"})
+    shapes = []
+
+    @objective.register_objective("toy_squared_gap")
+    def toy(new_logp_P_G_T, response_mask_P_G_T, teacher_logp_P_G_T, cfg):
+        shapes.append(tuple(new_logp_P_G_T.shape))
+        gap = objective.reduce_loss((new_logp_P_G_T - teacher_logp_P_G_T) ** 2, response_mask_P_G_T, cfg.reduction)
+        return gap, {"loss": float(gap.detach()), "loss_gap": float(gap.detach())}
+
+    root = str(tmp_path / "run")
+    cfg = config_from_dict(tiny_config(root, *models, variant="toy", train={"rounds": 1}))
+    assert cfg.loss_cfg.objective == "toy_squared_gap"
+    lines: list[str] = []  # and the run's progress, as a log shows it (every update a line here)
+    run_pipeline(cfg, log=lambda s: None, progress=Progress(lines.append, mode="lines", every=0.0))
+    assert any(line.startswith(f"run {root}: 3/3 steps (100%)") for line in lines), lines
+    segments = [seg for line in lines for seg in line.split(" | ")]  # open tasks side by side in one line
+    for what in ("round 0 sampling: ", "round 0 teacher scoring: ", "round 0 training: "):
+        assert any(seg.startswith(what) and "ETA" in seg for seg in segments), (what, lines)
+    assert not [line for line in lines if "\r" in line]
+    steps = read_step_log(root)
+    assert steps and all(s["loss"] == s["loss_gap"] > 0 and s["variant"] == "toy" for s in steps)
+    assert "old_logp_seconds" not in steps[0]  # the toy does not take π_old: it is not recomputed
+    assert shapes and all(p <= 2 and g == 2 for p, g, _ in shapes)  # micro-batches of ≤ 2 prefixes × G = 2
+    before, after = _weights(root, 0), _weights(root, 1)
+    assert any(not torch.equal(before[n], after[n]) for n in before)  # it trained

@@ -1,14 +1,14 @@
 """A real byte-level BPE tokenizer with a ChatML template, trained once per test session from the
-shipped sample data (see sapd.models.byte_tokenizer)."""
+shipped sample data (see sapd.models.byte_tokenizer.build_sample_tokenizer)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-SAMPLE_DATA = Path(__file__).resolve().parents[1] / "sapd" / "sample_data"
+from sapd.models.byte_tokenizer import SAMPLE_DATA, build_sample_tokenizer
+
+__all__ = ["SAMPLE_DATA", "build_test_tokenizer"]
 
 
 def build_test_tokenizer(out_dir: Path):
-    from sapd.models.byte_tokenizer import build_tokenizer
-    texts = [p.read_text(encoding="utf-8") for p in sorted(SAMPLE_DATA.glob("*.json*"))]
-    return build_tokenizer(texts, out_dir, vocab_size=1024)
+    return build_sample_tokenizer(out_dir)

@@ -43,7 +43,7 @@ from tqdm import tqdm
 from sapd import checkpoints, layout, storage
 from sapd.config import RunConfig, write_run_config
 from sapd.data import scored
-from sapd.data.prefixes import PrefixOptions
+from sapd.data.prompts import PrefixOptions
 from sapd.data.schema import Trajectory
 from sapd.envs.base import EpisodeSpec
 from sapd.envs.loop import LoopOptions, run_episodes

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from sapd import checkpoints
 from sapd.data.loaders import write_native_jsonl
-from sapd.data.prefixes import PrefixOptions
+from sapd.data.prompts import PrefixOptions
 from sapd.data.schema import Trajectory
 from sapd.envs.base import EpisodeSpec
 from sapd.envs.loop import LoopOptions, run_episodes

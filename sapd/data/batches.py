@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from sapd import layout
 from sapd.config import RunConfig
-from sapd.data.prefixes import read_prefixes
+from sapd.data.prefix_table import read_prefixes
 
 DEFAULT_KAPPA = 0.6  # ReOPD's κ when a config does not set one
 

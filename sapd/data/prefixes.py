@@ -1,5 +1,6 @@
-"""Decision prefixes (docs/SAPD.md §1, Eq. 3): one per recorded decision, rendered through the tokenizer's
-chat template, length-filtered, split by trajectory, written as committed Parquet shards.
+"""Building decision prefixes (docs/SAPD.md §1, Eq. 3): one per recorded decision, rendered through the
+tokenizer's chat template, length-filtered, split by trajectory, written as committed Parquet shards.
+Reading a committed build is :mod:`sapd.data.prefix_table` (which needs none of the input parsers).
 
 Output layout under ``out``: ``train/`` and ``val/`` shard folders and a top-level ``_MANIFEST.json``
 written after both, which commits the whole build (counts, options, input fingerprint). Rows are
@@ -17,29 +18,19 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-import pyarrow as pa
-
 from sapd import storage
 from sapd.data import shards
 from sapd.data.loaders import LoadOptions, input_files, load_trajectories
-from sapd.data.prompts import PromptStyle, render_messages
+from sapd.data.prefix_table import committed_build, read_prefixes
+from sapd.data.prompts import PrefixOptions, render_messages, render_prompt
 from sapd.data.schema import PREFIX_KIND, PREFIX_SCHEMA, PREFIX_SCHEMA_VERSION, Trajectory
 from sapd.method.benchmarks import BenchmarkSpec, get_benchmark
+from sapd.progress import Progress
 
-
-@dataclass
-class PrefixOptions:
-    history_length: int | None = None  # recent (obs, action) pairs in a prompt; None = benchmark default
-    full_history: bool = False  # show every earlier pair (overrides history_length)
-    prompt_style: PromptStyle = "step"
-    max_prompt_tokens: int | None = None  # drop prefixes whose rendered prompt is longer
-    val_fraction: float = 0.05  # share of trajectories held out (docs/SAPD.md §5)
-    seed: int = 0  # split seed (docs/SAPD.md §5)
-
-    def effective_history(self, spec: BenchmarkSpec) -> int | None:
-        if self.full_history:
-            return None
-        return spec.history_length if self.history_length is None else self.history_length
+# read_prefixes: the build's callers read what they built from here too (sapd.data.prefix_table has it)
+__all__ = ["BuildResult", "PrefixOptions", "PrefixRowBuilder", "PrefixStats", "build_prefix_rows", "build_prefixes",
+           "committed_build", "fingerprint", "read_prefixes", "render_prompt", "tokenizer_fingerprint",
+           "validation_ids"]
 
 
 @dataclass
@@ -65,10 +56,6 @@ def validation_ids(trajectory_ids: Iterable[str], val_fraction: float = 0.05, se
     n_val = min(len(ids) - 1, max(1, round(len(ids) * val_fraction)))
     random.Random(seed).shuffle(ids)
     return set(ids[:n_val])
-
-
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 class PrefixRowBuilder:
@@ -155,20 +142,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def committed_build(out: str) -> dict[str, Any] | None:
-    return shards.read_manifest(out)
-
-
-def read_prefixes(out: str, split: str = "train", rank: int = 0, world_size: int = 1) -> pa.Table:
-    """The committed prefixes of one split of a build."""
-    if committed_build(out) is None:
-        raise shards.ShardError(f"{out}: no committed prefix build here (no {shards.MANIFEST_NAME})")
-    if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val', not {split!r}")
-    return shards.read_shards(storage.join(out, split), kind=PREFIX_KIND,
-                              schema_version=PREFIX_SCHEMA_VERSION, rank=rank, world_size=world_size)
-
-
 @dataclass
 class BuildResult:
     out: str
@@ -181,11 +154,12 @@ class BuildResult:
 def build_prefixes(input_uri: str, fmt: str, benchmark: str, out: str, tokenizer, *,
                    opts: PrefixOptions | None = None, skip_invalid: bool = False,
                    action_wording: str = "recorded", overwrite: bool = False, rows_per_part: int = 50_000,
-                   log: Callable[[str], None] = print, show_progress: bool = True) -> BuildResult:
-    """The whole ``build-prefixes`` stage: load → prefixes → shards → commit. Idempotent."""
-    from tqdm import tqdm
-
-
+                   log: Callable[[str], None] = print, show_progress: bool = True,
+                   progress: Progress | None = None) -> BuildResult:
+    """The whole ``build-prefixes`` stage: load → prefixes → shards → commit. Idempotent. ``progress``
+    (default: a bar on a terminal, else log lines, or lines only without ``show_progress``) counts the
+    records read and the trajectories rendered."""
+    progress = progress or Progress.of(log, show_progress)
     opts = opts or PrefixOptions()
     spec = get_benchmark(benchmark)
     load_opts = LoadOptions(benchmark=benchmark, skip_invalid=skip_invalid,
@@ -209,8 +183,8 @@ def build_prefixes(input_uri: str, fmt: str, benchmark: str, out: str, tokenizer
         storage.delete_prefix(storage.join(out, split))
 
     log(f"reading {len(files)} file(s) of format '{fmt}' for benchmark '{benchmark}'")
-    with tqdm(desc="trajectories", unit="traj", disable=None if show_progress else True, leave=False) as bar:
-        loaded = load_trajectories(input_uri, fmt, load_opts, progress=bar.update)
+    with progress.task("reading trajectories", unit="record") as bar:
+        loaded = load_trajectories(input_uri, fmt, load_opts, progress=bar)
     if fmt == "auto":
         log(f"format: {loaded.format_summary()}")
     if not loaded.trajectories:
@@ -222,8 +196,7 @@ def build_prefixes(input_uri: str, fmt: str, benchmark: str, out: str, tokenizer
                                          schema_version=PREFIX_SCHEMA_VERSION, rows_per_part=rows_per_part)
                for split in ("train", "val")}
     builder = PrefixRowBuilder([t.id for t in loaded.trajectories], spec, tokenizer, opts)
-    with tqdm(total=len(loaded.trajectories), desc="prefixes", unit="traj",
-              disable=None if show_progress else True, leave=False) as bar:
+    with progress.task("rendering prefixes", total=len(loaded.trajectories), unit="trajectory") as bar:
         for traj in loaded.trajectories:
             rows = builder.rows(traj)
             if rows:  # one trajectory, one split

@@ -1,7 +1,8 @@
 """Prompt rendering for a decision prefix hₜ = (x, o₁, a₁, …, a_{t−1}, oₜ) (docs/SAPD.md §1, Eq. 3).
 
-One function renders the messages of step ``t`` of a trajectory; the prefix builder and (later) the
-multi-turn agent loop both call it, so offline prefixes and live prompts are byte-identical.
+One function renders the messages of step ``t`` of a trajectory; the prefix builder and the multi-turn
+agent loop both call it (with the same :class:`PrefixOptions`), so offline prefixes and live prompts are
+byte-identical.
 
 Two styles:
 - ``step`` (default; the verl-agent / SDAR contract of docs/FORMATS.md): a single user message holding the
@@ -13,12 +14,30 @@ Neither ever shows the target decision aₜ or anything after it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from sapd.data.schema import Trajectory
 from sapd.method.benchmarks import BenchmarkSpec
 
 PromptStyle = Literal["step", "chat"]
+
+
+@dataclass
+class PrefixOptions:
+    """How a run's prefixes are rendered (history, style), filtered by length and split."""
+
+    history_length: int | None = None  # recent (obs, action) pairs in a prompt; None = benchmark default
+    full_history: bool = False  # show every earlier pair (overrides history_length)
+    prompt_style: PromptStyle = "step"
+    max_prompt_tokens: int | None = None  # drop prefixes whose rendered prompt is longer
+    val_fraction: float = 0.05  # share of trajectories held out (docs/SAPD.md §5)
+    seed: int = 0  # split seed (docs/SAPD.md §5)
+
+    def effective_history(self, spec: BenchmarkSpec) -> int | None:
+        if self.full_history:
+            return None
+        return spec.history_length if self.history_length is None else self.history_length
 
 THINK_HINT = ("You should first reason step-by-step about the current situation. This reasoning process MUST "
               "be enclosed within <think> </think> tags.")
@@ -88,3 +107,8 @@ def render_messages(traj: Trajectory, t: int, spec: BenchmarkSpec, history_lengt
                 messages.append({"role": "assistant", "content": traj.turns[j].response})
         return messages
     raise ValueError(f"unknown prompt style {style!r}; expected 'step' or 'chat'")
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
+    """The prompt text of ``messages`` through the tokenizer's chat template, ending where the model answers."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

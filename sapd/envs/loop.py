@@ -4,7 +4,7 @@ Every step's prompt is rendered by exactly the code the prefix builder uses: the
 :class:`~sapd.data.schema.Trajectory` whose turns are the steps taken plus the current observation as
 the next turn's observation, and the prompt of decision t is
 ``render_prompt(tokenizer, render_messages(traj, t, spec, history, style))`` with the history and style
-of a :class:`~sapd.data.prefixes.PrefixOptions`. So a recorded trajectory replayed through the loop
+of a :class:`~sapd.data.prompts.PrefixOptions`. So a recorded trajectory replayed through the loop
 gives byte-identical prompts to its prefixes (tested), and a trajectory recorded here builds the
 prefixes its prompts were.
 
@@ -36,8 +36,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
-from sapd.data.prefixes import PrefixOptions, render_prompt
-from sapd.data.prompts import render_messages
+from sapd.data.prompts import PrefixOptions, render_messages, render_prompt
 from sapd.data.schema import Trajectory, Turn
 from sapd.envs.base import Environment, EpisodeSpec, StepInfo, StepResult
 from sapd.envs.isolated import IsolatedEnv

@@ -31,7 +31,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from sapd.data.errors import InvalidRecordError
-from sapd.data.loaders import input_files, read_records, record_location, searchr1_golden_answers, searchr1_question
+from sapd.data.formats import searchr1
+from sapd.data.formats.base import record_location
+from sapd.data.formats.records import files_below, read_records
+from sapd.data.formats.searchr1 import searchr1_golden_answers, searchr1_question
 from sapd.envs.base import EpisodeSpec, StepInfo, StepResult
 from sapd.envs.retriever import DEFAULT_TOPK, RetrieverClient
 from sapd.method.benchmarks import exact_match, parse_search_response
@@ -110,7 +113,7 @@ class Question:
 
 def read_questions(rows_path: str | Path, limit: int | None = None, per_source: int | None = None) -> list[Question]:
     """The questions of Search-R1 rows (JSONL / JSON / Parquet, a file or a folder of them, local or
-    ``s3://``): the fields :func:`~sapd.data.loaders.parse_searchr1` reads (``question`` or the user
+    ``s3://``): the fields :func:`~sapd.data.formats.searchr1.parse_searchr1` reads (``question`` or the user
     ``prompt``'s "Question: …", ``golden_answers`` or ``reward_model.ground_truth.target``,
     ``data_source``, ``id`` or ``{data_source}_{split}_{index}``), in file order; the first ``limit``
     overall and the first ``per_source`` of each data source. A bad row raises
@@ -118,7 +121,7 @@ def read_questions(rows_path: str | Path, limit: int | None = None, per_source: 
     out: list[Question] = []
     per: dict[str | None, int] = {}
     seen: set[str] = set()
-    for path in input_files(str(rows_path), "searchr1"):
+    for path in files_below(str(rows_path), searchr1.FORMAT.extensions):
         for loc, rec in read_records(path):
             if isinstance(rec, InvalidRecordError):
                 raise rec

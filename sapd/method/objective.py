@@ -7,12 +7,18 @@ the one reduction helper, so the per-response length normalisation 1/Lᵢ of Eq.
 
 All teacher/old log-probs are treated as constants (the signals of §2 are computed once per update from
 fixed samples); only ``new_logp`` carries gradient.
+
+The objectives (``sapd``, ``sft``, ``grpo``) are registered by name (:func:`register_objective`): a loss
+function's tensor parameters, named as the fields of :class:`LossInputs`, say what the training stage
+computes and passes it; :func:`loss_for` dispatches on ``LossConfig.objective``. A new objective is one
+registered function plus its entry in :data:`VARIANTS`.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, fields, replace
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -145,7 +151,8 @@ def token_logprobs(logits_B_T_V: torch.Tensor, tokens_B_T: torch.Tensor) -> torc
 class LossConfig:
     """Knobs of the joint objective; defaults are the paper's (docs/SAPD.md §3, §5)."""
 
-    objective: Literal["sapd", "sft", "grpo"] = "sapd"  # sft: cross-entropy on recorded responses; grpo: online
+    # a registered objective (OBJECTIVES): sapd | sft (cross-entropy on recorded responses) | grpo (online)
+    objective: str = "sapd"
     lambda_tok: float = 0.1  # λ_tok, token-level OPD weight (Eq. 13)
     lambda_step: float = 0.5  # λ_step, step-advantage weight (Eq. 13)
     lambda_rule: float = 0.1  # λ_rule, rule-reward weight (Eq. 13, following SDAR)
@@ -219,7 +226,9 @@ def loss_config_for(variant: str, **overrides: object) -> LossConfig:
     unknown = set(overrides) - known
     if unknown:
         raise ValueError(f"unknown loss option(s) {sorted(unknown)}; expected some of {sorted(known)}")
-    return replace(LossConfig(), **VARIANTS[variant], **overrides)  # type: ignore[arg-type]
+    cfg = replace(LossConfig(), **VARIANTS[variant], **overrides)  # type: ignore[arg-type]
+    objective_of(cfg)  # an unknown objective is refused here, with the list
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -390,7 +399,7 @@ def grpo_advantages(returns_P_G: torch.Tensor, eps: float = 1e-6) -> torch.Tenso
 
 
 def grpo_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor, response_mask_P_G_T: torch.Tensor,
-              adv_P_G: torch.Tensor, cfg: LossConfig = LossConfig(objective="grpo"), *,
+              advantage_P_G: torch.Tensor, cfg: LossConfig = LossConfig(objective="grpo"), *,
               ref_logp_P_G_T: torch.Tensor | None = None, entropy_P_G_T: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict[str, float]]:
     """L_GRPO = −E[1/Lᵢ Σ_k C_ε(ρ_{i,k}, Aᵢ)] with a fixed, precomputed per-response advantage Aᵢ (for
@@ -398,7 +407,7 @@ def grpo_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor, respon
     every token of every response of that episode). No teacher, no KL term. The SAPD terms are logged
     as 0 and the teacher gap as NaN, so the training loop logs it unchanged."""
     response_mask = response_mask_P_G_T.bool()
-    adv = adv_P_G.to(new_logp_P_G_T.dtype).detach()
+    adv = advantage_P_G.to(new_logp_P_G_T.dtype).detach()
     ratio = importance_ratio(new_logp_P_G_T, old_logp_P_G_T, response_mask)
     loss_grpo = -reduce_loss(clipped_surrogate(ratio, adv.unsqueeze(-1), cfg.clip_eps, cfg.dual_clip),
                              response_mask, cfg.reduction)
@@ -412,20 +421,115 @@ def grpo_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor, respon
     return loss, metrics
 
 
-def loss_for(cfg: LossConfig, new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
-             teacher_logp_P_G_T: torch.Tensor, response_mask_P_G_T: torch.Tensor, action_mask_P_G_T: torch.Tensor,
-             rule_scores_P_G: torch.Tensor, advantage_P_G: torch.Tensor | None = None, *,
-             ref_logp_P_G_T: torch.Tensor | None = None, entropy_P_G_T: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of ``cfg.objective`` on one batch of scored groups: :func:`sapd_loss` for the SAPD family,
-    :func:`grpo_loss` for 'grpo' (which needs the rows' precomputed ``advantage_P_G``; teacher log-probs,
-    action masks and rule scores are unused). The SFT objective has its own data path (:func:`sft_loss`)."""
-    if cfg.objective == "grpo":
-        if advantage_P_G is None:
-            raise ValueError("objective 'grpo' trains on rows with a precomputed advantage (sapd online --method grpo)")
-        return grpo_loss(new_logp_P_G_T, old_logp_P_G_T, response_mask_P_G_T, advantage_P_G, cfg,
-                         ref_logp_P_G_T=ref_logp_P_G_T, entropy_P_G_T=entropy_P_G_T)
-    if cfg.objective != "sapd":
-        raise ValueError(f"objective {cfg.objective!r} has no scored-group loss; use sft_loss for 'sft'")
-    return sapd_loss(new_logp_P_G_T, old_logp_P_G_T, teacher_logp_P_G_T, response_mask_P_G_T, action_mask_P_G_T,
-                     rule_scores_P_G, cfg, ref_logp_P_G_T=ref_logp_P_G_T, entropy_P_G_T=entropy_P_G_T)
+# ---------------------------------------------------------------------------------------------------
+# the objectives, by name
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One batch of what an objective may read (shapes in the names; masks explicit). ``new_logp`` (the
+    only tensor with gradient, with ``entropy``) and the response mask are always given; the training
+    stage computes the others only for an objective whose function takes them (:func:`required_inputs`)."""
+
+    new_logp_P_G_T: torch.Tensor
+    response_mask_P_G_T: torch.Tensor
+    old_logp_P_G_T: torch.Tensor | None = None  # π_old, recomputed with the training weights
+    teacher_logp_P_G_T: torch.Tensor | None = None  # the frozen teacher's, from the scored round
+    action_mask_P_G_T: torch.Tensor | None = None
+    rule_scores_P_G: torch.Tensor | None = None
+    advantage_P_G: torch.Tensor | None = None  # precomputed per response (the online GRPO rows)
+    ref_logp_P_G_T: torch.Tensor | None = None  # the initial policy's (checkpoint 0), for loss.kl_coef > 0
+    entropy_P_G_T: torch.Tensor | None = None  # the student's per-token entropy, for loss.entropy_coef > 0
+
+
+INPUT_NAMES = tuple(f.name for f in fields(LossInputs))
+# taken only when the config turns the regulariser on (a loss that accepts them gets None otherwise)
+REGULARISER_INPUTS = {"ref_logp_P_G_T": "kl_coef", "entropy_P_G_T": "entropy_coef"}
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+ObjectiveData = Literal["scored", "recorded", "online"]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A registered objective: its loss function and what that function takes."""
+
+    name: str
+    loss: LossFn
+    needs: frozenset[str]  # LossInputs it cannot do without (parameters without a default)
+    accepts: frozenset[str]  # every LossInputs it takes
+    # what it trains on: "scored" groups (the teacher-scores stage writes them), the "recorded" responses of
+    # the round's prefixes (G = 1; no teacher), or "online" rows only `sapd online` writes
+    data: ObjectiveData = "scored"
+
+
+OBJECTIVES: dict[str, Objective] = {}
+
+
+def register_objective(name: str, *, data: ObjectiveData = "scored") -> Callable[[LossFn], LossFn]:
+    """Register ``fn`` as objective ``name`` (``LossConfig.objective``; a variant in :data:`VARIANTS` selects
+    it). ``fn(<LossInputs fields it uses>..., cfg) -> (loss, float metrics)``: its parameters named like
+    :class:`LossInputs` fields are what it reads — without a default, required; with one (``None``),
+    passed when the config asks for them (the regularisers' inputs) — and ``cfg`` is the :class:`LossConfig`.
+    The metrics must hold ``loss``; ``loss_*`` keys are logged as its terms.
+
+    >>> @register_objective("doc_example")
+    ... def doc_example(new_logp_P_G_T, response_mask_P_G_T, teacher_logp_P_G_T, cfg):
+    ...     loss = reduce_loss((new_logp_P_G_T - teacher_logp_P_G_T) ** 2, response_mask_P_G_T, cfg.reduction)
+    ...     return loss, {"loss": float(loss)}
+    >>> sorted(OBJECTIVES["doc_example"].needs)
+    ['new_logp_P_G_T', 'response_mask_P_G_T', 'teacher_logp_P_G_T']
+    >>> del OBJECTIVES["doc_example"]
+    """
+    def register(fn: LossFn) -> LossFn:
+        if name in OBJECTIVES:
+            raise ValueError(f"objective {name!r} is registered already ({OBJECTIVES[name].loss.__qualname__})")
+        params = inspect.signature(fn).parameters
+        unknown = [p for p in params if p not in INPUT_NAMES and p != "cfg"]
+        if "cfg" not in params or unknown or not {"new_logp_P_G_T", "response_mask_P_G_T"} <= set(params):
+            raise TypeError(f"objective {name!r}: {fn.__qualname__} must take new_logp_P_G_T, response_mask_P_G_T "
+                            f"and cfg, and otherwise only LossInputs fields ({', '.join(INPUT_NAMES)})"
+                            + (f"; not {unknown}" if unknown else ""))
+        accepts = frozenset(p for p in params if p in INPUT_NAMES)
+        needs = frozenset(p for p in accepts if params[p].default is inspect.Parameter.empty)
+        OBJECTIVES[name] = Objective(name, fn, needs, accepts, data)
+        return fn
+    return register
+
+
+register_objective("sapd")(sapd_loss)
+register_objective("grpo", data="online")(grpo_loss)
+
+
+@register_objective("sft", data="recorded")
+def sft_objective(new_logp_P_G_T: torch.Tensor, response_mask_P_G_T: torch.Tensor,
+                  cfg: LossConfig = LossConfig(objective="sft")) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`sft_loss` on the recorded responses (one per prefix: G = 1, the mask covering the response
+    and its EOS)."""
+    return sft_loss(new_logp_P_G_T, response_mask_P_G_T, cfg.reduction)
+
+
+def objective_of(cfg: LossConfig) -> Objective:
+    """The registered objective ``cfg.objective`` names; a ValueError with the registered names if none."""
+    try:
+        return OBJECTIVES[cfg.objective]
+    except KeyError:
+        raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, not {cfg.objective!r}") from None
+
+
+def required_inputs(cfg: LossConfig) -> frozenset[str]:
+    """The :class:`LossInputs` the training stage computes for ``cfg``: what its objective needs, and the
+    regularisers' inputs it accepts when the config turns them on (``kl_coef``, ``entropy_coef`` > 0)."""
+    obj = objective_of(cfg)
+    on = {name for name, coef in REGULARISER_INPUTS.items() if name in obj.accepts and getattr(cfg, coef) > 0}
+    return obj.needs | on
+
+
+def loss_for(cfg: LossConfig, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of ``cfg.objective`` on one batch: its registered function with the inputs it takes."""
+    obj = objective_of(cfg)
+    missing = sorted(n for n in required_inputs(cfg) if getattr(inputs, n) is None)
+    if missing:
+        hint = (" (objective 'grpo' trains on rows with a precomputed advantage: sapd online --method grpo)"
+                if "advantage_P_G" in missing else "")
+        raise ValueError(f"objective {obj.name!r} needs {', '.join(missing)}, which this batch lacks{hint}")
+    return obj.loss(**{n: getattr(inputs, n) for n in obj.accepts}, cfg=cfg)

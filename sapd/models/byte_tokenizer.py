@@ -12,6 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+# the shipped sample trajectories (docs/FORMATS.md): text for a tokenizer that knows the benchmarks' words
+SAMPLE_DATA = Path(__file__).resolve().parents[1] / "sample_data"
+
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -42,3 +45,10 @@ def build_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int =
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out))
     return fast
+
+
+def build_sample_tokenizer(out_dir: str | Path, vocab_size: int = 1024):
+    """:func:`build_tokenizer` trained on the shipped sample data (``sapd/sample_data``): the tokenizer the
+    tests and the benchmark scripts share."""
+    texts = [p.read_text(encoding="utf-8") for p in sorted(SAMPLE_DATA.glob("*.json*"))]
+    return build_tokenizer(texts, out_dir, vocab_size=vocab_size)

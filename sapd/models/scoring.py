@@ -200,7 +200,9 @@ def response_logprobs_and_entropy(model, prompts: Sequence[Sequence[int]], respo
 
 
 class TeacherScoringError(RuntimeError):
-    pass
+    """The teacher cannot score a group (a sequence longer than its context): a user error."""
+
+    exit_code = 2  # sapd.entry.EXIT_USER_ERROR: fix the config or the data; a retry cannot help
 
 
 def _max_positions(model) -> int | None:

@@ -15,31 +15,23 @@ executor runs a step, then asks again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 from sapd import checkpoints, layout, storage
 from sapd.config import RunConfig
 from sapd.data import scored, shards
+from sapd.method.objective import objective_of
+from sapd.stages.context import STAGE_NAMES, StageName, Step
 
-Stage = Literal["build-prefixes", "teacher-scores", "train", "evaluate"]
-STAGES: tuple[Stage, ...] = ("build-prefixes", "teacher-scores", "train", "evaluate")
-
-
-@dataclass(frozen=True)
-class Step:
-    stage: Stage
-    round: int | None = None  # None for build-prefixes
-
-    def __str__(self) -> str:
-        return self.stage if self.round is None else f"{self.stage}-r{self.round}"
+Stage = StageName  # the plan's steps are the stages' (sapd.stages.context)
+STAGES = STAGE_NAMES
+__all__ = ["STAGES", "Stage", "Step", "eval_uri", "missing", "next_step", "steps"]
 
 
 def steps(cfg: RunConfig, *, evaluate: bool = False) -> list[Step]:
     """Every step of the run, in order (done or not)."""
     out = [Step("build-prefixes")]
+    scores = objective_of(cfg.loss_cfg).data == "scored"  # sft trains on the recorded responses: nothing to score
     for k in range(cfg.train.rounds):
-        if cfg.loss_cfg.objective != "sft":
+        if scores:
             out.append(Step("teacher-scores", k))
         out.append(Step("train", k))
     if evaluate:

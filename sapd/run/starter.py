@@ -4,6 +4,7 @@ it does not list keeps the paper's default; the ``PATH/TO/…`` values are the o
 
 from __future__ import annotations
 
+from sapd.data.loaders import AUTO, REGISTRY
 from sapd.method.benchmarks import get_benchmark
 
 PLACEHOLDER = "PATH/TO/"
@@ -46,7 +47,7 @@ variant: sapd
 data:
   # FILL IN: your recorded trajectories, {what}: a file or a folder of them, local or s3://
   input: {PLACEHOLDER}{example}
-  # their layout: native | eto | agentgym | fireact | skillrl | searchr1 | auto (docs/FORMATS.md);
+  # their layout: {' | '.join([*sorted(REGISTRY), AUTO])} (docs/FORMATS.md);
   # `sapd convert --format auto` tells you which one a file is
   format: {fmt}
   benchmark: {benchmark}

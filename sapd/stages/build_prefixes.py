@@ -1,20 +1,21 @@
 """The build-prefixes stage of a run (``jobs.build_prefixes``, the chart's ``buildPrefixes`` block): the
 config's recorded trajectories → decision prefixes under ``RUN_ROOT/prefixes`` (:mod:`sapd.data.prefixes`),
 then the initial student saved as checkpoint 0, which every later stage starts from. Both are skipped
-when already committed, so the stage can be re-run at any time.
+when already committed, so the stage can be re-run at any time. Entry: :func:`run` (the stage interface
+of :mod:`sapd.stages.context`).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 from sapd import checkpoints, layout
-from sapd.config import RunConfig, write_run_config
+from sapd.config import RunConfig
 from sapd.data.errors import report_lines
 from sapd.data.prefixes import BuildResult, PrefixOptions, build_prefixes
-from sapd.metrics import Metrics
 from sapd.models.loading import load_causal_lm, load_tokenizer, pin_model_path
+from sapd.progress import Progress
+from sapd.stages.context import Outcome, StageContext, Step
 
 
 def prefix_options(cfg: RunConfig) -> PrefixOptions:
@@ -24,23 +25,25 @@ def prefix_options(cfg: RunConfig) -> PrefixOptions:
 
 
 def ensure_prefixes(cfg: RunConfig, tokenizer, log: Callable[[str], None] = print,
-                    show_progress: bool = True) -> BuildResult:
+                    show_progress: bool = True, progress: Progress | None = None) -> BuildResult:
     """The run's prefix build (a no-op when the same build is committed)."""
     d = cfg.data
     return build_prefixes(d.input, d.format, d.benchmark, layout.prefixes_dir(cfg.run_root), tokenizer,
                           opts=prefix_options(cfg), skip_invalid=d.skip_invalid, action_wording=d.action_wording,
-                          log=log, show_progress=show_progress)
+                          log=log, show_progress=show_progress, progress=progress)
 
 
-def ensure_initial_checkpoint(cfg: RunConfig, log: Callable[[str], None] = print) -> None:
-    """Checkpoint 0 = the initial student, with its tokenizer (a no-op when committed)."""
+def ensure_initial_checkpoint(cfg: RunConfig, log: Callable[[str], None] = print) -> bool:
+    """Checkpoint 0 = the initial student, with its tokenizer (a no-op when committed). → whether it was
+    written now."""
     if checkpoints.is_committed(cfg.run_root, 0):
-        return
+        return False
     log(f"checkpoint 0 ← initial student {cfg.model.student}")
     student = pin_model_path(cfg.model.student, "model.student", log)
     model = load_causal_lm(student, dtype=cfg.model.dtype)
     checkpoints.save_checkpoint(cfg.run_root, 0, model, load_tokenizer(student), None,
                                 {"source": cfg.model.student, "resolved": student})
+    return True
 
 
 def build_summary(result: BuildResult) -> list[str]:
@@ -72,16 +75,19 @@ def build_summary(result: BuildResult) -> list[str]:
     return lines
 
 
-def run(cfg: RunConfig, *, log: Callable[[str], None] = print, show_progress: bool = True,
-        metrics: Metrics | None = None) -> BuildResult:
-    """The whole stage as its Job runs it: write (or check) the run root's config, build the prefixes,
-    print the summary, save checkpoint 0, record the stage's time."""
-    write_run_config(cfg)
-    t0 = time.perf_counter()
-    result = ensure_prefixes(cfg, load_tokenizer(cfg.model.student), log, show_progress)
+def run(ctx: StageContext, step: Step) -> Outcome:
+    """The stage (every door calls it through :func:`sapd.stages.context.run_stage`): build the prefixes,
+    log what the build read, refused and kept, save checkpoint 0. → the build."""
+    cfg = ctx.cfg
+    tokenizer = ctx.engines.tokenizer or load_tokenizer(cfg.model.student)
+    if ctx.engines.keep:
+        ctx.engines.tokenizer = tokenizer
+    result = ensure_prefixes(cfg, tokenizer, ctx.log, progress=ctx.progress)
     for line in build_summary(result):
-        log(line)
-    ensure_initial_checkpoint(cfg, log)
-    if metrics is not None and not result.skipped:
-        metrics.observe_stage("build_prefixes", time.perf_counter() - t0)
-    return result
+        ctx.log(line)
+    saved = ensure_initial_checkpoint(cfg, ctx.log)
+    stats = result.manifest["stats"]
+    skipped = result.skipped and not saved
+    return Outcome(f"prefixes: {stats['train']} train / {stats['val']} val "
+                   f"({'already committed' if result.skipped else 'built'}); checkpoint 0 "
+                   f"{'saved' if saved else 'committed'}", skipped, result)

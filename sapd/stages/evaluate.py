@@ -7,20 +7,22 @@ samples instead (SDAR validates at T = 0.4), seeded, into ``<benchmark>@T<temper
 
 :func:`offline_eval` is the environment-free check on held-out prefixes (the paper's 5 % split): format
 validity, repeated actions and agreement with the recorded action.
+
+Entry: :func:`run` (the stage interface of :mod:`sapd.stages.context`); ``sapd evaluate`` calls
+:func:`evaluate_checkpoint` on a run root directly.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import pyarrow as pa
-from tqdm import tqdm
 
 from sapd import checkpoints, layout, storage, yamlio
-from sapd.config import RunConfig
-from sapd.data.prefixes import PrefixOptions
+from sapd.data.prompts import PrefixOptions
 from sapd.envs.base import EpisodeSpec
 from sapd.envs.loop import LoopOptions, run_episodes, summarize
 from sapd.envs.panels import PanelSpec, episode_specs
@@ -30,6 +32,8 @@ from sapd.method.rules import normalize_action
 from sapd.metrics import Metrics
 from sapd.models.generation import HFGenerator, SamplingParams, stops_for
 from sapd.models.loading import load_tokenizer
+from sapd.progress import Progress
+from sapd.stages.context import Outcome, StageContext, Step
 
 
 def latest_checkpoint(root: str) -> int:
@@ -89,9 +93,12 @@ def eval_name(benchmark: str, temperature: float = 0.0) -> str:
 def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: int | None = None,
                         max_new_tokens: int = 128, device: str = "cpu", env_timeout_s: float | None = None,
                         log: Callable[[str], None] = print, show_progress: bool = True,
-                        metrics: Metrics | None = None, temperature: float = 0.0) -> dict[str, Any]:
+                        metrics: Metrics | None = None, temperature: float = 0.0,
+                        progress: Progress | None = None) -> dict[str, Any]:
     """Evaluate checkpoint ``k`` ("latest" for the newest committed one) of the run at ``root`` on ``panel``,
-    greedily, or sampled at ``temperature`` (seeded by the panel seed) as SDAR's validation does."""
+    greedily, or sampled at ``temperature`` (seeded by the panel seed) as SDAR's validation does.
+    ``metrics`` records the success rates; ``progress`` counts the episodes' steps."""
+    progress = progress or Progress.of(log, show_progress)
     benchmark = panel.benchmark
     k = latest_checkpoint(root) if k == "latest" else int(k)
     name = eval_name(benchmark, temperature)
@@ -109,11 +116,10 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
     t0 = time.perf_counter()
     specs = episode_specs(panel)
     log(f"checkpoint {k}: {len(specs)} {benchmark} episodes (seed {panel.seed})")
-    with tqdm(desc=f"evaluating checkpoint {k}", unit="step", disable=None if show_progress else True,
-              leave=False) as bar:
+    with progress.task(f"evaluating checkpoint {k} ({len(specs)} episodes)", unit="step") as bar:
         trajs, used_horizon = run_checkpoint_episodes(root, k, specs, benchmark, horizon=horizon,
                                                       max_new_tokens=max_new_tokens, device=device,
-                                                      env_timeout_s=env_timeout_s, progress=bar.update,
+                                                      env_timeout_s=env_timeout_s, progress=bar,
                                                       temperature=temperature, sample_seed=panel.seed)
     result = {"checkpoint": k, "benchmark": benchmark, "temperature": temperature, "seed": panel.seed,
               "games_per_family": panel.games_per_family,
@@ -128,25 +134,41 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
     if metrics is not None:
         metrics.record_eval(benchmark, result["overall"]["success"],
                             {c: v["success"] for c, v in result["by_category"].items()})
-        metrics.observe_stage("evaluate", result["seconds"])
     return result
 
 
-def run(cfg: RunConfig, checkpoint: int | str, panel: PanelSpec, *, horizon: int | None = None,
-        env_timeout_s: float | None = None, device: str | None = None, max_new_tokens: int | None = None,
-        log: Callable[[str], None] = print, show_progress: bool = True,
-        metrics: Metrics | None = None, temperature: float = 0.0) -> dict[str, Any] | None:
-    """The stage as its Job (and CronJob) runs it: the run's checkpoint on ``panel``, with the device and
-    generation length of the run config unless given. No committed checkpoint yet → None ("nothing to
-    evaluate"), so a CronJob started before the first round is not a failure."""
-    if checkpoint == "latest" and not layout.committed_checkpoints(cfg.run_root):
-        log(f"{cfg.run_root}: no committed checkpoint yet, nothing to evaluate")
-        return None
-    return evaluate_checkpoint(cfg.run_root, checkpoint, panel, horizon=horizon,
-                               max_new_tokens=max_new_tokens or cfg.sampling.max_new_tokens,
-                               device=device or cfg.model.device,
-                               env_timeout_s=env_timeout_s, log=log, show_progress=show_progress, metrics=metrics,
-                               temperature=temperature)
+@dataclass
+class Options:
+    """What the evaluate door chose (``ctx.options["evaluate"]``); None fields take the run config's."""
+
+    panel: PanelSpec | None = None  # default: the run's benchmark with the panel's defaults
+    horizon: int | None = None  # max steps per episode (default: the benchmark's)
+    env_timeout_s: float | None = None  # each environment in its own process, killed after this long
+    device: str | None = None  # default: model.device
+    max_new_tokens: int | None = None  # default: sampling.max_new_tokens
+    temperature: float = 0.0  # 0 = greedy; > 0 sampled, seeded by the panel seed
+
+
+def run(ctx: StageContext, step: Step) -> Outcome:
+    """The stage (every door calls it through :func:`sapd.stages.context.run_stage`): checkpoint
+    ``step.round`` (None: the newest committed) on the door's panel, with the device and generation length
+    of the run config unless the options give them. No committed checkpoint yet → nothing to evaluate (a
+    CronJob started before the first round is no failure). → the evaluation summary, or None."""
+    cfg = ctx.cfg
+    opts: Options = ctx.options.get("evaluate") or Options()
+    if step.round is None and not layout.committed_checkpoints(cfg.run_root):
+        return Outcome(f"{cfg.run_root}: no committed checkpoint yet, nothing to evaluate", True)
+    k = latest_checkpoint(cfg.run_root) if step.round is None else step.round
+    panel = opts.panel or PanelSpec(benchmark=cfg.data.benchmark)
+    done_before = storage.exists(storage.join(layout.evals_dir(cfg.run_root, k),
+                                              f"{eval_name(panel.benchmark, opts.temperature)}.json"))
+    result = evaluate_checkpoint(cfg.run_root, k, panel, horizon=opts.horizon,
+                                 max_new_tokens=opts.max_new_tokens or cfg.sampling.max_new_tokens,
+                                 device=opts.device or cfg.model.device, env_timeout_s=opts.env_timeout_s,
+                                 log=ctx.log, progress=ctx.progress, metrics=ctx.metrics,
+                                 temperature=opts.temperature)
+    return Outcome(f"checkpoint {k}: {panel.benchmark} success {result['overall']['success']:.3f}"
+                   + (" (evaluated before)" if done_before else ""), done_before, result)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -8,6 +8,10 @@ the worker that finds every part written commits the round (``_MANIFEST.json``, 
 workers finishing together both commit the same round). A rerun of a worker whose part is done is a
 no-op, so a retried pod redoes only uncommitted work. Sampling is seeded by (seed, round, worker),
 so a redone part is the same part.
+
+Entry: :func:`run` (the stage interface of :mod:`sapd.stages.context`): one worker's share (the Job of an
+Indexed Job's pod), every worker in turn (the local executor, which keeps the teacher and the student
+sampler loaded across rounds in ``ctx.engines``), or only the commit (``--commit``), as :class:`Options` says.
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
-
-from tqdm import tqdm
 
 from sapd import checkpoints, layout
 from sapd.config import RunConfig
@@ -31,6 +33,8 @@ from sapd.models.generation import Generator, HFGenerator, SamplingParams, stops
 from sapd.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer, pin_model_path
 from sapd.models.scoring import score_groups
 from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
+from sapd.progress import Progress
+from sapd.stages.context import Outcome, StageContext, Step
 
 
 class TeacherScorer(Protocol):
@@ -101,9 +105,11 @@ def record_metrics(metrics: Metrics, k: int, result: WorkerResult) -> None:
 
 
 def run_worker(cfg: RunConfig, k: int, worker: int, generator: Generator, teacher: TeacherScorer, tokenizer, *,
-               log: Callable[[str], None] = print, show_progress: bool = True) -> WorkerResult:
+               log: Callable[[str], None] = print, show_progress: bool = True,
+               progress: Progress | None = None) -> WorkerResult:
     """Sample, score and write worker ``worker``'s part of round ``k``; commit the round when every part
-    is written."""
+    is written. ``progress`` counts the prefixes sampled and scored."""
+    progress = progress or Progress.of(log, show_progress)
     done = _finished(cfg, k, worker, log)
     if done is not None:
         return done
@@ -117,18 +123,16 @@ def run_worker(cfg: RunConfig, k: int, worker: int, generator: Generator, teache
     timings: dict[str, float] = {}
     log(f"round {k} worker {worker}/{cfg.workers}: {len(rows)} prefixes × G={params.n}")
     t0 = time.perf_counter()
-    with tqdm(total=len(prompts), desc=f"round {k} sampling", unit="prefix",
-              disable=None if show_progress else True, leave=False) as bar:
-        samples_P_G = generator.generate(prompts, params, progress=bar.update)
+    with progress.task(f"round {k} sampling", total=len(prompts), unit="prefix") as bar:
+        samples_P_G = generator.generate(prompts, params, progress=bar)
     timings["sample_seconds"] = time.perf_counter() - t0
 
     prompt_ids_P = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     groups = [(r["prefix_id"], pids, [s.token_ids for s in group])
               for r, pids, group in zip(rows, prompt_ids_P, samples_P_G)]
     t0 = time.perf_counter()
-    with tqdm(total=len(groups), desc=f"round {k} teacher", unit="prefix",
-              disable=None if show_progress else True, leave=False) as bar:
-        teacher_logp_P_G_T = teacher(groups, progress=bar.update)
+    with progress.task(f"round {k} teacher scoring", total=len(groups), unit="prefix") as bar:
+        teacher_logp_P_G_T = teacher(groups, progress=bar)
     timings["score_seconds"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -169,26 +173,69 @@ def _commit_if_complete(cfg: RunConfig, k: int, log: Callable[[str], None]) -> b
     return True
 
 
-def run(cfg: RunConfig, k: int, worker: int, *, log: Callable[[str], None] = print, show_progress: bool = True,
-        metrics: Metrics | None = None) -> WorkerResult:
-    """The whole stage for one worker, as its Job runs it: check inputs, build the round's sampler and
-    the teacher, then :func:`run_worker`."""
-    if not 0 <= worker < cfg.workers:
-        raise ValueError(f"worker index {worker} is outside 0..{cfg.workers - 1} (config workers: {cfg.workers})")
+@dataclass
+class Options:
+    """What the teacher-scores door chose (``ctx.options["teacher-scores"]``)."""
+
+    worker: int | None = None  # this worker's share; None: every worker in turn (the local executor)
+    commit_only: bool = False  # only commit the round, whose workers are all done (``jobs.teacher_scores --commit``)
+
+
+def _scoring_engines(ctx: StageContext, k: int) -> tuple[RunConfig, Generator, TeacherScorer, Any]:
+    """(the config with the teacher pinned, round k's sampler, the teacher, the tokenizer), loaded once and
+    kept in ``ctx.engines``: the teacher for the whole run, the sampler taking each round's weights."""
+    cfg, e = ctx.cfg, ctx.engines
+    if e.tokenizer is None:
+        e.tokenizer = load_tokenizer(cfg.model.student)
+    if e.teacher is None or e.teacher_path is None:
+        e.teacher_path = pin_model_path(cfg.model.teacher, "model.teacher", ctx.log)
+        check_same_tokenizer(e.tokenizer, load_tokenizer(e.teacher_path))
+    teacher_path: str = e.teacher_path
+    scoring_cfg = cfg if teacher_path == cfg.model.teacher else dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, teacher=teacher_path))
+    if e.teacher is None:
+        e.teacher = teacher_scorer(scoring_cfg, e.tokenizer)
+    e.student = student_generator(cfg, k, e.tokenizer, reuse=e.student)
+    return scoring_cfg, e.student, e.teacher, e.tokenizer
+
+
+def run(ctx: StageContext, step: Step) -> Outcome:
+    """The stage for round ``step.round`` (every door calls it through :func:`sapd.stages.context.run_stage`):
+    check the inputs, then each of this door's workers (:class:`Options`) that is not done: build (or reuse)
+    the round's sampler and the teacher, :func:`run_worker`. The last worker to finish commits the round.
+    → the workers' results."""
+    cfg, k = ctx.cfg, step.round
+    assert k is not None, "teacher-scores runs for a round"
+    opts: Options = ctx.options.get("teacher-scores") or Options()
+    if opts.commit_only:
+        manifest = scored.commit_round(cfg, k)
+        ctx.metrics.round.set(k)
+        return Outcome(f"round {k}: committed {manifest['rows']} scored groups from {manifest['workers']} workers",
+                       value=manifest)
+    workers = list(range(cfg.workers)) if opts.worker is None else [opts.worker]
+    for w in workers:
+        if not 0 <= w < cfg.workers:
+            raise ValueError(f"worker index {w} is outside 0..{cfg.workers - 1} (config workers: {cfg.workers})")
     if not checkpoints.is_committed(cfg.run_root, k):
         raise FileNotFoundError(f"checkpoint {k} is not committed in {cfg.run_root}; train round {k - 1} first")
-    result = _finished(cfg, k, worker, log)
-    if result is None:
-        teacher = pin_model_path(cfg.model.teacher, "model.teacher", log)
-        if teacher != cfg.model.teacher:
-            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, teacher=teacher))
-        tokenizer = load_tokenizer(cfg.model.student)
-        check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.teacher))
-        result = run_worker(cfg, k, worker, student_generator(cfg, k, tokenizer), teacher_scorer(cfg, tokenizer),
-                            tokenizer, log=log, show_progress=show_progress)
-    if metrics is not None:
-        record_metrics(metrics, k, result)
-    return result
+    results = []
+    for w in workers:
+        result = _finished(cfg, k, w, ctx.log)
+        if result is None:
+            scoring_cfg, generator, teacher, tokenizer = _scoring_engines(ctx, k)
+            result = run_worker(scoring_cfg, k, w, generator, teacher, tokenizer, log=ctx.log,
+                                progress=ctx.progress)
+        record_metrics(ctx.metrics, k, result)
+        results.append(result)
+    if ctx.engines.keep:
+        release_student(ctx.engines.student)  # the engine stays up; training gets the device
+    else:
+        ctx.engines.student = ctx.engines.teacher = None
+    who = f"worker {workers[0]}/{cfg.workers}" if len(workers) == 1 else f"{len(workers)} workers"
+    done = "already done" if all(r.skipped for r in results) else "done"
+    committed = ", round committed" if any(r.committed for r in results) else ""
+    return Outcome(f"round {k} {who}: {done}, {sum(max(r.rows, 0) for r in results)} groups{committed}",
+                   all(r.skipped for r in results), results)
 
 
 def _seed(seed: int, k: int, worker: int) -> int:

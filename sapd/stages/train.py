@@ -16,10 +16,14 @@ round k's scored shards → checkpoint k+1.
 The SFT baseline (:func:`sft_round`) uses the same data path, engine and checkpoint format with
 cross-entropy on the recorded responses of the round's prefixes.
 
-Simplifications, on purpose: full prompt + response sequences are run for the student (the
-shared-prefix trick is used for the frozen teacher only, where no gradient is needed); the schedule
-is a function of (round, optimizer step) so a resumed run reproduces it exactly without a scheduler
-object.
+Simplifications, on purpose: the schedule is a function of (round, optimizer step), so a resumed run
+reproduces it exactly without a scheduler object. Each prefix's prompt runs once over its repeated KV
+cache for the G responses (``train.shared_prompt``, :func:`shared_prompt_group`) for the student too —
+π_old, the reference and the trained forward — where it was measured faster (the torch engine on a CPU
+model, "auto"); elsewhere the G full prompt + response sequences run in one batch. Both give the same
+log-probs (tests/test_models.py).
+
+Entry: :func:`run` (the stage interface of :mod:`sapd.stages.context`), on every process torchrun starts.
 """
 
 from __future__ import annotations
@@ -34,16 +38,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
-from tqdm import tqdm
 
 from sapd import checkpoints, layout, storage
-from sapd.config import RunConfig, write_run_config
+from sapd.config import RunConfig
 from sapd.data.batches import round_batch
 from sapd.data.scored import ScoredPrefix, read_scored, scored_prefixes
-from sapd.method.objective import loss_for, sft_loss
-from sapd.metrics import Metrics
+from sapd.method.objective import LossInputs, loss_for, objective_of, required_inputs
 from sapd.models.loading import load_tokenizer
 from sapd.models.scoring import response_logprobs, response_logprobs_and_entropy
+from sapd.progress import QUIET, Progress
+from sapd.stages.context import Outcome, StageContext, Step
 from sapd.stages.train_deepspeed import load_partitioned, make_deepspeed_engine
 
 # ---------------------------------------------------------------------------------------------------
@@ -264,33 +268,45 @@ def compute_reference_logprobs(cfg: RunConfig, prefixes: list[ScoredPrefix], pad
     return time.perf_counter() - t0
 
 
+# the LossInputs built from a chunk's scored prefixes: per-token fields → (ScoredPrefix field, dtype), and
+# per-response ones; each only when the objective takes it (sapd.method.objective.required_inputs)
+_PER_TOKEN = {"old_logp_P_G_T": ("old_logp_G_T", torch.float32),
+              "teacher_logp_P_G_T": ("teacher_logp_G_T", torch.float32),
+              "ref_logp_P_G_T": ("ref_logp_G_T", torch.float32),
+              "action_mask_P_G_T": ("action_mask_G_T", torch.bool)}
+_PER_RESPONSE = {"rule_scores_P_G": "rule_scores_G", "advantage_P_G": "advantage_G"}
+
+
 def _micro_loss(model, cfg: RunConfig, chunk: list[ScoredPrefix], pad_id: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """The objective's loss on one micro-batch: the student's forward, then the inputs its function takes."""
+    need = required_inputs(cfg.loss_cfg)
     prompts, responses = _flat_PG(chunk)
     P, G = len(chunk), len(chunk[0].responses_G_T)
     shared = shared_prompt_group(cfg.train.shared_prompt, model, G, cfg.train.engine, cfg.train.zero_stage)
     entropy_P_G_T = None
-    if cfg.loss_cfg.entropy_coef > 0:
+    if "entropy_P_G_T" in need:
         new_logp_PG_T, response_mask_PG_T, entropy_PG_T = response_logprobs_and_entropy(model, prompts, responses,
                                                                                        pad_id, group_size=shared)
     else:
         new_logp_PG_T, response_mask_PG_T = response_logprobs(model, prompts, responses, pad_id, group_size=shared)
     T = new_logp_PG_T.shape[-1]
     device = new_logp_PG_T.device
-    new_logp_P_G_T = new_logp_PG_T.view(P, G, T)
-    response_mask_P_G_T = response_mask_PG_T.view(P, G, T)
-    if cfg.loss_cfg.entropy_coef > 0:
+    if "entropy_P_G_T" in need:
         entropy_P_G_T = entropy_PG_T.view(P, G, T)
-    ref_logp_P_G_T = (_stack_P_G_T(chunk, "ref_logp_G_T", T, torch.float32).to(device)
-                      if cfg.loss_cfg.kl_coef > 0 else None)
-    old_logp_P_G_T = _stack_P_G_T(chunk, "old_logp_G_T", T, torch.float32).to(device)
-    teacher_logp_P_G_T = _stack_P_G_T(chunk, "teacher_logp_G_T", T, torch.float32).to(device)
-    action_mask_P_G_T = _stack_P_G_T(chunk, "action_mask_G_T", T, torch.bool).to(device)
-    rule_scores_P_G = torch.tensor([sp.rule_scores_G for sp in chunk], dtype=torch.float32, device=device)
-    advantage_P_G = (None if chunk[0].advantage_G is None else
-                     torch.tensor([sp.advantage_G for sp in chunk], dtype=torch.float32, device=device))
-    return loss_for(cfg.loss_cfg, new_logp_P_G_T, old_logp_P_G_T, teacher_logp_P_G_T, response_mask_P_G_T,
-                    action_mask_P_G_T, rule_scores_P_G, advantage_P_G, ref_logp_P_G_T=ref_logp_P_G_T,
-                    entropy_P_G_T=entropy_P_G_T)
+    given: dict[str, torch.Tensor] = {}
+    for name in need:
+        if name in _PER_TOKEN:
+            field, dtype = _PER_TOKEN[name]
+            given[name] = _stack_P_G_T(chunk, field, T, dtype).to(device)
+        elif name in _PER_RESPONSE:
+            values = [getattr(sp, _PER_RESPONSE[name]) for sp in chunk]
+            if any(v is None for v in values):
+                raise ValueError(f"objective {cfg.loss_cfg.objective!r} needs {name}, which the round's rows do not "
+                                 "carry" + (" (only `sapd online --method grpo` writes it)"
+                                            if name == "advantage_P_G" else ""))
+            given[name] = torch.tensor(values, dtype=torch.float32, device=device)
+    return loss_for(cfg.loss_cfg, LossInputs(new_logp_PG_T.view(P, G, T), response_mask_PG_T.view(P, G, T),
+                                             entropy_P_G_T=entropy_P_G_T, **given))
 
 
 def _restore_rng(state: dict[str, Any] | None) -> None:
@@ -332,17 +348,18 @@ def _mean_metrics(items: list[tuple[float, dict[str, float]]], engine: Engine | 
 def optimizer_steps(cfg: RunConfig, k: int, engine: Engine, items: list, micro_loss: Callable, global_step: int,
                     describe: Callable[[dict], str], *, log: Callable[[str], None] = print,
                     show_progress: bool = True, label: str = "training",
-                    on_step: Callable[[dict], None] | None = None) -> tuple[list[dict], int]:
+                    on_step: Callable[[dict], None] | None = None,
+                    progress: Progress | None = None) -> tuple[list[dict], int]:
     """The optimizer steps of round k over ``items`` (scored prefixes, or SFT examples): each epoch
     reshuffles them with (seed, k), cuts minibatches of ``minibatch_prefixes``, accumulates the
     micro-batch losses ``micro_loss(chunk) -> (loss, metrics)`` of this rank's share, clips and steps.
-    Returns the per-step records and the new global step."""
+    Returns the per-step records and the new global step. ``progress`` counts the steps (main rank only)."""
     tc = cfg.train
     order_rng = random.Random(f"{tc.seed}:{k}")
     records: list[dict] = []
     n_steps = tc.epochs_per_round * -(-len(items) // tc.minibatch_prefixes)
-    bar = tqdm(total=n_steps, desc=f"round {k} {label}", unit="step",
-               disable=None if show_progress and engine.is_main else True, leave=False)
+    progress = (progress or Progress.of(log, show_progress)) if engine.is_main else QUIET
+    bar = progress.task(f"round {k} {label}", total=n_steps, unit="step")
     for epoch in range(tc.epochs_per_round):
         order = list(range(len(items)))
         order_rng.shuffle(order)
@@ -362,7 +379,7 @@ def optimizer_steps(cfg: RunConfig, k: int, engine: Engine, items: list, micro_l
                    "prefixes": len(mb), **_mean_metrics(parts, engine),
                    "step_seconds": time.perf_counter() - t_step}
             records.append(rec)
-            bar.update(1)
+            bar.update()
             if on_step is not None and engine.is_main:
                 on_step(rec)
             log(f"round {k} step {global_step}: {describe(rec)} |g| {grad_norm:.3f}")
@@ -375,58 +392,67 @@ def _trainer_state(engine: Engine, k: int, global_step: int) -> dict[str, Any]:
     return {"global_step": global_step, "round": k + 1, "rng": _rng_state(), "optimizer": engine.optimizer_state()}
 
 
+def describe_step(rec: dict) -> str:
+    """The log line of one optimizer step: the loss and its terms, and the signals a record has."""
+    terms = [f"{key.removeprefix('loss_')} {rec[key]:.4f}" for key in rec if key.startswith("loss_")]
+    line = f"loss {rec['loss']:.5f}" + (f" ({' '.join(terms)})" if terms else "")
+    if "teacher_student_gap" in rec and rec["teacher_student_gap"] == rec["teacher_student_gap"]:  # not NaN
+        line += f" gap {rec['teacher_student_gap']:.4f}"
+    if "clip_fraction" in rec:
+        line += f" clip {rec['clip_fraction']:.3f}"
+    return line
+
+
 def train_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, prefixes: list[ScoredPrefix],
                 state: dict[str, Any] | None, *, log: Callable[[str], None] = print, show_progress: bool = True,
-                on_step: Callable[[dict], None] | None = None) -> tuple[list[dict], dict]:
-    """Run round k's optimizer steps on ``engine.model`` (loaded from checkpoint k). Returns the step
-    records and the trainer state to store with checkpoint k+1."""
+                on_step: Callable[[dict], None] | None = None,
+                progress: Progress | None = None) -> tuple[list[dict], dict]:
+    """Run round k's optimizer steps on ``engine.model`` (loaded from checkpoint k) with the config's
+    objective: π_old (and the reference log-probs) first when it takes them. Returns the step records and
+    the trainer state to store with checkpoint k+1."""
     model = engine.model
     pad = tokenizer.pad_token_id
+    need = required_inputs(cfg.loss_cfg)
     _restore_rng(state)
-    t0 = time.perf_counter()
-    model.eval()  # π_old: no dropout, same numerics as the sampler's weights
-    old_passes = recompute_old_logprobs(model, prefixes, pad, cfg.train.micro_batch_prefixes, engine=engine,
-                                        shared_prompt=cfg.train.shared_prompt, train_engine=cfg.train.engine,
-                                        zero_stage=cfg.train.zero_stage)
-    old_seconds = time.perf_counter() - t0
-    ref_seconds = compute_reference_logprobs(cfg, prefixes, pad, engine) if cfg.loss_cfg.kl_coef > 0 else None
+    extra: dict[str, float] = {}
+    if "old_logp_P_G_T" in need:
+        t0 = time.perf_counter()
+        model.eval()  # π_old: no dropout, same numerics as the sampler's weights
+        extra["old_logp_forward_passes"] = recompute_old_logprobs(  # rank 0's: ⌈micro-batches / ranks⌉
+            model, prefixes, pad, cfg.train.micro_batch_prefixes, engine=engine, shared_prompt=cfg.train.shared_prompt,
+            train_engine=cfg.train.engine, zero_stage=cfg.train.zero_stage)
+        extra["old_logp_seconds"] = time.perf_counter() - t0
+    if "ref_logp_P_G_T" in need:
+        extra["ref_logp_seconds"] = compute_reference_logprobs(cfg, prefixes, pad, engine)
     model.train()
+    label = "sft" if objective_of(cfg.loss_cfg).data == "recorded" else "training"
     records, global_step = optimizer_steps(
         cfg, k, engine, prefixes, lambda chunk: _micro_loss(model, cfg, chunk, pad),
-        (state or {}).get("global_step", 0),
-        lambda r: (f"loss {r['loss']:.5f} (tok {r['loss_tok']:.4f} step {r['loss_step']:.4f} rule "
-                   f"{r['loss_rule']:.4f}) gap {r['teacher_student_gap']:.4f} clip {r['clip_fraction']:.3f}"),
-        log=log, show_progress=show_progress, on_step=on_step)
+        (state or {}).get("global_step", 0), describe_step, log=log, show_progress=show_progress, label=label,
+        on_step=on_step, progress=progress)
     if records:
-        records[0]["old_logp_seconds"] = old_seconds
-        records[0]["old_logp_forward_passes"] = old_passes  # rank 0's: ⌈micro-batches / ranks⌉
-        if ref_seconds is not None:
-            records[0]["ref_logp_seconds"] = ref_seconds
+        records[0].update(extra)
     return records, _trainer_state(engine, k, global_step)
+
+
+def recorded_prefixes(tokenizer, rows: list[dict]) -> list[ScoredPrefix]:
+    """The round's prefixes with their recorded response (its text followed by EOS) as the one response of
+    each (G = 1): what an objective that trains on the recorded responses (SFT) reads."""
+    return [ScoredPrefix(r["prefix_id"], tokenizer(r["prompt"], add_special_tokens=False)["input_ids"],
+                         [tokenizer(r["recorded_response"], add_special_tokens=False)["input_ids"]
+                          + [tokenizer.eos_token_id]], [], [], [])
+            for r in rows]
 
 
 def sft_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, rows: list[dict], state: dict[str, Any] | None,
               *, log: Callable[[str], None] = print, show_progress: bool = True,
-              on_step: Callable[[dict], None] | None = None) -> tuple[list[dict], dict]:
+              on_step: Callable[[dict], None] | None = None,
+              progress: Progress | None = None) -> tuple[list[dict], dict]:
     """SFT baseline round: cross-entropy on the recorded response of each prefix (the response text
-    followed by EOS), minibatches and micro-batches counted in prefixes exactly as SAPD's."""
-    model = engine.model
-    pad = tokenizer.pad_token_id
-    _restore_rng(state)
-    model.train()
-    data = [(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"],
-             tokenizer(r["recorded_response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-            for r in rows]
-    reduction = cfg.loss_cfg.reduction
-
-    def micro_loss(chunk):
-        logp_B_T, mask_B_T = response_logprobs(model, [c[0] for c in chunk], [c[1] for c in chunk], pad)
-        return sft_loss(logp_B_T, mask_B_T, reduction)
-
-    records, global_step = optimizer_steps(cfg, k, engine, data, micro_loss, (state or {}).get("global_step", 0),
-                                           lambda r: f"sft loss {r['loss']:.5f}", log=log,
-                                           show_progress=show_progress, label="sft", on_step=on_step)
-    return records, _trainer_state(engine, k, global_step)
+    followed by EOS), minibatches and micro-batches counted in prefixes exactly as SAPD's
+    (:func:`train_round` over :func:`recorded_prefixes`)."""
+    return train_round(cfg, k, engine, tokenizer, recorded_prefixes(tokenizer, rows), state, log=log,
+                       show_progress=show_progress, on_step=on_step, progress=progress)
 
 
 def write_round_log(root: str, k: int, records: list[dict], extra: dict[str, Any] | None = None) -> None:
@@ -436,7 +462,8 @@ def write_round_log(root: str, k: int, records: list[dict], extra: dict[str, Any
 
 def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | None = None,
                     log: Callable[[str], None] = print, show_progress: bool = True,
-                    on_step: Callable[[dict], None] | None = None) -> dict[str, Any]:
+                    on_step: Callable[[dict], None] | None = None,
+                    progress: Progress | None = None) -> dict[str, Any]:
     """Checkpoint k + round k's data → checkpoint k+1 (idempotent: a committed k+1 is left alone).
     ``on_step`` sees every optimizer-step record on the main rank (metrics)."""
     root = cfg.run_root
@@ -456,14 +483,14 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
     state = checkpoints.load_trainer_state(root, k)
     if state and "optimizer" in state:
         engine.load_optimizer_state(state["optimizer"])
-    if cfg.loss_cfg.objective == "sft":
+    if objective_of(cfg.loss_cfg).data == "recorded":
         rows = round_batch(cfg, k).to_pylist()
         records, new_state = sft_round(cfg, k, engine, tokenizer, rows, state, log=log, show_progress=show_progress,
-                                       on_step=on_step)
+                                       on_step=on_step, progress=progress)
     else:
         prefixes = scored_prefixes(read_scored(root, k))
         records, new_state = train_round(cfg, k, engine, tokenizer, prefixes, state, log=log,
-                                         show_progress=show_progress, on_step=on_step)
+                                         show_progress=show_progress, on_step=on_step, progress=progress)
     # several ranks: rank 0 writes the log and checkpoint k+1, once every rank is done reading round k
     engine.barrier()
     if engine.is_main:
@@ -476,24 +503,23 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
     return checkpoints.read_marker(root, k + 1)
 
 
-def run(cfg: RunConfig, k: int, *, log: Callable[[str], None] = print, show_progress: bool = True,
-        metrics: Metrics | None = None, metrics_port: int | None = None) -> dict[str, Any]:
-    """The whole stage as its Job runs it, on every process torchrun starts (``RANK`` from torchrun):
-    rank 0 writes (or checks) the run root's config, serves ``/metrics`` on ``metrics_port`` while it
-    trains, logs, and pushes the stage's figures at the end; the other ranks only train.
-    → checkpoint k+1's commit marker."""
-    main = int(os.environ.get("RANK", "0")) == 0
-    metrics = metrics or Metrics.from_env("train")
-    if main:
-        write_run_config(cfg)
-        if metrics_port:  # rank 0 of a long training job serves /metrics, on the pod IP when the chart says
-            metrics.serve(metrics_port, addr=os.environ.get("SAPD_METRICS_ADDR") or "0.0.0.0")
-    t0 = time.perf_counter()
-    marker = run_train_stage(cfg, k, log=log if main else (lambda s: None), show_progress=main and show_progress,
-                             on_step=lambda rec: metrics.record_step(rec, cfg.sampling.group_size))
-    if main:
-        metrics.observe_stage("train", time.perf_counter() - t0)
-        metrics.mark_success()
-        metrics.push()
-        log(f"round {k}: checkpoint {k + 1} committed ({marker['commit_id'][:12]})")
-    return marker
+@dataclass
+class Options:
+    """What the train door chose (``ctx.options["train"]``)."""
+
+    engine_factory: EngineFactory | None = None  # the engine to train with (default: ``train.engine``'s; tests)
+
+
+def run(ctx: StageContext, step: Step) -> Outcome:
+    """The stage for round ``step.round`` (every door calls it through :func:`sapd.stages.context.run_stage`),
+    on every process torchrun starts: rank 0 logs, counts progress and records each optimizer step's
+    metrics; every rank trains. → checkpoint k+1's commit marker."""
+    cfg, k = ctx.cfg, step.round
+    assert k is not None, "train runs for a round"
+    opts: Options = ctx.options.get("train") or Options()
+    done_before = checkpoints.is_committed(cfg.run_root, k + 1)
+    marker = run_train_stage(cfg, k, engine_factory=opts.engine_factory,
+                             log=ctx.log if ctx.main else (lambda line: None),
+                             progress=ctx.progress if ctx.main else QUIET,
+                             on_step=lambda rec: ctx.metrics.record_step(rec, cfg.sampling.group_size))
+    return Outcome(f"round {k}: checkpoint {k + 1} committed ({marker['commit_id'][:12]})", done_before, marker)
