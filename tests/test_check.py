@@ -201,3 +201,9 @@ def test_webshop_is_bring_your_own_server_probed_in_seconds(tmp_path, models, mo
     # another benchmark does not need the server: no line at all
     code, lines = _lines(config_from_dict(tiny_config(str(tmp_path / "run2"), *models)))
     assert code == EXIT_OK and not any(ln.startswith("check webshop") for ln in lines)
+
+
+def test_the_webshop_probe_defaults_to_the_adapters_server():
+    from sapd.envs.webshop_env import DEFAULT_URL
+    from sapd.run.check import WEBSHOP_DEFAULT_URL
+    assert WEBSHOP_DEFAULT_URL == DEFAULT_URL

@@ -26,6 +26,7 @@ user error (fix the config, the input, the credentials), 75 a service was unreac
 from __future__ import annotations
 
 import os
+import re
 import urllib.error
 import urllib.request
 import uuid
@@ -37,8 +38,6 @@ from sapd import layout, storage
 from sapd.config import ConfigError, RunConfig, committed_config, committed_config_problem
 from sapd.data.loaders import LoadOptions, load_trajectories
 from sapd.entry import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USER_ERROR, exit_code
-from sapd.envs.webshop_env import DEFAULT_URL as WEBSHOP_DEFAULT_URL
-from sapd.envs.webshop_env import page_text, parse_page
 from sapd.models.loading import check_same_tokenizer, load_tokenizer, read_model_config
 from sapd.models.memory import GIB, HEADROOM, Shape, estimate, shape_from_config
 from sapd.run.starter import PLACEHOLDER
@@ -227,6 +226,10 @@ def check_pushgateway() -> str:
 
 
 WEBSHOP_PROBE_SECONDS = 5.0
+WEBSHOP_DEFAULT_URL = "http://127.0.0.1:3000"
+"""The WebShop adapter's default server (``sapd.envs.webshop_env.DEFAULT_URL``; a test keeps them equal). Not
+imported from the adapter: the checks run in every stage pod, and no stage but evaluation loads an environment."""
+_TAG = re.compile(r"<[^>]*>")
 
 
 def check_webshop(url: str | None = None, timeout: float = WEBSHOP_PROBE_SECONDS) -> str:
@@ -248,7 +251,7 @@ def check_webshop(url: str | None = None, timeout: float = WEBSHOP_PROBE_SECONDS
         reason = getattr(e, "reason", None) or e
         raise ConnectionError(f"{url} is unreachable ({reason}) within {timeout:g}s: start your WebShop server "
                               f"(README 'Evaluation') or fix {where}") from None
-    if "Instruction:" not in page_text(parse_page(html)):
+    if "Instruction:" not in _TAG.sub(" ", html):
         raise ConfigError(f"{probe} answers, but not with WebShop's instruction page: is {where} another server's?",
                           "evaluate.webshop.url")
     return f"{url} answers with WebShop's instruction page"
