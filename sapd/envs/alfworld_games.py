@@ -9,8 +9,9 @@ own ``AlfredTWEnv`` alike.
 ``json_2.1.1``): the receptacles and their interaction poses are the real AI2-THOR ones of each floor plan
 (``gen/layouts/FloorPlanN-openable.json``) where ALFRED lists them, and synthetic ones at navigable points
 of the floor plan (``FloorPlanN-layout.npy``) for the classes it does not (stove burners, toasters, garbage
-cans …); the objects are the floor plan's portable classes (``FloorPlanN-objects.json``), one or two of
-each, put into random receptacles that ALFRED allows to hold them; the goals are ALFWorld's
+cans …); the objects are the target and up to a dozen other portable classes of the floor plan
+(``FloorPlanN-objects.json``), one or two of each, put into random receptacles that ALFRED allows to hold
+them; the goals are ALFWorld's
 (``gen/goal_library.py``). Success on them is not comparable with published ALFWorld numbers. Every game
 folder's ``traj_data.json`` and ``game.tw-pddl`` carry this notice under ``sapd_generated``.
 
@@ -67,6 +68,9 @@ _APPLIANCE = {"pick_clean_then_place_in_recep": ("Cleanable", "SinkBasin"),
               "pick_heat_then_place_in_recep": ("Heatable", "Microwave"),
               "pick_cool_then_place_in_recep": ("Coolable", "Fridge")}
 _LAMP_HOLDERS = ("Desk", "SideTable", "Dresser")  # where a look task's desk lamp stands
+# at most this many other object classes per game (one or two of each): a big kitchen keeps its receptacles
+# but not all of its ~25 portable classes, which halves its planning cost (seconds per game, not tens)
+MAX_DISTRACTOR_CLASSES = 12
 _SEEN_SHARE = 5  # one (floor plan, object class) pair in five goes to valid_seen, the rest to train
 # classes the PDDL domain names as constants (they must be declared even when absent)
 _DOMAIN_OTYPES = ("KnifeType", "ButterKnifeType")
@@ -249,7 +253,8 @@ class Layout:
 
 def build_layout(task: Task, rng: random.Random) -> Layout:
     """The floor plan's receptacles (plus synthetic ones for classes without a pose) and objects placed
-    at random where ALFRED allows them; the target never starts in a receptacle of the goal class."""
+    at random where ALFRED allows them: the target class and up to :data:`MAX_DISTRACTOR_CLASSES` other
+    portable classes of the floor plan; the target never starts in a receptacle of the goal class."""
     constants, _, _ = _alfworld()
     scene = load_scene(task.scene)
     holds = constants.VAL_RECEPTACLE_OBJECTS
@@ -277,7 +282,10 @@ def build_layout(task: Task, rng: random.Random) -> Layout:
         used_ids.add(oid)
         objects[oid] = (cls, r.id)
 
-    for cls in sorted(scene.classes & _portable(constants)):
+    present = sorted(scene.classes & _portable(constants))
+    distractors = [c for c in present if c != task.obj]
+    keep = set(rng.sample(distractors, min(MAX_DISTRACTOR_CLASSES, len(distractors)))) | {task.obj}
+    for cls in [c for c in present if c in keep]:
         where = [r for r in recs if cls in holds.get(r.cls, ())]
         if cls == task.obj:
             where = [r for r in where if r.cls != task.parent]
@@ -292,10 +300,14 @@ def build_layout(task: Task, rng: random.Random) -> Layout:
             place(cls, where)
     if task.toggle:
         place(task.toggle, [r for r in recs if r.cls in _LAMP_HOLDERS])
+    # the agent starts where no receptacle is ("You are in the middle of a room …", as in ALFWorld's games)
     taken = {r.loc for r in recs}
-    free = [p for p in scene.points if _loc(p[0], p[1], 0, 30) not in taken]
-    x, z = rng.choice(free or list(scene.points))
-    return Layout(recs, objects, _loc(x, z, 90 * rng.randrange(4), 30))
+    for _ in range(1000):
+        x, z = rng.choice(scene.points)
+        start = _loc(x, z, 90 * rng.randrange(4), 30)
+        if start not in taken:
+            return Layout(recs, objects, start)
+    raise GameGenerationError(f"{task.folder}: no free place to start in FloorPlan{task.scene}")
 
 
 def problem_pddl(task: Task, layout: Layout, name: str) -> str:
