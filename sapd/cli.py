@@ -189,6 +189,7 @@ def cmd_collect_expert(args: argparse.Namespace) -> int:
 
     from sapd.data.loaders import write_native_jsonl
     from sapd.entry import env_timeout, panel_from_args
+    from sapd.envs.alfworld_games import Progress
     from sapd.envs.loop import LoopOptions, collect_expert, summarize
     from sapd.envs.panels import episode_specs
     from sapd.method.benchmarks import noop_action
@@ -204,9 +205,15 @@ def cmd_collect_expert(args: argparse.Namespace) -> int:
         else:
             print(f"ALFWorld expert: hand-coded (seeded by --seed {args.seed}). {EXPERT_FIX_NOTE}", flush=True)
     specs = episode_specs(panel)
-    trajs = collect_expert(specs, args.benchmark, successful_only=args.successful_only,
-                           opts=LoopOptions(invalid_action=noop_action(args.benchmark),
-                                            env_timeout_s=env_timeout(args)))
+    # a bar on a terminal, a line every 10 s elsewhere (kubectl logs): an ALFWorld expert takes seconds a game
+    bar = Progress(len(specs), "expert episodes", lambda s: print(s, flush=True), not args.no_progress,
+                   unit="episode")
+    try:
+        trajs = collect_expert(specs, args.benchmark, successful_only=args.successful_only,
+                               opts=LoopOptions(invalid_action=noop_action(args.benchmark),
+                                                env_timeout_s=env_timeout(args)), progress=bar.update)
+    finally:
+        bar.close()
     write_native_jsonl(trajs, args.out)
     s = summarize(trajs)
     print(f"wrote {len(trajs)} expert trajectories to {args.out}; expert success {s['overall']['success']:.2f}, "
@@ -402,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert", choices=["handcoded", "planner"], default="handcoded",
                    help="ALFWorld: ALFWorld's hand-coded expert (default; seeded by --seed) or its planner (Fast "
                         "Downward: wins every solvable game, slower)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     p.add_argument("--no-expert-fix", action="store_true",
                    help="ALFWorld: run the hand-coded expert as alfworld 0.4.x ships it, without sapd's move/put fix "
                         "(it then loops after 'move X to Y' and fails two-object tasks)")

@@ -152,14 +152,14 @@ class _Scripted:
         return out
 
 
-def test_the_eto_wording_is_played_translated_and_counted_not_invalid(games, tmp_path):
+def test_the_eto_wording_is_played_translated_and_counted_not_invalid(games, tmp_path_factory):
     """A model trained on ETO-era records says "put X in/on Y"; the 0.4.x engine knows "move X to Y"."""
     game = _game(games, PICK)
     walkthrough = read_game(game)["walkthrough"]
     assert walkthrough[-1] == "move box 1 to diningtable 1"
     actions = [*walkthrough[:-1], "put box 1 in/on diningtable 1"]
     spec = EpisodeSpec("alfworld/pick", lambda: AlfworldEnv(game))
-    tok = build_test_tokenizer(tmp_path / "tok")
+    tok = build_test_tokenizer(tmp_path_factory.mktemp("tok"))
     (traj,) = run_episodes([spec], _Scripted(actions), tok, "alfworld", opts=LoopOptions())
     assert traj.success and [t.action for t in traj.turns] == actions  # recorded as the model wrote it
     meta = traj.metadata
@@ -194,13 +194,12 @@ def test_bad_alfworld_data_gets_one_line_naming_the_path(tmp_path, capsys, monke
     assert err[0].startswith("sapd collect-expert: error: ") and str(named) in err[0]
     assert ("not JSON" in err[0] and "alfworld-games" in err[0]) if case == "not_json" else \
         ("sapd alfworld-games --out DIR --split" in err[0] and "alfworld-download" in err[0])
-    # the flag works the same way (and --data-dir, the chart's spelling, is the same flag)
-    monkeypatch.delenv("ALFWORLD_DATA")
+    # the flag says the same (--data-dir, the chart's spelling, is the same flag) and wins over the variable
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "elsewhere"))
     for flag in ("--alfworld-data", "--data-dir"):
-        assert main(["evaluate", "--run", str(tmp_path / "run"), "--benchmark", "alfworld", flag, str(data),
-                     "--no-progress"]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1, err  # the run has no checkpoint: that is said first, in one line too
+        assert main(["collect-expert", "--benchmark", "alfworld", flag, str(data), "--env-timeout", "0",
+                     "--out", str(tmp_path / "expert.jsonl")]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == err
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -441,13 +441,13 @@ class Progress:
     elsewhere (``kubectl logs``, CI, a file)."""
 
     def __init__(self, total: int, desc: str, log: Callable[[str], None], enabled: bool = True,
-                 every_s: float = 10.0) -> None:
-        self.total, self.desc, self.log, self.every_s = total, desc, log, every_s
+                 every_s: float = 10.0, unit: str = "game") -> None:
+        self.total, self.desc, self.log, self.every_s, self.unit = total, desc, log, every_s, unit
         self.n, self.t0, self.last = 0, time.monotonic(), 0.0
         self.bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=desc, unit="game")
+            self.bar = tqdm(total=total, desc=desc, unit=unit)
         self.lines = enabled and self.bar is None
 
     def update(self, n: int = 1, note: str = "") -> None:
@@ -462,7 +462,7 @@ class Progress:
             self.last = now
             elapsed = now - self.t0
             eta = elapsed / self.n * (self.total - self.n) if self.n else 0.0
-            self.log(f"{self.desc}: {self.n}/{self.total} games ({100 * self.n // max(self.total, 1)}%), "
+            self.log(f"{self.desc}: {self.n}/{self.total} {self.unit}s ({100 * self.n // max(self.total, 1)}%), "
                      f"{_hms(elapsed)} elapsed, ETA {_hms(eta)}" + (f" ({note})" if note else ""))
 
     def close(self) -> None:
