@@ -224,7 +224,7 @@ def test_planner_expert_wins_generated_games_of_every_type(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_handcoded_expert_wins_pick2_games_only_with_the_move_fix(tmp_path, capsys):
-    data = generated_type("pick_two_obj_and_place", per_type=3, seed=1)
+    data = generated_type("pick_two_obj_and_place", per_type=4, seed=1)
 
     def collect(*flags: str) -> list[dict]:
         out = tmp_path / f"hc{len(flags)}.jsonl"
@@ -239,8 +239,9 @@ def test_handcoded_expert_wins_pick2_games_only_with_the_move_fix(tmp_path, caps
     assert "WITHOUT sapd's move/put fix" in capsys.readouterr().out
     won_fixed = {t["id"] for t in fixed if t["success"]}
     won_unfixed = {t["id"] for t in unfixed if t["success"]}
-    assert len(fixed) == len(unfixed) == 3 and {t["category"] for t in fixed} == {"Pick2"}
-    assert not won_unfixed and len(won_fixed) >= 2, (won_fixed, won_unfixed)
+    assert len(fixed) == len(unfixed) == 4 and {t["category"] for t in fixed} == {"Pick2"}
+    # 50 steps: the fixed expert may still run out exploring a big kitchen; the unfixed one never finishes
+    assert not won_unfixed and len(won_fixed) >= 3, (won_fixed, won_unfixed)
     # the unfixed expert loses by looping after its own "move": it never takes the second object
     for t in unfixed:
         actions = [u["action"] for u in t["turns"]]

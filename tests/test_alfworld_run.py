@@ -48,7 +48,8 @@ def test_alfworld_journey_games_expert_init_run_evaluate(tmp_path, capsys, monke
     assert main(["run", str(config), str(tiny), "--run-root", str(run_root), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "checkpoints [0, 1, 2]" in out
-    assert "format: native" in out or "native" in storage.read_text(layout.config_uri(str(run_root)))
+    manifest = json.loads(storage.read_text(storage.join(layout.prefixes_dir(str(run_root)), "_MANIFEST.json")))
+    assert manifest["format_read"].startswith("auto → native")  # the collect-expert records, read back
 
     assert main(["evaluate", "--run", str(run_root), "--benchmark", "alfworld", "--split", "valid_unseen",
                  "--alfworld-data", str(data), "--horizon", "3", "--max-new-tokens", "12", "--no-progress"]) == 0

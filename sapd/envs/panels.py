@@ -55,8 +55,8 @@ class PanelSpec:
             out["families"] = sorted(self.families)
         if self.benchmark == "scienceworld":
             out.update(variations_per_task=self.variations_per_task, split=self.split)
-        if self.benchmark == "alfworld":
-            out.update(split=ALFWORLD_SPLITS.get(self.split, self.split), limit=self.limit, per_source=self.per_source)
+        if self.benchmark == "alfworld":  # the evaluation file records the split as given
+            out.update(split=self.split)
         return out
 
 
