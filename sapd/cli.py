@@ -170,26 +170,56 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     metrics.mark_success()
     metrics.push()
     print(json.dumps({"checkpoint": result["checkpoint"], "overall": result["overall"]["success"],
-                      "by_category": {c: v["success"] for c, v in result["by_category"].items()}}))
+                      "by_category": {c: v["success"] for c, v in result["by_category"].items()},
+                      "interval95": {c: v.get("success_ci") for c, v in
+                                     [("overall", result["overall"]), *result["by_category"].items()]}}))
     return 0
 
 
 def cmd_collect_expert(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from sapd.data.loaders import write_native_jsonl
     from sapd.envs.loop import LoopOptions, collect_expert, summarize
     from sapd.envs.panels import PanelSpec, episode_specs
     from sapd.method.benchmarks import noop_action
     from sapd.panel_flags import env_timeout, panel_fields
-    specs = episode_specs(PanelSpec(**panel_fields(args)))
-    trajs = collect_expert(specs, args.benchmark, successful_only=args.successful_only,
-                           opts=LoopOptions(invalid_action=noop_action(args.benchmark),
-                                            env_timeout_s=env_timeout(args)))
+    from sapd.progress import Progress
+    panel = PanelSpec(**panel_fields(args))
+    if args.benchmark == "alfworld":  # ALFWorld's own expert plays (alfworld_env.make_backend)
+        from sapd.envs.alfworld_env import EXPERT_FIX_NOTE
+        panel = dataclasses.replace(panel, alfworld_expert=args.expert, alfworld_expert_fix=not args.no_expert_fix)
+        if args.expert == "planner":
+            print("ALFWorld expert: planner (Fast Downward replans on the full state every step)", flush=True)
+        elif args.no_expert_fix:
+            print("ALFWorld expert: hand-coded, WITHOUT sapd's move/put fix (--no-expert-fix): alfworld 0.4.x's "
+                  "expert loops after its own 'move X to Y', failing two-object tasks", flush=True)
+        else:
+            print(f"ALFWorld expert: hand-coded (seeded by --seed {args.seed}). {EXPERT_FIX_NOTE}", flush=True)
+    specs = episode_specs(panel)
+    # a bar on a terminal, a line every 30 s elsewhere (kubectl logs): an ALFWorld expert takes seconds a game
+    progress = Progress.of(lambda s: print(s, flush=True), not args.no_progress)
+    with progress.task("expert episodes", total=len(specs), unit="episode") as bar:
+        trajs = collect_expert(specs, args.benchmark, successful_only=args.successful_only,
+                               opts=LoopOptions(invalid_action=noop_action(args.benchmark),
+                                                env_timeout_s=env_timeout(args)), progress=bar)
     write_native_jsonl(trajs, args.out)
     s = summarize(trajs)
     print(f"wrote {len(trajs)} expert trajectories to {args.out}; expert success {s['overall']['success']:.2f}, "
           f"{s['overall']['mean_steps']:.1f} steps on average")
     for cat, v in s["by_category"].items():
-        print(f"  {cat}: {v['episodes']} episodes, success {v['success']:.2f}")
+        lo, hi = v["success_ci"]
+        print(f"  {cat}: {v['episodes']} episodes, success {v['success']:.2f} (95% interval {lo:.2f}–{hi:.2f})")
+    return 0
+
+
+def cmd_alfworld_games(args: argparse.Namespace) -> int:
+    """ALFWorld games in ALFWorld's own layout, checked solvable by alfworld-generate (sapd.envs.alfworld_games)."""
+    from sapd.envs.alfworld_games import generate_split
+    generate_split(args.out, args.split, args.per_type, args.seed, expert=args.check_expert,
+                   log=lambda s: print(s, flush=True), show_progress=not args.no_progress, overwrite=args.overwrite)
+    print(f"use them: ALFWORLD_DATA={args.out} sapd collect-expert --benchmark alfworld --split {args.split} "
+          "--out FILE (or --alfworld-data DIR with any ALFWorld command)")
     return 0
 
 
@@ -367,7 +397,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_panel_flags(p)
     p.add_argument("--out", required=True, help="….jsonl (local or s3://)")
     p.add_argument("--successful-only", action="store_true", help="keep only the episodes the expert won")
+    p.add_argument("--expert", choices=["handcoded", "planner"], default="handcoded",
+                   help="ALFWorld: ALFWorld's hand-coded expert (default; seeded by --seed) or its planner (Fast "
+                        "Downward: wins every solvable game, slower)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    p.add_argument("--no-expert-fix", action="store_true",
+                   help="ALFWorld: run the hand-coded expert as alfworld 0.4.x ships it, without sapd's move/put fix "
+                        "(it then loops after 'move X to Y' and fails two-object tasks)")
     p.set_defaults(func=cmd_collect_expert)
+
+    p = sub.add_parser("alfworld-games", help="generate ALFWorld games in ALFWorld's own layout (json_2.1.1/<split>/"
+                                              "…), checked solvable by ALFWorld's alfworld-generate; use as "
+                                              "ALFWORLD_DATA")
+    p.add_argument("--out", required=True, help="the data folder (ALFWORLD_DATA) to write json_2.1.1/<split>/ into")
+    p.add_argument("--split", choices=["train", "valid_seen", "valid_unseen"], required=True,
+                   help="valid_unseen: ALFRED's test floor plans only; train and valid_seen: its training floor plans, "
+                        "never sharing a (floor plan, object) pair")
+    p.add_argument("--per-type", type=int, required=True, metavar="N", help="games per task type (six types)")
+    p.add_argument("--seed", type=int, default=0, help="the same seed, the same games (default 0)")
+    p.add_argument("--check-expert", choices=["planner", "handcoded"], default="planner",
+                   help="the expert alfworld-generate checks solvability with (default planner; handcoded runs "
+                        "with sapd's move/put fix)")
+    p.add_argument("--overwrite", action="store_true", help="replace games of this split generated with other settings")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    p.set_defaults(func=cmd_alfworld_games)
 
     p = sub.add_parser("online", help="online baselines in the environment: online OPD or GRPO (resumable)")
     p.add_argument("config", nargs="+", help="YAML overlays (model, sampling, train as for `sapd run`)")

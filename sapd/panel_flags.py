@@ -26,12 +26,15 @@ def add_panel_flags(p: argparse.ArgumentParser, *, benchmark_default: str | None
     p.add_argument("--cache", default=None, help="game cache folder (default .cache/textworld)")
     p.add_argument("--tasks", default=None, help="ScienceWorld: comma-separated task names (default: all 30)")
     p.add_argument("--variations-per-task", type=int, default=2, help="ScienceWorld: variations per task")
-    p.add_argument("--split", choices=["train", "dev", "test", "all"], default="test",
-                   help="ScienceWorld: which variations to draw from (ALFWorld: test = valid_unseen)")
+    p.add_argument("--split", choices=["train", "dev", "test", "all", "valid_seen", "valid_unseen"], default="test",
+                   help="ScienceWorld: which variations to draw from; ALFWorld: train | valid_seen (= dev) | "
+                        "valid_unseen (= test, the default)")
     p.add_argument("--rows", default=None, help="search QA: Search-R1 rows (JSONL/Parquet) to ask")
     p.add_argument("--retriever-url", default=None, help="search QA: a Search-R1 /retrieve server")
     p.add_argument("--limit", type=int, default=None, help="search QA / ALFWorld / WebShop: at most this many episodes")
-    p.add_argument("--data-dir", default=None, help="ALFWorld: the data folder (default $ALFWORLD_DATA)")
+    p.add_argument("--alfworld-data", "--data-dir", dest="data_dir", default=None, metavar="DIR",
+                   help="ALFWorld: the data folder holding json_2.1.1/<split>/ (default $ALFWORLD_DATA, else "
+                        "~/.cache/alfworld)")
     p.add_argument("--webshop-url", default=None, help="WebShop: the server (default http://127.0.0.1:3000)")
     p.add_argument("--env-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="each episode's environment runs in its own process; a call that takes longer is "

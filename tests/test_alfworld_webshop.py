@@ -131,10 +131,10 @@ def test_alfworld_specs_find_game_files_and_explain_a_missing_folder(tmp_path, m
     for rec in _records("alfworld_eto.json"):
         p = tmp_path / rec["game_file"].replace("/train/", "/valid_unseen/")
         p.parent.mkdir(parents=True)
-        p.write_text("{}")
+        p.write_text('{"solvable": true}')
     skipped = tmp_path / "json_2.1.1/valid_unseen/pick_and_place_with_movable_recep-X-Y-Z-1/trial_1/game.tw-pddl"
     skipped.parent.mkdir(parents=True)
-    skipped.write_text("{}")
+    skipped.write_text('{"solvable": true}')
     specs = alfworld_specs(tmp_path, "test")  # "test" = valid_unseen
     assert len(specs) == 6 and sorted(s.category for s in specs) == sorted(n for _, n in ALFWORLD_CATEGORIES)
     assert all(s.id.startswith("alfworld/") for s in specs)

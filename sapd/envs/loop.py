@@ -25,7 +25,9 @@ of the project trains on.
 Every episode comes back as a Trajectory (``success`` = won, ``category``, ``final_observation``) with
 ``metadata``: ``policy``, ``end_reason`` (done | horizon | env_error | expert_stuck), ``steps``,
 ``score``, ``invalid_steps``, ``invalid_reasons``, ``invalid_turns``, ``inadmissible_steps``,
-``env_restarts``, ``error`` and the environment's reset info (game, max score …).
+``env_restarts``, ``error`` and the environment's reset info (game, max score …); ``reworded_steps`` where
+an ALFWorld environment translated actions from the other ALFWorld wording (``put X in/on Y`` ↔
+``move X to Y``) into its engine's.
 """
 
 from __future__ import annotations
@@ -184,8 +186,9 @@ class _Episode:
             reasons[invalid_reason or "invalid"] = reasons.get(invalid_reason or "invalid", 0) + 1
             self.meta["invalid_turns"].append(t)
             action = self.opts.invalid_action
-        elif self.admissible is not None and action not in self.admissible:
-            self.meta["inadmissible_steps"] += 1
+            inadmissible = False
+        else:
+            inadmissible = self.admissible is not None and action not in self.admissible
         if action is None:  # invalid and no no-op configured: the environment is not stepped
             self.turns.append(Turn(self.obs, response, "<invalid>", self.admissible))
             self.meta["steps"] = len(self.turns)
@@ -195,6 +198,12 @@ class _Episode:
         self.meta["steps"] = len(self.turns)
         res: StepResult | None = self._attempt(f"step {t + 1} ({action!r})",
                                                lambda env: step_env(env, response, action))
+        if res is not None and res.info.get("reworded"):
+            # ALFWorld: the action was in the engine's other wording ("put X in/on Y" ↔ "move X to Y")
+            # and the environment played its translation: counted, not an inadmissible step
+            self.meta["reworded_steps"] = self.meta.get("reworded_steps", 0) + 1
+        elif inadmissible:
+            self.meta["inadmissible_steps"] += 1
         if res is None:
             return
         self.executed.append(action)
@@ -401,8 +410,24 @@ def collect_expert(specs: Sequence[EpisodeSpec], benchmark: str | BenchmarkSpec 
 # results
 
 
+def success_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a success rate (sound at 0 and 1 and for small n).
+
+    >>> [round(x, 3) for x in success_interval(6, 6)]
+    [0.61, 1.0]
+    """
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
 def summarize(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
-    """Success per category and overall, mean steps and the invalid-step rate."""
+    """Success per category and overall (with its 95 % Wilson interval, ``success_ci``), mean steps, the
+    invalid-step rate and, where any, the ALFWorld actions played in the engine's other wording."""
     by_cat: dict[str, list[Trajectory]] = {}
     for t in trajectories:
         by_cat.setdefault(t.category or "-", []).append(t)
@@ -410,9 +435,14 @@ def summarize(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     def stats(ts: Sequence[Trajectory]) -> dict[str, Any]:
         steps = sum(len(t.turns) for t in ts)
         invalid = sum(int(t.metadata.get("invalid_steps", 0)) for t in ts)
-        return {"episodes": len(ts), "success": sum(bool(t.success) for t in ts) / len(ts) if ts else 0.0,
-                "mean_steps": steps / len(ts) if ts else 0.0,
-                "invalid_step_rate": invalid / steps if steps else 0.0,
-                "env_errors": sum(t.metadata.get("end_reason") == "env_error" for t in ts)}
+        won = sum(bool(t.success) for t in ts)
+        out = {"episodes": len(ts), "success": won / len(ts) if ts else 0.0,
+               "success_ci": list(success_interval(won, len(ts))),
+               "mean_steps": steps / len(ts) if ts else 0.0,
+               "invalid_step_rate": invalid / steps if steps else 0.0,
+               "env_errors": sum(t.metadata.get("end_reason") == "env_error" for t in ts)}
+        if reworded := sum(int(t.metadata.get("reworded_steps", 0)) for t in ts):
+            out["reworded_steps"] = reworded
+        return out
 
     return {"overall": stats(trajectories), "by_category": {c: stats(ts) for c, ts in sorted(by_cat.items())}}

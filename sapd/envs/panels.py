@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from sapd.envs.alfworld_env import SPLITS as ALFWORLD_SPLITS
 from sapd.envs.alfworld_env import alfworld_specs
 from sapd.envs.base import EpisodeSpec
 from sapd.envs.scienceworld_env import scienceworld_specs
@@ -39,6 +40,10 @@ class PanelSpec:
     retriever_url: str | None = None
     # ALFWorld game files ($ALFWORLD_DATA or this folder); WebShop server
     data_dir: str | None = None
+    # ALFWorld: the expert the environments carry (collect-expert): planner | handcoded, None = none; the
+    # hand-coded expert's move/put fix (sapd.envs.alfworld_env.set_expert_fix)
+    alfworld_expert: str | None = None
+    alfworld_expert_fix: bool = True
     webshop_url: str | None = None
     limit: int | None = None  # search QA / ALFWorld / WebShop: at most this many episodes
     per_source: int | None = None  # search QA: per data source; ALFWorld: per category
@@ -50,6 +55,8 @@ class PanelSpec:
             out["families"] = sorted(self.families)
         if self.benchmark == "scienceworld":
             out.update(variations_per_task=self.variations_per_task, split=self.split)
+        if self.benchmark == "alfworld":  # the evaluation file records the split as given
+            out.update(split=self.split)
         return out
 
 
@@ -76,9 +83,10 @@ def episode_specs(panel: PanelSpec) -> list[EpisodeSpec]:
             raise ValueError("search QA needs --rows (Search-R1 rows) and --retriever-url "
                              "(e.g. sapd retriever --corpus corpus.jsonl --port 8000)")
         return searchqa_specs(panel.rows, panel.retriever_url, panel.limit, per_source=panel.per_source)
-    if b == "alfworld":  # ALFWorld's game files: $ALFWORLD_DATA (alfworld-download) or data_dir
-        return alfworld_specs(panel.data_dir, "valid_unseen" if panel.split == "test" else panel.split, panel.limit,
-                              per_category=panel.per_source)
+    if b == "alfworld":  # game files: data_dir, else $ALFWORLD_DATA (alfworld-download or sapd alfworld-games)
+        return alfworld_specs(panel.data_dir, ALFWORLD_SPLITS.get(panel.split, panel.split), panel.limit,
+                              per_category=panel.per_source, expert=panel.alfworld_expert,
+                              expert_fix=panel.alfworld_expert_fix, seed=panel.seed)
     if b == "webshop":  # a running WebShop server
         return webshop_specs(panel.webshop_url or DEFAULT_URL, panel.limit, start=panel.seed)
     raise ValueError(f"no environment for benchmark '{b}': expected one of {', '.join(PANEL_BENCHMARKS)}")

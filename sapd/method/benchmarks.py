@@ -89,6 +89,70 @@ def alfworld_category(game_file: str | None) -> str | None:
     return None
 
 
+# ALFWorld's wording changed in 0.4.0: a placement was "put X in/on Y" (the ETO / SPA-RL era records, the
+# original json_2.1.1 games) and is "move X to Y" now; arrivals read "You arrive at loc 16. …" before and
+# "You arrive at cabinet 1. …" now, and ETO's environment strips the old "loc N" sentence.
+AlfworldWording = Literal["put", "move"]
+_PUT = re.compile(r"^put (.+?) (?:in/on|in|on) (.+)$")
+_MOVE = re.compile(r"^move (.+?) to (.+)$")
+_LEGACY_ARRIVAL = re.compile(r"^You arrive at loc \d+\.\s*")
+
+
+def alfworld_wording(action: str) -> AlfworldWording | None:
+    """Which placement wording an ALFWorld action uses (None: not a placement).
+
+    >>> alfworld_wording("put apple 1 in/on fridge 1"), alfworld_wording("move apple 1 to fridge 1")
+    ('put', 'move')
+    >>> alfworld_wording("go to fridge 1") is None
+    True
+    """
+    if _PUT.match(action):
+        return "put"
+    if _MOVE.match(action):
+        return "move"
+    return None
+
+
+def other_alfworld_wording(wording: AlfworldWording) -> AlfworldWording:
+    return "move" if wording == "put" else "put"
+
+
+def reword_alfworld_action(action: str, wording: AlfworldWording) -> str:
+    """A placement rewritten into ``wording`` (anything else unchanged).
+
+    >>> reword_alfworld_action("move apple 1 to fridge 1", "put")
+    'put apple 1 in/on fridge 1'
+    >>> reword_alfworld_action("put apple 1 in/on fridge 1", "move")
+    'move apple 1 to fridge 1'
+    >>> reword_alfworld_action("put apple 1 in fridge 1", "move")
+    'move apple 1 to fridge 1'
+    """
+    if wording == "put" and (m := _MOVE.match(action)):
+        return f"put {m.group(1)} in/on {m.group(2)}"
+    if wording == "move" and (m := _PUT.match(action)):
+        return f"move {m.group(1)} to {m.group(2)}"
+    return action
+
+
+def alfworld_action_key(action: str) -> str:
+    """The wording-free form of an ALFWorld action, to compare actions across versions.
+
+    >>> alfworld_action_key("Put Apple 1 in/on  Fridge 1") == alfworld_action_key("move apple 1 to fridge 1")
+    True
+    """
+    return reword_alfworld_action(" ".join(action.lower().split()), "move")
+
+
+def alfworld_observation(text: str) -> str:
+    """An ALFWorld observation as ETO's environment gives it: pre-0.4 "You arrive at loc N. " dropped
+    (0.4.x's "You arrive at cabinet 1. " names the receptacle and stays).
+
+    >>> alfworld_observation("You arrive at loc 16. The cabinet 1 is closed.")
+    'The cabinet 1 is closed.'
+    """
+    return _LEGACY_ARRIVAL.sub("", text)
+
+
 # ---------------------------------------------------------------------------------------------------
 # decisions read out of generated text
 

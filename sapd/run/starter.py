@@ -11,11 +11,27 @@ PLACEHOLDER = "PATH/TO/"
 
 # benchmark → (the usual input format, an example input name, what such data usually is)
 _DATA = {
-    "alfworld": ("eto", "alfworld_sft.json", "ETO / SPA-RL style expert conversations"),
+    "alfworld": ("auto", "alfworld_expert.jsonl",
+                 "`sapd collect-expert` records (above) or ETO / SPA-RL conversations"),
     "webshop": ("eto", "webshop_sft.json", "ETO style expert conversations"),
     "searchqa": ("searchr1", "searchqa_train.parquet", "Search-R1 rollouts (rows with golden answers)"),
     "textworld": ("native", "trajectories.jsonl", "sapd's own records (`sapd collect-expert`, `sapd convert`)"),
     "scienceworld": ("eto", "sciworld_sft.json", "ETO style expert conversations"),
+}
+
+
+# benchmark → what to do before `sapd run` (commented lines at the top of its starter)
+_BEFORE = {
+    "alfworld": """\
+
+# ALFWorld in three commands (pip install 'sapd[alfworld]'; nothing is downloaded):
+#   sapd alfworld-games --out alfworld-data --split train --per-type 20        # or alfworld-download's data
+#   sapd alfworld-games --out alfworld-data --split valid_unseen --per-type 5
+#   ALFWORLD_DATA=alfworld-data sapd collect-expert --benchmark alfworld --split train \\
+#       --out alfworld_expert.jsonl                                            # ALFWorld's expert plays
+# then fill in data.input below with alfworld_expert.jsonl, and after `sapd run`:
+#   ALFWORLD_DATA=alfworld-data sapd evaluate --run runs/alfworld --benchmark alfworld --split valid_unseen
+""",
 }
 
 
@@ -36,7 +52,7 @@ def starter_config(benchmark: str) -> str:
 #   sapd check THIS.yaml    checks it without training: data, models, tokenizers, storage, memory
 #   sapd run THIS.yaml      runs it (resumable: run it again after an interruption)
 # Keys not listed keep the paper's defaults (docs/SAPD.md §5). Numbers follow YAML 1.2 (1e-6 is a float).
-
+{_BEFORE.get(benchmark, "")}
 # everything of the run is written here: a local folder or s3://bucket/prefix
 run_root: runs/{benchmark}
 

@@ -27,7 +27,7 @@ from sapd.envs.base import EpisodeSpec
 from sapd.envs.loop import LoopOptions, run_episodes, summarize
 from sapd.envs.panels import PanelSpec, episode_specs
 from sapd.envs.searchqa import exact_match_by_source
-from sapd.method.benchmarks import get_benchmark, noop_action, parse_decision
+from sapd.method.benchmarks import alfworld_action_key, get_benchmark, noop_action, parse_decision
 from sapd.method.rules import normalize_action
 from sapd.metrics import Metrics
 from sapd.models.generation import HFGenerator, SamplingParams, stops_for
@@ -131,6 +131,14 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
     write_eval(root, k, name, result, trajs)
     log(f"checkpoint {k}: {benchmark} success {result['overall']['success']:.3f} "
         + " ".join(f"{c}={v['success']:.2f}" for c, v in result["by_category"].items()))
+    log("95% intervals (Wilson): " + ", ".join(f"{c} {v['success_ci'][0]:.2f}–{v['success_ci'][1]:.2f} "
+                                               f"(n={v['episodes']})" for c, v in
+                                               [("overall", result["overall"]), *result["by_category"].items()]))
+    if reworded := result["overall"].get("reworded_steps"):
+        # the run's data spoke one ALFWorld wording and the engine another: translated, not scored invalid
+        log(f"checkpoint {k}: {reworded} action(s) were in ALFWorld's other placement wording ('put X in/on Y' vs "
+            "'move X to Y') than this engine's and were played translated (episodes' reworded_steps); the training "
+            "data's wording differs from the engine's (data.action_wording rewrites it)")
     if metrics is not None:
         metrics.record_eval(benchmark, result["overall"]["success"],
                             {c: v["success"] for c, v in result["by_category"].items()})
@@ -191,12 +199,17 @@ def offline_eval(model, tokenizer, prefixes: pa.Table, benchmark: str, *, max_ne
         n=1, temperature=temperature, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision), seed=seed))
     valid = match = repeated = 0
     by_category: dict[str, list[int]] = {}
+    # ALFWorld actions compare wording-free ("put X in/on Y" = "move X to Y")
+    key = alfworld_action_key if spec.name == "alfworld" else normalize_action
+
+    def same(a: str, b: str) -> bool:
+        return key(a) == key(b)
+
     for r, (s,) in zip(rows, samples):
         d = parse_decision(s.text, spec)
         ok = int(d.valid)
-        hit = int(d.valid and normalize_action(d.content) == normalize_action(r["recorded_action"]))
-        rep = int(bool(d.content) and r["previous_action"] is not None
-                  and normalize_action(d.content) == normalize_action(r["previous_action"]))
+        hit = int(d.valid and same(d.content, r["recorded_action"]))
+        rep = int(bool(d.content) and r["previous_action"] is not None and same(d.content, r["previous_action"]))
         valid, match, repeated = valid + ok, match + hit, repeated + rep
         by_category.setdefault(r["category"] or "-", []).append(hit)
     n = len(rows)
