@@ -475,13 +475,13 @@ def _dcp_io() -> tuple[Any, Any]:
     class Writer(FileSystemWriter):
         def __init__(self, uri: str) -> None:
             super().__init__(uri, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
-            self.fs = StorageFS()
+            self.fs = StorageFS()  # type: ignore[assignment]  # DCP's own fsspec writer does the same
             self.path = uri
 
     class Reader(FileSystemReader):
         def __init__(self, uri: str) -> None:
             super().__init__(uri)
-            self.fs = StorageFS()
+            self.fs = StorageFS()  # type: ignore[assignment]
             self.path = uri
 
         def _slice_file(self, file: Any, sinfo: Any) -> Any:

@@ -138,7 +138,8 @@ class DeepSpeedEngine:
         zero = self.model.optimizer
         replicated = not any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params)
         fragments: list[list[tuple[int, dict[str, torch.Tensor]]]] = []
-        for p in params:
+        for param in params:
+            p: Any = param  # DeepSpeed's attributes live on the parameter
             if hasattr(p, "ds_id"):  # ZeRO-3: the parameter's partition on this rank
                 part = p.partition_numel()
                 start = zero._get_param_partition_rank(p) * part
