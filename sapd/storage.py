@@ -82,6 +82,7 @@ _DELETE_BATCH = 1000
 
 # Suffix of in-flight local temp files, so listings can hide the leftovers of a crashed writer.
 _TMP_SUFFIX = ".sapd-tmp"
+TMP_SUFFIX = _TMP_SUFFIX  # public: a reader that cleans up after a killed writer looks for it
 
 # Bytes moved to and from S3 by this process (every read and write path below counts), for the
 # measurements that compare traffic (one download per pod, sharded optimizer state).
