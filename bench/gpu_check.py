@@ -45,6 +45,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import time
 import traceback
 from pathlib import Path
@@ -254,6 +255,128 @@ def training_flops(root: str, dims: dict[str, int], peak: float | None) -> dict[
             "old_logp_flops_per_s": old_achieved, "old_logp_mfu": old_achieved / peak if peak and old_s else None}
 
 
+def vllm_reuse_check(student: str, teacher: str, dtype: DType, *, gpu: bool) -> dict[str, Any]:
+    """The vLLM student engine kept across rounds: built on the student, the teacher's weights loaded in
+    place (``load_weights``: vLLM's native weight-update session where the installed vLLM has it, else
+    ``reload_weights``) against a fresh engine build on them; the samples of both must be equal (same
+    weights, same seed). Then ``release()`` (sleep level 2 where sleep mode is on: the weights and KV cache
+    freed), a generate refused while asleep, and ``load_weights`` (wake + reload): the samples must still
+    equal the fresh engine's. Last, the deadline: a weight update whose shard takes longer than
+    ``sync_timeout_s`` must fail with :class:`WeightSyncTimeout` within about that time."""
+    import gc
+    import threading
+
+    import torch
+
+    from sapd.models import vllm_backend
+    from sapd.models.generation import SamplingParams
+    from sapd.models.vllm_backend import VLLMGenerator, WeightSyncTimeout
+
+    kw: dict[str, Any] = {"gpu_memory_utilization": 0.3} if gpu else {"kv_cache_memory_bytes": 128 * 2**20,
+                                                                      "max_model_len": 256}
+
+    def build(path: str) -> tuple[VLLMGenerator, float]:
+        t0 = time.perf_counter()
+        return VLLMGenerator.from_path(path, dtype=dtype, **kw), time.perf_counter() - t0
+
+    def free_gib() -> float:
+        return torch.cuda.mem_get_info()[0] / 2**30 if gpu else 0.0
+
+    params = SamplingParams(n=4, temperature=1.0, top_p=1.0, max_new_tokens=64 if gpu else 16, stop=(), seed=0)
+    prompts = ["You are in a kitchen. Your task is to: heat some water.", "Find a red mug under 10 dollars.",
+               "You are in the middle of a room. Your task is to: put a clean plate in the cabinet."]
+
+    def ids(groups: list[list[Any]]) -> list[list[list[int]]]:
+        return [[s.token_ids for s in g] for g in groups]
+
+    live, student_build = build(student)
+    before = live.generate(prompts, params)
+    t0 = time.perf_counter()
+    live.load_weights(teacher)
+    in_place = time.perf_counter() - t0
+    after = live.generate(prompts, params)
+    out: dict[str, Any] = {"student_build_seconds": student_build, "in_place_seconds": in_place,
+                           "sleeps": live.sleeps, "weight_sync": live.weight_sync,
+                           "native_available": vllm_backend.native_weight_sync_available()}
+    free0 = free_gib()
+    live.release()
+    out["freed_by_release_gib"] = free_gib() - free0
+    if live.sleeps:
+        try:
+            live.generate(prompts, params)
+            out["generate_refused_while_asleep"] = False
+        except RuntimeError:
+            out["generate_refused_while_asleep"] = True
+    t0 = time.perf_counter()
+    live.load_weights(teacher)  # wakes the engine, then reloads
+    out["wake_reload_seconds"] = time.perf_counter() - t0
+    woken = live.generate(prompts, params)
+    # the deadline: a shard that takes 3 s against a 0.5 s deadline (the last use of this engine)
+    engine_class = vllm_backend._checkpoint_engine_class()
+    slow_receive = engine_class.receive_weights
+
+    def hanging(self: Any, info: Any) -> None:
+        time.sleep(3)
+        slow_receive(self, info)
+
+    out["deadline_error"], out["deadline_seconds"] = None, None
+    if live.weight_sync == "native":  # the probe hangs sapd's transfer engine, which only that path uses
+        live.sync_timeout_s = 0.5
+        engine_class.receive_weights = hanging
+        t0 = time.perf_counter()
+        try:
+            live.load_weights(teacher)
+        except WeightSyncTimeout as e:
+            out["deadline_error"] = str(e)
+        out["deadline_seconds"] = time.perf_counter() - t0
+        for t in threading.enumerate():  # the hung call finishes before anything else uses the device
+            if t.name.startswith("sapd-weight-sync"):
+                t.join(60)
+        engine_class.receive_weights = slow_receive
+        # close the session the probe left open: vLLM shares some layers (rotary caches) between the
+        # engines of one process, and a half-done layerwise reload would leave them unusable
+        live.llm.collective_rpc("finish_weight_update")
+    del live  # the fresh engine is built alone on the device, as a per-round rebuild would be
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+    fresh, out["rebuild_seconds"] = build(teacher)
+    ref = fresh.generate(prompts, params)
+    del fresh
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+    out.update(differs_before_update=ids(before) != ids(after), tokens_match_fresh=ids(after) == ids(ref),
+               tokens_match_after_release=ids(woken) == ids(ref),
+               deadline_kept=None if out["deadline_seconds"] is None
+               else out["deadline_error"] is not None and out["deadline_seconds"] < 2.5,
+               max_logprob_diff=max(abs(x - y) for ga, gb in zip(after, ref) for sa, sb in zip(ga, gb)
+                                    for x, y in zip(sa.logprobs, sb.logprobs)) if ids(after) == ids(ref) else None)
+    bad = [k for k in ("differs_before_update", "tokens_match_fresh", "tokens_match_after_release",
+                       "generate_refused_while_asleep", "deadline_kept") if out.get(k) is False]
+    if out["native_available"] and out["weight_sync"] != "native":
+        bad.append("weight_sync (native expected)")
+    if bad:
+        raise RuntimeError(f"vLLM engine reuse: {', '.join(bad)} is False ({json.dumps(out, default=str)})")
+    return out
+
+
+def _vllm_reuse_only(work: str, target: str) -> int:
+    """``--vllm-reuse-only WORK OUT``: :func:`vllm_reuse_check` on vLLM's CPU build, on two models of its
+    own (head_dim 32, which its CPU attention needs), result to ``OUT`` as JSON."""
+    from sapd.models.byte_tokenizer import build_tokenizer
+    from sapd.models.tiny import build_tiny_model
+    root = Path(work)
+    texts = [p.read_text(encoding="utf-8") for p in sorted(SAMPLES.iterdir()) if p.suffix in (".json", ".jsonl")]
+    tok = build_tokenizer(texts, root / "tokenizer", vocab_size=4096)
+    for name, seed in (("student", 0), ("teacher", 1)):
+        build_tiny_model(tok, root / name, hidden_size=128, heads=4, kv_heads=2, intermediate_size=256, layers=2,
+                         seed=seed, max_positions=256)
+    result = vllm_reuse_check(str(root / "student"), str(root / "teacher"), "float32", gpu=False)
+    Path(target).write_text(json.dumps(result, default=str))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shape, short responses: checks the script")
@@ -266,9 +389,15 @@ def main(argv: list[str] | None = None) -> int:
                          "run); the KV cache is off under it, so train.shared_prompt has no effect")
     ap.add_argument("--shared-prompt", choices=["auto", "on", "off"], default="auto",
                     help="train.shared_prompt of every run (auto: off on a GPU)")
+    ap.add_argument("--vllm-python", default=os.environ.get("SAPD_VLLM_PYTHON"),
+                    help="an interpreter with vLLM (its CPU build) for the vLLM engine-reuse check where this one "
+                         "has none (the dry run; default $SAPD_VLLM_PYTHON)")
+    ap.add_argument("--vllm-reuse-only", nargs=2, metavar=("WORK", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's peak dense bf16 TFLOP/s for MFU (default: a small table by device name)")
     args = ap.parse_args(argv)
+    if args.vllm_reuse_only:
+        return _vllm_reuse_only(*args.vllm_reuse_only)
 
     import torch
 
@@ -547,70 +676,22 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     def vllm_engine_reuse() -> dict[str, Any]:
-        """The vLLM student engine kept across rounds: built on the student, the teacher's weights loaded
-        in place (``reload_weights``) against a fresh engine build on them; the samples of both must be
-        equal (same weights, same seed). Then ``release()`` (sleep level 2 where sleep mode is on: the
-        weights and KV cache freed), a generate refused while asleep, and ``load_weights`` (wake +
-        reload): the samples must still equal the fresh engine's."""
-        if dry or not _importable("vllm"):
-            raise _Skip("vLLM is not installed here" if not _importable("vllm") else "dry run (CPU): HF only")
-        import gc
-
-        from sapd.models.generation import SamplingParams
-        from sapd.models.vllm_backend import VLLMGenerator
-
-        def build(path: str) -> tuple[VLLMGenerator, float]:
-            t0 = time.perf_counter()
-            return VLLMGenerator.from_path(path, dtype=dtype, gpu_memory_utilization=0.3), time.perf_counter() - t0
-
-        def free_gib() -> float:
-            return torch.cuda.mem_get_info()[0] / 2**30
-
-        params = SamplingParams(n=4, temperature=1.0, top_p=1.0, max_new_tokens=64, stop=(), seed=0)
-        prompts = ["You are in a kitchen. Your task is to: heat some water.", "Find a red mug under 10 dollars.",
-                   "You are in the middle of a room. Your task is to: put a clean plate in the cabinet."]
-
-        def ids(groups: list[list[Any]]) -> list[list[list[int]]]:
-            return [[s.token_ids for s in g] for g in groups]
-
-        live, student_build = build(paths["student"])
-        before = live.generate(prompts, params)
-        t0 = time.perf_counter()
-        live.load_weights(paths["teacher"])
-        in_place = time.perf_counter() - t0
-        after = live.generate(prompts, params)
-        out: dict[str, Any] = {"student_build_seconds": student_build, "in_place_seconds": in_place,
-                               "sleeps": live.sleeps}
-        free0 = free_gib()
-        live.release()
-        out["freed_by_release_gib"] = free_gib() - free0
-        if live.sleeps:
-            try:
-                live.generate(prompts, params)
-                out["generate_refused_while_asleep"] = False
-            except RuntimeError:
-                out["generate_refused_while_asleep"] = True
-        t0 = time.perf_counter()
-        live.load_weights(paths["teacher"])  # wakes the engine, then reloads
-        out["wake_reload_seconds"] = time.perf_counter() - t0
-        woken = live.generate(prompts, params)
-        del live  # the fresh engine is built alone on the device, as a per-round rebuild would be
-        gc.collect()
-        torch.cuda.empty_cache()
-        fresh, out["rebuild_seconds"] = build(paths["teacher"])
-        ref = fresh.generate(prompts, params)
-        del fresh
-        gc.collect()
-        torch.cuda.empty_cache()
-        out.update(differs_before_update=ids(before) != ids(after), tokens_match_fresh=ids(after) == ids(ref),
-                   tokens_match_after_release=ids(woken) == ids(ref),
-                   max_logprob_diff=max(abs(x - y) for ga, gb in zip(after, ref) for sa, sb in zip(ga, gb)
-                                        for x, y in zip(sa.logprobs, sb.logprobs)) if ids(after) == ids(ref) else None)
-        bad = [k for k in ("differs_before_update", "tokens_match_fresh", "tokens_match_after_release",
-                           "generate_refused_while_asleep") if out.get(k) is False]
-        if bad:
-            raise RuntimeError(f"vLLM engine reuse: {', '.join(bad)} is False ({json.dumps(out, default=str)})")
-        return out
+        """The vLLM student engine kept across rounds (:func:`vllm_reuse_check`): here where vLLM imports
+        (the GPU image), else — the dry run — in the interpreter ``--vllm-python`` names (vLLM's CPU build
+        in its own environment), on models of its own."""
+        if _importable("vllm") and not dry:
+            return vllm_reuse_check(paths["student"], paths["teacher"], dtype, gpu=True)
+        if not args.vllm_python:
+            raise _Skip("vLLM is not installed here" + ("" if not dry else " (pass --vllm-python for the CPU build)"))
+        target = work / "vllm-reuse.json"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        proc = subprocess.run([args.vllm_python, str(Path(__file__).resolve()), "--vllm-reuse-only", str(work / "vllm"),
+                               str(target)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{args.vllm_python}: the vLLM reuse check failed: "
+                               f"{(proc.stdout + proc.stderr)[-1500:]}")
+        return json.loads(target.read_text())
 
     _section(results, "models", models, log)
     if results["models"]["status"] == "ok":

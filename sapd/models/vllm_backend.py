@@ -375,10 +375,14 @@ class VLLMGenerator:
                 self._rpc("installing sapd's weight-transfer engine", _install_checkpoint_engine))
         if self._native:
             self._rpc("start_weight_update", "start_weight_update")
-            for i, f in enumerate(files, start=1):
-                self._rpc(f"update_weights ({f.name}, {i} of {len(files)})", "update_weights",
-                          args=({"files": [str(f)]},))
-            self._rpc("finish_weight_update", "finish_weight_update")
+            try:
+                for i, f in enumerate(files, start=1):
+                    self._rpc(f"update_weights ({f.name}, {i} of {len(files)})", "update_weights",
+                              args=({"files": [str(f)]},))
+                self._rpc("finish_weight_update", "finish_weight_update")
+            except Exception as e:  # half the weights updated: nothing this engine samples can be trusted
+                self._broken = self._broken or f"the weight update from {path} failed: {e}"
+                raise
             self.weight_sync = "native"
         else:
             self._rpc("reload_weights", "reload_weights", kwargs={"weights_path": str(path)})

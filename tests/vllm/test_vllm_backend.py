@@ -303,4 +303,7 @@ def test_a_weight_sync_past_its_deadline_ends_the_stage(model_dir, prompts, tmp_
     for t in threading.enumerate():  # let the hung call finish before the engine goes
         if t.name.startswith("sapd-weight-sync"):
             t.join(30)
+    # and close the session it left open: vLLM shares some layers (rotary caches) between the engines of a
+    # process, which a half-done layerwise reload leaves unusable for the engines the next tests start
+    kept.llm.collective_rpc("finish_weight_update")
     del kept
