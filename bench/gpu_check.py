@@ -46,6 +46,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -63,6 +64,14 @@ SHAPES: dict[str, dict[str, int]] = {
     "0.5b": dict(hidden_size=896, layers=24, heads=14, kv_heads=2, intermediate_size=4864, vocab_size=151936),
     "1.5b": dict(hidden_size=1536, layers=28, heads=12, kv_heads=2, intermediate_size=8960, vocab_size=151936),
     "dry": dict(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128, vocab_size=4096),
+}
+
+
+# the sections a section reads the results of (``--only`` runs them too)
+NEEDS: dict[str, tuple[str, ...]] = {
+    "deepspeed_zero2": ("hf_torch",), "deepspeed_zero3": ("hf_torch",), "shared_prompt_ab": ("hf_torch",),
+    "sharded_checkpoint": ("hf_torch", "deepspeed_zero3"), "pi_old_once": ("hf_torch",),
+    "throughput_mfu": ("hf_torch",),
 }
 
 
@@ -392,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-python", default=os.environ.get("SAPD_VLLM_PYTHON"),
                     help="an interpreter with vLLM (its CPU build) for the vLLM engine-reuse check where this one "
                          "has none (the dry run; default $SAPD_VLLM_PYTHON)")
+    ap.add_argument("--only", default=None, metavar="SECTIONS",
+                    help="comma-separated sections to run, with the ones they need (e.g. sharded_checkpoint,"
+                         "checkpoint_memory,vllm_engine_reuse: the checks of sharded checkpoints, checkpoint "
+                         "memory and in-place weight sync)")
+    ap.add_argument("--checkpoint-memory-before", metavar="REV", default=None,
+                    help="checkpoint_memory also measures the code at git revision REV (needs the git history)")
     ap.add_argument("--vllm-reuse-only", nargs=2, metavar=("WORK", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's peak dense bf16 TFLOP/s for MFU (default: a small table by device name)")
@@ -428,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "mode": ("dry-run (CPU)" if dry else f"GPU, Qwen2.5-{args.size} shape")
         + ("" if ckpt is None else f", gradient checkpointing {'on' if ckpt else 'off'}")
-        + ("" if args.shared_prompt == "auto" else f", train.shared_prompt {args.shared_prompt}"),
+        + ("" if args.shared_prompt == "auto" else f", train.shared_prompt {args.shared_prompt}")
+        + (f", only {args.only}" if args.only else ""),
         "device": torch.cuda.get_device_name(0) if cuda and not dry else platform.processor() or "cpu",
         "torch": torch.__version__, "shape": shape, "dtype": dtype,
     }
@@ -587,6 +603,82 @@ def main(argv: list[str] | None = None) -> int:
         built["partition_fraction"] = built["partition_numel"] / built["full_numel"]
         return {**got, "partitioned_init": built}
 
+    def sharded_checkpoint() -> dict[str, Any]:
+        """Sharded optimizer checkpoints on this machine: the ZeRO-3 run's checkpoint 1 holds its optimizer
+        state as one DCP shard per rank beside a small ``trainer.pt``, and round 1 resumes from it under
+        ZeRO-3 itself, under ZeRO-2 (the state resharded from ZeRO-3's per-parameter partitions onto
+        ZeRO-2's flat partition) and under the torch engine; ZeRO-2's round-1 losses must equal ZeRO-3's
+        (≤ 1e-6 on the CPU in fp32, ≤ 1e-2 relative in bf16 on a GPU); the torch engine's are reported
+        (in bf16 it keeps no fp32 master weights, so it drifts by design)."""
+        from sapd import storage
+        from sapd.run.report import read_step_log
+        src, scored = roots["deepspeed_zero3"], roots["hf_torch"]
+        if not (done("deepspeed_zero3") and checkpoints.is_committed(str(scored), 2)):
+            raise _Skip("the ZeRO-3 and hf-torch sections did not finish: nothing to resume")
+        files = sorted(f.rsplit("/", 1)[1] for f in storage.list_files(checkpoints.optimizer_dir(str(src), 1)))
+        trainer_pt = (src / "checkpoints" / "000001" / "state" / "trainer.pt").stat().st_size
+        whole = 8 * results["parameters"]  # exp_avg + exp_avg_sq, fp32
+        shard_bytes = sum((src / "checkpoints" / "000001" / "state" / "optimizer" / f).stat().st_size
+                          for f in files if f.endswith(".distcp"))
+        if ".metadata" not in files or not any(f.endswith(".distcp") for f in files):
+            raise RuntimeError(f"checkpoint 1 of the ZeRO-3 run has no sharded optimizer state: {files}")
+        losses: dict[str, list[float]] = {}
+        for name, engine, stage in (("zero3", "deepspeed", 3), ("zero2", "deepspeed", 2), ("torch", "torch", 2)):
+            root = work / f"resume-{name}"
+            for part in ("prefixes", "checkpoints/000000", "checkpoints/000001", "rounds/000000"):
+                shutil.copytree(src / part, root / part)
+            shutil.copytree(scored / "rounds" / "000001", root / "rounds" / "000001")  # round 1's scored data
+            cfg = config_from_dict(run_config(root, paths["student"], paths["teacher"], backend="hf", engine=engine,
+                                              dry=dry, device=device, dtype=dtype, checkpointing=ckpt,
+                                              shared_prompt=args.shared_prompt, rounds=2, zero_stage=stage))
+            run_pipeline(cfg, **quiet)
+            losses[name] = [r["loss"] for r in read_step_log(str(root)) if r["round"] == 1]
+            shutil.rmtree(root, ignore_errors=True)
+        ref = losses["zero3"]
+
+        def diff(name: str) -> float:
+            return max(abs(a - b) / (1.0 if dry else max(abs(b), 1e-6)) for a, b in zip(losses[name], ref))
+
+        out = {"optimizer_files": files, "trainer_pt_bytes": trainer_pt, "optimizer_shard_bytes": shard_bytes,
+               "whole_state_bytes": whole, "round1_losses": losses, "zero2_vs_zero3": diff("zero2"),
+               "torch_vs_zero3": diff("torch"), "tolerance": 1e-6 if dry else 1e-2,
+               "diff_is": "absolute" if dry else "relative"}
+        if not ref or len(losses["zero2"]) != len(ref) or out["zero2_vs_zero3"] > out["tolerance"]:
+            raise RuntimeError(f"ZeRO-3 → ZeRO-2 resume: round-1 losses differ ({json.dumps(out, default=str)})")
+        return out
+
+    def checkpoint_memory() -> dict[str, Any]:
+        """``bench/checkpoint_memory.py``: the peak host memory a rank adds while saving and loading a
+        checkpoint, 1 and 2 ranks (DeepSpeed ZeRO-2 on the CPU, gloo: two ranks cannot share one GPU),
+        as a multiple of the whole optimizer state; rank 0's must be about 1/W (≤ 0.75 with 2 ranks, at
+        the 110m shape; the dry run's tiny shape only checks the script). ``--checkpoint-memory-before
+        REV`` measures the code at REV too (needs the git history)."""
+        if not _importable("deepspeed"):
+            raise _Skip("DeepSpeed is not installed here (pip install deepspeed)")
+        target = work / "checkpoint-memory"
+        cmd = [sys.executable, str(REPO / "bench" / "checkpoint_memory.py"), "--shape", "tiny" if dry else "110m",
+               "--ranks", "1", "2", "--out", str(target)]
+        if args.checkpoint_memory_before:
+            cmd += ["--before", args.checkpoint_memory_before]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench/checkpoint_memory.py failed: {(proc.stdout + proc.stderr)[-1500:]}")
+        data = json.loads((target / "checkpoint_memory.json").read_text())
+        last = [line for line in proc.stdout.splitlines() if line.startswith("checkpoint memory:")][-1]
+        by_code = {}
+        for code, by_w in data["results"].items():
+            by_code[code] = {w: {"rank0_save": rows[0]["save_peak_bytes"] / rows[0]["whole_state_bytes"],
+                                 "rank0_load": rows[0]["load_peak_bytes"] / rows[0]["whole_state_bytes"]}
+                             for w, rows in by_w.items()}
+        after = by_code[list(by_code)[-1]]["2"]
+        out = {"shape": data["shape"], "by_code": by_code, "last_line": last,
+               "rank0_peak_2_ranks": max(after["rank0_save"], after["rank0_load"]),
+               "table": (target / "checkpoint_memory.txt").read_text()}
+        if not dry and out["rank0_peak_2_ranks"] > 0.75:
+            raise RuntimeError(f"rank 0 holds {out['rank0_peak_2_ranks']:.2f} of the whole state with 2 ranks; "
+                               "about 1/2 expected")
+        return out
+
     def pi_old_once() -> dict[str, Any]:
         """π_old is computed once per round: each run's step log says how long it took and how many
         forward passes rank 0 made; the passes must equal the round's micro-batches (each forwarded
@@ -693,18 +785,29 @@ def main(argv: list[str] | None = None) -> int:
                                f"{(proc.stdout + proc.stderr)[-1500:]}")
         return json.loads(target.read_text())
 
+    sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("hf_torch", hf_torch), ("engine_reuse", engine_reuse), ("vllm", vllm_sampling),
+        # before DeepSpeed sets this process's torch.distributed variables, which vLLM's workers would inherit
+        ("vllm_engine_reuse", vllm_engine_reuse), ("shared_prompt_ab", shared_prompt_ab),
+        ("deepspeed_zero2", deepspeed_zero2), ("deepspeed_zero3", deepspeed_zero3),
+        ("sharded_checkpoint", sharded_checkpoint), ("checkpoint_memory", checkpoint_memory),
+        ("pi_old_once", pi_old_once), ("throughput_mfu", throughput_mfu)]
+    wanted = {name for name, _ in sections}
+    if args.only:
+        asked = {x.strip() for x in args.only.split(",") if x.strip()}
+        unknown = asked - wanted
+        if unknown:
+            log(f"--only: no section {sorted(unknown)[0]!r}; sections: {', '.join(n for n, _ in sections)}")
+            return 2
+        wanted = set(asked)
+        for name in list(asked):
+            wanted.update(NEEDS.get(name, ()))
+        results["only"] = sorted(wanted)
     _section(results, "models", models, log)
     if results["models"]["status"] == "ok":
-        _section(results, "hf_torch", hf_torch, log)
-        _section(results, "engine_reuse", engine_reuse, log)
-        _section(results, "vllm", vllm_sampling, log)
-        # before DeepSpeed sets this process's torch.distributed variables, which vLLM's workers would inherit
-        _section(results, "vllm_engine_reuse", vllm_engine_reuse, log)
-        _section(results, "shared_prompt_ab", shared_prompt_ab, log)
-        _section(results, "deepspeed_zero2", deepspeed_zero2, log)
-        _section(results, "deepspeed_zero3", deepspeed_zero3, log)
-        _section(results, "pi_old_once", pi_old_once, log)
-        _section(results, "throughput_mfu", throughput_mfu, log)
+        for name, fn in sections:
+            if name in wanted:
+                _section(results, name, fn, log)
         if cuda and not dry:
             results["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     results["seconds"] = time.perf_counter() - t_all
@@ -803,10 +906,28 @@ def render_table(results: dict[str, Any]) -> str:
                              f"| {pct(r['train_mfu'])} | {tf(r['old_logp_flops_per_s'])} | {pct(r['old_logp_mfu'])} "
                              f"| {tf(r.get('sample_flops_per_s'))} | {pct(r.get('sample_mfu'))} "
                              f"| {tf(r.get('score_flops_per_s'))} | {pct(r.get('score_mfu'))} |")
+    sc = results.get("sharded_checkpoint")
+    if sc is not None:
+        lines.append("\nsharded optimizer checkpoint: " + (not_ok(sc) if sc["status"] != "ok" else (
+            f"ok; ZeRO-3 checkpoint 1 holds {', '.join(sc['optimizer_files'])} "
+            f"({sc['optimizer_shard_bytes']:,} bytes of shards for a {sc['whole_state_bytes']:,}-byte state) "
+            f"and a {sc['trainer_pt_bytes']:,}-byte trainer.pt; "
+            f"round 1 resumed under ZeRO-2 vs ZeRO-3: max {sc['diff_is']} loss Δ {sc['zero2_vs_zero3']:.1e} "
+            f"(≤ {sc['tolerance']:g}); under the torch engine: {sc['torch_vs_zero3']:.1e}")))
+    cm = results.get("checkpoint_memory")
+    if cm is not None:
+        lines.append("\ncheckpoint memory (bench/checkpoint_memory.py): " + (not_ok(cm) if cm["status"] != "ok" else (
+            f"ok; shape {cm['shape']}; " + "; ".join(
+                f"{code}: " + ", ".join(f"{w} rank(s) rank-0 save {v['rank0_save']:.2f} / load {v['rank0_load']:.2f}"
+                                        for w, v in by_w.items()) for code, by_w in cm["by_code"].items())
+            + f"\n{cm['last_line']}")))
     vr = results.get("vllm_engine_reuse")
     if vr is not None:
         lines.append("\nvLLM student engine reuse: " + (not_ok(vr) if vr["status"] != "ok" else (
-            f"ok; in-place load_weights {vr['in_place_seconds']:.2f} s vs fresh engine {vr['rebuild_seconds']:.2f} s; "
+            f"ok; weight sync path: {vr['weight_sync']}; deadline probe: "
+            + ("—" if vr.get("deadline_seconds") is None else
+               f"{'kept' if vr['deadline_kept'] else 'MISSED'} ({vr['deadline_seconds']:.2f} s for a 0.5 s deadline)")
+            + f"; in-place load_weights {vr['in_place_seconds']:.2f} s vs fresh engine {vr['rebuild_seconds']:.2f} s; "
             f"tokens match a fresh engine: {vr['tokens_match_fresh']} (max log-prob Δ "
             f"{f(vr['max_logprob_diff'], '.1e')}); release() sleeps: {vr['sleeps']}, freed "
             f"{vr['freed_by_release_gib']:.1f} GiB, generate while asleep refused: "
