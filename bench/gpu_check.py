@@ -18,16 +18,24 @@ others. The sections:
 * ``engine_reuse``: new weights loaded into the live HF student engine (as the local pipeline does
   between rounds), timed against a fresh model load; the tokens sampled after it must equal a freshly
   built engine's on the same weights and seed.
-* ``vllm_engine_reuse`` (vLLM on a GPU only): the same for the vLLM student engine
-  (``VLLMGenerator.load_weights``) against a fresh engine build, then ``release()`` (sleep level 2:
-  the freed GiB reported; a generate while asleep must be refused) and ``load_weights`` again (wake +
-  reload): the samples must still equal the fresh engine's.
+* ``vllm_engine_reuse`` (vLLM on a GPU; in the dry run vLLM's CPU build through ``--vllm-python``): the
+  same for the vLLM student engine (``VLLMGenerator.load_weights``: vLLM's native weight-update session
+  where the installed vLLM has it, which must then be the path taken) against a fresh engine build,
+  then ``release()`` (sleep level 2: the freed GiB reported; a generate while asleep must be refused)
+  and ``load_weights`` again (wake + reload): the samples must still equal the fresh engine's; last, a
+  shard that loads for 3 s against a 0.5 s ``sync_timeout_s`` must end in ``WeightSyncTimeout`` in time.
 * ``deepspeed_zero2`` / ``deepspeed_zero3``: DeepSpeed on the torch run's scored round 0 (the run root
   seeded with a copy), so the first-step losses must agree; the table prints the difference. ZeRO-3
   also checks the student the training stage built: every parameter a DeepSpeed-partitioned one
   (``zero.Init``), no whole tensor held, this rank's partitions covering its 1/W share (on one device
   W = 1, so the partition is the whole model: what one device can prove is that the build went
   through ``zero.Init`` and trains to the same loss).
+* ``sharded_checkpoint``: the ZeRO-3 run's checkpoint 1 holds its optimizer state as DCP shards (one
+  per rank) beside a small ``trainer.pt``; round 1 resumes from it under ZeRO-3, ZeRO-2 (the state
+  resharded onto another layout) and the torch engine, ZeRO-2's losses equal to ZeRO-3's.
+* ``checkpoint_memory``: ``bench/checkpoint_memory.py`` (1 and 2 ranks, DeepSpeed on the CPU: two ranks
+  cannot share one GPU); rank 0's peak while saving or loading must be about 1/2 of the whole state
+  with 2 ranks (``--checkpoint-memory-before REV`` adds the code at REV, where the git history is).
 * ``pi_old_once``: π_old per round from the step logs (``old_logp_seconds``, ``old_logp_forward_passes``
   of each round's first record): the forward passes must equal the round's micro-batches, and the time
   is set beside one plain no-grad forward over the same sequences and beside the training loop.
