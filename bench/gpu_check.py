@@ -18,16 +18,24 @@ others. The sections:
 * ``engine_reuse``: new weights loaded into the live HF student engine (as the local pipeline does
   between rounds), timed against a fresh model load; the tokens sampled after it must equal a freshly
   built engine's on the same weights and seed.
-* ``vllm_engine_reuse`` (vLLM on a GPU only): the same for the vLLM student engine
-  (``VLLMGenerator.load_weights``) against a fresh engine build, then ``release()`` (sleep level 2:
-  the freed GiB reported; a generate while asleep must be refused) and ``load_weights`` again (wake +
-  reload): the samples must still equal the fresh engine's.
+* ``vllm_engine_reuse`` (vLLM on a GPU; in the dry run vLLM's CPU build through ``--vllm-python``): the
+  same for the vLLM student engine (``VLLMGenerator.load_weights``: vLLM's native weight-update session
+  where the installed vLLM has it, which must then be the path taken) against a fresh engine build,
+  then ``release()`` (sleep level 2: the freed GiB reported; a generate while asleep must be refused)
+  and ``load_weights`` again (wake + reload): the samples must still equal the fresh engine's; last, a
+  shard that loads for 3 s against a 0.5 s ``sync_timeout_s`` must end in ``WeightSyncTimeout`` in time.
 * ``deepspeed_zero2`` / ``deepspeed_zero3``: DeepSpeed on the torch run's scored round 0 (the run root
   seeded with a copy), so the first-step losses must agree; the table prints the difference. ZeRO-3
   also checks the student the training stage built: every parameter a DeepSpeed-partitioned one
   (``zero.Init``), no whole tensor held, this rank's partitions covering its 1/W share (on one device
   W = 1, so the partition is the whole model: what one device can prove is that the build went
   through ``zero.Init`` and trains to the same loss).
+* ``sharded_checkpoint``: the ZeRO-3 run's checkpoint 1 holds its optimizer state as DCP shards (one
+  per rank) beside a small ``trainer.pt``; round 1 resumes from it under ZeRO-3, ZeRO-2 (the state
+  resharded onto another layout) and the torch engine, ZeRO-2's losses equal to ZeRO-3's.
+* ``checkpoint_memory``: ``bench/checkpoint_memory.py`` (1 and 2 ranks, DeepSpeed on the CPU: two ranks
+  cannot share one GPU); rank 0's peak while saving or loading must be about 1/2 of the whole state
+  with 2 ranks (``--checkpoint-memory-before REV`` adds the code at REV, where the git history is).
 * ``pi_old_once``: π_old per round from the step logs (``old_logp_seconds``, ``old_logp_forward_passes``
   of each round's first record): the forward passes must equal the round's micro-batches, and the time
   is set beside one plain no-grad forward over the same sequences and beside the training loop.
@@ -45,6 +53,8 @@ import json
 import os
 import platform
 import shutil
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -62,6 +72,14 @@ SHAPES: dict[str, dict[str, int]] = {
     "0.5b": dict(hidden_size=896, layers=24, heads=14, kv_heads=2, intermediate_size=4864, vocab_size=151936),
     "1.5b": dict(hidden_size=1536, layers=28, heads=12, kv_heads=2, intermediate_size=8960, vocab_size=151936),
     "dry": dict(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128, vocab_size=4096),
+}
+
+
+# the sections a section reads the results of (``--only`` runs them too)
+NEEDS: dict[str, tuple[str, ...]] = {
+    "deepspeed_zero2": ("hf_torch",), "deepspeed_zero3": ("hf_torch",), "shared_prompt_ab": ("hf_torch",),
+    "sharded_checkpoint": ("hf_torch", "deepspeed_zero3"), "pi_old_once": ("hf_torch",),
+    "throughput_mfu": ("hf_torch",),
 }
 
 
@@ -254,6 +272,128 @@ def training_flops(root: str, dims: dict[str, int], peak: float | None) -> dict[
             "old_logp_flops_per_s": old_achieved, "old_logp_mfu": old_achieved / peak if peak and old_s else None}
 
 
+def vllm_reuse_check(student: str, teacher: str, dtype: DType, *, gpu: bool) -> dict[str, Any]:
+    """The vLLM student engine kept across rounds: built on the student, the teacher's weights loaded in
+    place (``load_weights``: vLLM's native weight-update session where the installed vLLM has it, else
+    ``reload_weights``) against a fresh engine build on them; the samples of both must be equal (same
+    weights, same seed). Then ``release()`` (sleep level 2 where sleep mode is on: the weights and KV cache
+    freed), a generate refused while asleep, and ``load_weights`` (wake + reload): the samples must still
+    equal the fresh engine's. Last, the deadline: a weight update whose shard takes longer than
+    ``sync_timeout_s`` must fail with :class:`WeightSyncTimeout` within about that time."""
+    import gc
+    import threading
+
+    import torch
+
+    from sapd.models import vllm_backend
+    from sapd.models.generation import SamplingParams
+    from sapd.models.vllm_backend import VLLMGenerator, WeightSyncTimeout
+
+    kw: dict[str, Any] = {"gpu_memory_utilization": 0.3} if gpu else {"kv_cache_memory_bytes": 128 * 2**20,
+                                                                      "max_model_len": 256}
+
+    def build(path: str) -> tuple[VLLMGenerator, float]:
+        t0 = time.perf_counter()
+        return VLLMGenerator.from_path(path, dtype=dtype, **kw), time.perf_counter() - t0
+
+    def free_gib() -> float:
+        return torch.cuda.mem_get_info()[0] / 2**30 if gpu else 0.0
+
+    params = SamplingParams(n=4, temperature=1.0, top_p=1.0, max_new_tokens=64 if gpu else 16, stop=(), seed=0)
+    prompts = ["You are in a kitchen. Your task is to: heat some water.", "Find a red mug under 10 dollars.",
+               "You are in the middle of a room. Your task is to: put a clean plate in the cabinet."]
+
+    def ids(groups: list[list[Any]]) -> list[list[list[int]]]:
+        return [[s.token_ids for s in g] for g in groups]
+
+    live, student_build = build(student)
+    before = live.generate(prompts, params)
+    t0 = time.perf_counter()
+    live.load_weights(teacher)
+    in_place = time.perf_counter() - t0
+    after = live.generate(prompts, params)
+    out: dict[str, Any] = {"student_build_seconds": student_build, "in_place_seconds": in_place,
+                           "sleeps": live.sleeps, "weight_sync": live.weight_sync,
+                           "native_available": vllm_backend.native_weight_sync_available()}
+    free0 = free_gib()
+    live.release()
+    out["freed_by_release_gib"] = free_gib() - free0
+    if live.sleeps:
+        try:
+            live.generate(prompts, params)
+            out["generate_refused_while_asleep"] = False
+        except RuntimeError:
+            out["generate_refused_while_asleep"] = True
+    t0 = time.perf_counter()
+    live.load_weights(teacher)  # wakes the engine, then reloads
+    out["wake_reload_seconds"] = time.perf_counter() - t0
+    woken = live.generate(prompts, params)
+    # the deadline: a shard that takes 3 s against a 0.5 s deadline (the last use of this engine)
+    engine_class = vllm_backend._checkpoint_engine_class()
+    slow_receive = engine_class.receive_weights
+
+    def hanging(self: Any, info: Any) -> None:
+        time.sleep(3)
+        slow_receive(self, info)
+
+    out["deadline_error"], out["deadline_seconds"] = None, None
+    if live.weight_sync == "native":  # the probe hangs sapd's transfer engine, which only that path uses
+        live.sync_timeout_s = 0.5
+        engine_class.receive_weights = hanging
+        t0 = time.perf_counter()
+        try:
+            live.load_weights(teacher)
+        except WeightSyncTimeout as e:
+            out["deadline_error"] = str(e)
+        out["deadline_seconds"] = time.perf_counter() - t0
+        for t in threading.enumerate():  # the hung call finishes before anything else uses the device
+            if t.name.startswith("sapd-weight-sync"):
+                t.join(60)
+        engine_class.receive_weights = slow_receive
+        # close the session the probe left open: vLLM shares some layers (rotary caches) between the
+        # engines of one process, and a half-done layerwise reload would leave them unusable
+        live.llm.collective_rpc("finish_weight_update")
+    del live  # the fresh engine is built alone on the device, as a per-round rebuild would be
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+    fresh, out["rebuild_seconds"] = build(teacher)
+    ref = fresh.generate(prompts, params)
+    del fresh
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+    out.update(differs_before_update=ids(before) != ids(after), tokens_match_fresh=ids(after) == ids(ref),
+               tokens_match_after_release=ids(woken) == ids(ref),
+               deadline_kept=None if out["deadline_seconds"] is None
+               else out["deadline_error"] is not None and out["deadline_seconds"] < 2.5,
+               max_logprob_diff=max(abs(x - y) for ga, gb in zip(after, ref) for sa, sb in zip(ga, gb)
+                                    for x, y in zip(sa.logprobs, sb.logprobs)) if ids(after) == ids(ref) else None)
+    bad = [k for k in ("differs_before_update", "tokens_match_fresh", "tokens_match_after_release",
+                       "generate_refused_while_asleep", "deadline_kept") if out.get(k) is False]
+    if out["native_available"] and out["weight_sync"] != "native":
+        bad.append("weight_sync (native expected)")
+    if bad:
+        raise RuntimeError(f"vLLM engine reuse: {', '.join(bad)} is False ({json.dumps(out, default=str)})")
+    return out
+
+
+def _vllm_reuse_only(work: str, target: str) -> int:
+    """``--vllm-reuse-only WORK OUT``: :func:`vllm_reuse_check` on vLLM's CPU build, on two models of its
+    own (head_dim 32, which its CPU attention needs), result to ``OUT`` as JSON."""
+    from sapd.models.byte_tokenizer import build_tokenizer
+    from sapd.models.tiny import build_tiny_model
+    root = Path(work)
+    texts = [p.read_text(encoding="utf-8") for p in sorted(SAMPLES.iterdir()) if p.suffix in (".json", ".jsonl")]
+    tok = build_tokenizer(texts, root / "tokenizer", vocab_size=4096)
+    for name, seed in (("student", 0), ("teacher", 1)):
+        build_tiny_model(tok, root / name, hidden_size=128, heads=4, kv_heads=2, intermediate_size=256, layers=2,
+                         seed=seed, max_positions=256)
+    result = vllm_reuse_check(str(root / "student"), str(root / "teacher"), "float32", gpu=False)
+    Path(target).write_text(json.dumps(result, default=str))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shape, short responses: checks the script")
@@ -266,9 +406,21 @@ def main(argv: list[str] | None = None) -> int:
                          "run); the KV cache is off under it, so train.shared_prompt has no effect")
     ap.add_argument("--shared-prompt", choices=["auto", "on", "off"], default="auto",
                     help="train.shared_prompt of every run (auto: off on a GPU)")
+    ap.add_argument("--vllm-python", default=os.environ.get("SAPD_VLLM_PYTHON"),
+                    help="an interpreter with vLLM (its CPU build) for the vLLM engine-reuse check where this one "
+                         "has none (the dry run; default $SAPD_VLLM_PYTHON)")
+    ap.add_argument("--only", default=None, metavar="SECTIONS",
+                    help="comma-separated sections to run, with the ones they need (e.g. sharded_checkpoint,"
+                         "checkpoint_memory,vllm_engine_reuse: the checks of sharded checkpoints, checkpoint "
+                         "memory and in-place weight sync)")
+    ap.add_argument("--checkpoint-memory-before", metavar="REV", default=None,
+                    help="checkpoint_memory also measures the code at git revision REV (needs the git history)")
+    ap.add_argument("--vllm-reuse-only", nargs=2, metavar=("WORK", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's peak dense bf16 TFLOP/s for MFU (default: a small table by device name)")
     args = ap.parse_args(argv)
+    if args.vllm_reuse_only:
+        return _vllm_reuse_only(*args.vllm_reuse_only)
 
     import torch
 
@@ -299,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "mode": ("dry-run (CPU)" if dry else f"GPU, Qwen2.5-{args.size} shape")
         + ("" if ckpt is None else f", gradient checkpointing {'on' if ckpt else 'off'}")
-        + ("" if args.shared_prompt == "auto" else f", train.shared_prompt {args.shared_prompt}"),
+        + ("" if args.shared_prompt == "auto" else f", train.shared_prompt {args.shared_prompt}")
+        + (f", only {args.only}" if args.only else ""),
         "device": torch.cuda.get_device_name(0) if cuda and not dry else platform.processor() or "cpu",
         "torch": torch.__version__, "shape": shape, "dtype": dtype,
     }
@@ -458,6 +611,82 @@ def main(argv: list[str] | None = None) -> int:
         built["partition_fraction"] = built["partition_numel"] / built["full_numel"]
         return {**got, "partitioned_init": built}
 
+    def sharded_checkpoint() -> dict[str, Any]:
+        """Sharded optimizer checkpoints on this machine: the ZeRO-3 run's checkpoint 1 holds its optimizer
+        state as one DCP shard per rank beside a small ``trainer.pt``, and round 1 resumes from it under
+        ZeRO-3 itself, under ZeRO-2 (the state resharded from ZeRO-3's per-parameter partitions onto
+        ZeRO-2's flat partition) and under the torch engine; ZeRO-2's round-1 losses must equal ZeRO-3's
+        (≤ 1e-6 on the CPU in fp32, ≤ 1e-2 relative in bf16 on a GPU); the torch engine's are reported
+        (in bf16 it keeps no fp32 master weights, so it drifts by design)."""
+        from sapd import storage
+        from sapd.run.report import read_step_log
+        src, scored = roots["deepspeed_zero3"], roots["hf_torch"]
+        if not (done("deepspeed_zero3") and checkpoints.is_committed(str(scored), 2)):
+            raise _Skip("the ZeRO-3 and hf-torch sections did not finish: nothing to resume")
+        files = sorted(f.rsplit("/", 1)[1] for f in storage.list_files(checkpoints.optimizer_dir(str(src), 1)))
+        trainer_pt = (src / "checkpoints" / "000001" / "state" / "trainer.pt").stat().st_size
+        whole = 8 * results["parameters"]  # exp_avg + exp_avg_sq, fp32
+        shard_bytes = sum((src / "checkpoints" / "000001" / "state" / "optimizer" / f).stat().st_size
+                          for f in files if f.endswith(".distcp"))
+        if ".metadata" not in files or not any(f.endswith(".distcp") for f in files):
+            raise RuntimeError(f"checkpoint 1 of the ZeRO-3 run has no sharded optimizer state: {files}")
+        losses: dict[str, list[float]] = {}
+        for name, engine, stage in (("zero3", "deepspeed", 3), ("zero2", "deepspeed", 2), ("torch", "torch", 2)):
+            root = work / f"resume-{name}"
+            for part in ("prefixes", "checkpoints/000000", "checkpoints/000001", "rounds/000000"):
+                shutil.copytree(src / part, root / part)
+            shutil.copytree(scored / "rounds" / "000001", root / "rounds" / "000001")  # round 1's scored data
+            cfg = config_from_dict(run_config(root, paths["student"], paths["teacher"], backend="hf", engine=engine,
+                                              dry=dry, device=device, dtype=dtype, checkpointing=ckpt,
+                                              shared_prompt=args.shared_prompt, rounds=2, zero_stage=stage))
+            run_pipeline(cfg, **quiet)
+            losses[name] = [r["loss"] for r in read_step_log(str(root)) if r["round"] == 1]
+            shutil.rmtree(root, ignore_errors=True)
+        ref = losses["zero3"]
+
+        def diff(name: str) -> float:
+            return max(abs(a - b) / (1.0 if dry else max(abs(b), 1e-6)) for a, b in zip(losses[name], ref))
+
+        out = {"optimizer_files": files, "trainer_pt_bytes": trainer_pt, "optimizer_shard_bytes": shard_bytes,
+               "whole_state_bytes": whole, "round1_losses": losses, "zero2_vs_zero3": diff("zero2"),
+               "torch_vs_zero3": diff("torch"), "tolerance": 1e-6 if dry else 1e-2,
+               "diff_is": "absolute" if dry else "relative"}
+        if not ref or len(losses["zero2"]) != len(ref) or out["zero2_vs_zero3"] > out["tolerance"]:
+            raise RuntimeError(f"ZeRO-3 → ZeRO-2 resume: round-1 losses differ ({json.dumps(out, default=str)})")
+        return out
+
+    def checkpoint_memory() -> dict[str, Any]:
+        """``bench/checkpoint_memory.py``: the peak host memory a rank adds while saving and loading a
+        checkpoint, 1 and 2 ranks (DeepSpeed ZeRO-2 on the CPU, gloo: two ranks cannot share one GPU),
+        as a multiple of the whole optimizer state; rank 0's must be about 1/W (≤ 0.75 with 2 ranks, at
+        the 110m shape; the dry run's tiny shape only checks the script). ``--checkpoint-memory-before
+        REV`` measures the code at REV too (needs the git history)."""
+        if not _importable("deepspeed"):
+            raise _Skip("DeepSpeed is not installed here (pip install deepspeed)")
+        target = work / "checkpoint-memory"
+        cmd = [sys.executable, str(REPO / "bench" / "checkpoint_memory.py"), "--shape", "tiny" if dry else "110m",
+               "--ranks", "1", "2", "--out", str(target)]
+        if args.checkpoint_memory_before:
+            cmd += ["--before", args.checkpoint_memory_before]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench/checkpoint_memory.py failed: {(proc.stdout + proc.stderr)[-1500:]}")
+        data = json.loads((target / "checkpoint_memory.json").read_text())
+        last = [line for line in proc.stdout.splitlines() if line.startswith("checkpoint memory:")][-1]
+        by_code = {}
+        for code, by_w in data["results"].items():
+            by_code[code] = {w: {"rank0_save": rows[0]["save_peak_bytes"] / rows[0]["whole_state_bytes"],
+                                 "rank0_load": rows[0]["load_peak_bytes"] / rows[0]["whole_state_bytes"]}
+                             for w, rows in by_w.items()}
+        after = by_code[list(by_code)[-1]]["2"]
+        out = {"shape": data["shape"], "by_code": by_code, "last_line": last,
+               "rank0_peak_2_ranks": max(after["rank0_save"], after["rank0_load"]),
+               "table": (target / "checkpoint_memory.txt").read_text()}
+        if not dry and out["rank0_peak_2_ranks"] > 0.75:
+            raise RuntimeError(f"rank 0 holds {out['rank0_peak_2_ranks']:.2f} of the whole state with 2 ranks; "
+                               "about 1/2 expected")
+        return out
+
     def pi_old_once() -> dict[str, Any]:
         """π_old is computed once per round: each run's step log says how long it took and how many
         forward passes rank 0 made; the passes must equal the round's micro-batches (each forwarded
@@ -547,83 +776,46 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     def vllm_engine_reuse() -> dict[str, Any]:
-        """The vLLM student engine kept across rounds: built on the student, the teacher's weights loaded
-        in place (``reload_weights``) against a fresh engine build on them; the samples of both must be
-        equal (same weights, same seed). Then ``release()`` (sleep level 2 where sleep mode is on: the
-        weights and KV cache freed), a generate refused while asleep, and ``load_weights`` (wake +
-        reload): the samples must still equal the fresh engine's."""
-        if dry or not _importable("vllm"):
-            raise _Skip("vLLM is not installed here" if not _importable("vllm") else "dry run (CPU): HF only")
-        import gc
+        """The vLLM student engine kept across rounds (:func:`vllm_reuse_check`): here where vLLM imports
+        (the GPU image), else — the dry run — in the interpreter ``--vllm-python`` names (vLLM's CPU build
+        in its own environment), on models of its own."""
+        if _importable("vllm") and not dry:
+            return vllm_reuse_check(paths["student"], paths["teacher"], dtype, gpu=True)
+        if not args.vllm_python:
+            raise _Skip("vLLM is not installed here" + ("" if not dry else " (pass --vllm-python for the CPU build)"))
+        target = work / "vllm-reuse.json"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        proc = subprocess.run([args.vllm_python, str(Path(__file__).resolve()), "--vllm-reuse-only", str(work / "vllm"),
+                               str(target)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{args.vllm_python}: the vLLM reuse check failed: "
+                               f"{(proc.stdout + proc.stderr)[-1500:]}")
+        return json.loads(target.read_text())
 
-        from sapd.models.generation import SamplingParams
-        from sapd.models.vllm_backend import VLLMGenerator
-
-        def build(path: str) -> tuple[VLLMGenerator, float]:
-            t0 = time.perf_counter()
-            return VLLMGenerator.from_path(path, dtype=dtype, gpu_memory_utilization=0.3), time.perf_counter() - t0
-
-        def free_gib() -> float:
-            return torch.cuda.mem_get_info()[0] / 2**30
-
-        params = SamplingParams(n=4, temperature=1.0, top_p=1.0, max_new_tokens=64, stop=(), seed=0)
-        prompts = ["You are in a kitchen. Your task is to: heat some water.", "Find a red mug under 10 dollars.",
-                   "You are in the middle of a room. Your task is to: put a clean plate in the cabinet."]
-
-        def ids(groups: list[list[Any]]) -> list[list[list[int]]]:
-            return [[s.token_ids for s in g] for g in groups]
-
-        live, student_build = build(paths["student"])
-        before = live.generate(prompts, params)
-        t0 = time.perf_counter()
-        live.load_weights(paths["teacher"])
-        in_place = time.perf_counter() - t0
-        after = live.generate(prompts, params)
-        out: dict[str, Any] = {"student_build_seconds": student_build, "in_place_seconds": in_place,
-                               "sleeps": live.sleeps}
-        free0 = free_gib()
-        live.release()
-        out["freed_by_release_gib"] = free_gib() - free0
-        if live.sleeps:
-            try:
-                live.generate(prompts, params)
-                out["generate_refused_while_asleep"] = False
-            except RuntimeError:
-                out["generate_refused_while_asleep"] = True
-        t0 = time.perf_counter()
-        live.load_weights(paths["teacher"])  # wakes the engine, then reloads
-        out["wake_reload_seconds"] = time.perf_counter() - t0
-        woken = live.generate(prompts, params)
-        del live  # the fresh engine is built alone on the device, as a per-round rebuild would be
-        gc.collect()
-        torch.cuda.empty_cache()
-        fresh, out["rebuild_seconds"] = build(paths["teacher"])
-        ref = fresh.generate(prompts, params)
-        del fresh
-        gc.collect()
-        torch.cuda.empty_cache()
-        out.update(differs_before_update=ids(before) != ids(after), tokens_match_fresh=ids(after) == ids(ref),
-                   tokens_match_after_release=ids(woken) == ids(ref),
-                   max_logprob_diff=max(abs(x - y) for ga, gb in zip(after, ref) for sa, sb in zip(ga, gb)
-                                        for x, y in zip(sa.logprobs, sb.logprobs)) if ids(after) == ids(ref) else None)
-        bad = [k for k in ("differs_before_update", "tokens_match_fresh", "tokens_match_after_release",
-                           "generate_refused_while_asleep") if out.get(k) is False]
-        if bad:
-            raise RuntimeError(f"vLLM engine reuse: {', '.join(bad)} is False ({json.dumps(out, default=str)})")
-        return out
-
+    sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("hf_torch", hf_torch), ("engine_reuse", engine_reuse), ("vllm", vllm_sampling),
+        # before DeepSpeed sets this process's torch.distributed variables, which vLLM's workers would inherit
+        ("vllm_engine_reuse", vllm_engine_reuse), ("shared_prompt_ab", shared_prompt_ab),
+        ("deepspeed_zero2", deepspeed_zero2), ("deepspeed_zero3", deepspeed_zero3),
+        ("sharded_checkpoint", sharded_checkpoint), ("checkpoint_memory", checkpoint_memory),
+        ("pi_old_once", pi_old_once), ("throughput_mfu", throughput_mfu)]
+    wanted = {name for name, _ in sections}
+    if args.only:
+        asked = {x.strip() for x in args.only.split(",") if x.strip()}
+        unknown = asked - wanted
+        if unknown:
+            log(f"--only: no section {sorted(unknown)[0]!r}; sections: {', '.join(n for n, _ in sections)}")
+            return 2
+        wanted = set(asked)
+        for name in list(asked):
+            wanted.update(NEEDS.get(name, ()))
+        results["only"] = sorted(wanted)
     _section(results, "models", models, log)
     if results["models"]["status"] == "ok":
-        _section(results, "hf_torch", hf_torch, log)
-        _section(results, "engine_reuse", engine_reuse, log)
-        _section(results, "vllm", vllm_sampling, log)
-        # before DeepSpeed sets this process's torch.distributed variables, which vLLM's workers would inherit
-        _section(results, "vllm_engine_reuse", vllm_engine_reuse, log)
-        _section(results, "shared_prompt_ab", shared_prompt_ab, log)
-        _section(results, "deepspeed_zero2", deepspeed_zero2, log)
-        _section(results, "deepspeed_zero3", deepspeed_zero3, log)
-        _section(results, "pi_old_once", pi_old_once, log)
-        _section(results, "throughput_mfu", throughput_mfu, log)
+        for name, fn in sections:
+            if name in wanted:
+                _section(results, name, fn, log)
         if cuda and not dry:
             results["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     results["seconds"] = time.perf_counter() - t_all
@@ -722,10 +914,28 @@ def render_table(results: dict[str, Any]) -> str:
                              f"| {pct(r['train_mfu'])} | {tf(r['old_logp_flops_per_s'])} | {pct(r['old_logp_mfu'])} "
                              f"| {tf(r.get('sample_flops_per_s'))} | {pct(r.get('sample_mfu'))} "
                              f"| {tf(r.get('score_flops_per_s'))} | {pct(r.get('score_mfu'))} |")
+    sc = results.get("sharded_checkpoint")
+    if sc is not None:
+        lines.append("\nsharded optimizer checkpoint: " + (not_ok(sc) if sc["status"] != "ok" else (
+            f"ok; ZeRO-3 checkpoint 1 holds {', '.join(sc['optimizer_files'])} "
+            f"({sc['optimizer_shard_bytes']:,} bytes of shards for a {sc['whole_state_bytes']:,}-byte state) "
+            f"and a {sc['trainer_pt_bytes']:,}-byte trainer.pt; "
+            f"round 1 resumed under ZeRO-2 vs ZeRO-3: max {sc['diff_is']} loss Δ {sc['zero2_vs_zero3']:.1e} "
+            f"(≤ {sc['tolerance']:g}); under the torch engine: {sc['torch_vs_zero3']:.1e}")))
+    cm = results.get("checkpoint_memory")
+    if cm is not None:
+        lines.append("\ncheckpoint memory (bench/checkpoint_memory.py): " + (not_ok(cm) if cm["status"] != "ok" else (
+            f"ok; shape {cm['shape']}; " + "; ".join(
+                f"{code}: " + ", ".join(f"{w} rank(s) rank-0 save {v['rank0_save']:.2f} / load {v['rank0_load']:.2f}"
+                                        for w, v in by_w.items()) for code, by_w in cm["by_code"].items())
+            + f"\n{cm['last_line']}")))
     vr = results.get("vllm_engine_reuse")
     if vr is not None:
         lines.append("\nvLLM student engine reuse: " + (not_ok(vr) if vr["status"] != "ok" else (
-            f"ok; in-place load_weights {vr['in_place_seconds']:.2f} s vs fresh engine {vr['rebuild_seconds']:.2f} s; "
+            f"ok; weight sync path: {vr['weight_sync']}; deadline probe: "
+            + ("—" if vr.get("deadline_seconds") is None else
+               f"{'kept' if vr['deadline_kept'] else 'MISSED'} ({vr['deadline_seconds']:.2f} s for a 0.5 s deadline)")
+            + f"; in-place load_weights {vr['in_place_seconds']:.2f} s vs fresh engine {vr['rebuild_seconds']:.2f} s; "
             f"tokens match a fresh engine: {vr['tokens_match_fresh']} (max log-prob Δ "
             f"{f(vr['max_logprob_diff'], '.1e')}); release() sleeps: {vr['sleeps']}, freed "
             f"{vr['freed_by_release_gib']:.1f} GiB, generate while asleep refused: "

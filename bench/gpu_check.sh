@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# The GPU proof, one short run (~12 min on one GPU, no network): installs sapd (and DeepSpeed, pure
-# Python with DS_BUILD_OPS=0) into the machine's Python if missing, then runs bench/gpu_check.py and
+# The GPU proof, one short run (~12 min on one GPU, plus an estimated ~6 min for the checkpoint sections;
+# no network): installs sapd (and DeepSpeed, pure Python with DS_BUILD_OPS=0) into the machine's Python
+# if missing, then runs bench/gpu_check.py and
 # leaves its table in bench/results/gpu_check.{md,json}: sampling/scoring/training throughput, DeepSpeed
 # ZeRO-2 and ZeRO-3 (partitioned init) against the torch engine, π_old computed once per round, FLOP/s
-# and MFU against the device's bf16 peak (--peak-tflops N overrides the table), HF and vLLM engine reuse.
-# Pass --dry-run for the CPU check, --size 1.5b for the larger shape. vLLM is used when the image has it
-# (its wheel is too large to carry).
+# and MFU against the device's bf16 peak (--peak-tflops N overrides the table), HF and vLLM engine reuse
+# (vLLM's native in-place weight sync and its deadline), sharded optimizer checkpoints resumed under
+# another ZeRO stage and engine, and bench/checkpoint_memory.py (host memory of saving and loading a
+# checkpoint, 1 vs 2 ranks). Pass --dry-run for the CPU check, --size 1.5b for the larger shape, --only
+# SECTIONS for a subset: --only sharded_checkpoint,checkpoint_memory,vllm_engine_reuse runs the checks
+# of sharded checkpoints, checkpoint memory and in-place weight sync (with the runs they need) in a few
+# minutes. vLLM is used when the image has it (its wheel is too large to carry).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

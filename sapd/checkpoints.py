@@ -9,21 +9,40 @@ being written again.
 Weights are streamed shard by shard (at most ``max_shard_bytes`` each): under ZeRO-3 every rank gathers
 one shard's parameters at a time and rank 0 writes it straight to storage, so no process ever holds the
 whole model or stages it on local disk (the scratch it needs is one shard).
+
+**Optimizer state is sharded** (``state/optimizer/``): every rank writes the part of the AdamW state it
+holds (``exp_avg``, ``exp_avg_sq``) as its own file and reads back only what it holds after a restart,
+so no rank ever gathers the whole state — for an 8B student with AdamW that is ~64 GB in fp32. The
+format is torch's distributed checkpoint (DCP): a ``.metadata`` file (written by rank 0 once every rank
+has written) and one ``__R_0.distcp`` file per rank, streamed through :mod:`sapd.storage` (a local
+folder or S3, multipart as it is produced; ranged GETs on load). The coordinates are the engine's, not
+the layout's: for parameter ``i`` (``model.parameters()`` order) and state key ``exp_avg``, one 1-D
+tensor over the parameter's flattened elements, of which each rank declares the slices it holds
+(:class:`OptimizerShard`). DCP's load planner then matches whatever slices the loading ranks hold
+against what the saving ranks wrote — so a checkpoint moves between world sizes, ZeRO stages and the
+single-process torch engine (resharding on load). Why DCP and not DeepSpeed's own
+``zero_pp_rank_*_optim_states.pt``: DeepSpeed's files are tied to its flat-buffer layout and world size
+(resharding needs the offline universal-checkpoint conversion) and the torch engine cannot read them;
+DCP reshards on load for any layout that can name its slices, which ZeRO 1–3 and a plain optimizer can.
+``state/trainer.pt`` keeps what is small (step counter, RNG, AdamW's hyper-parameters and step count, the
+parameter sizes). Checkpoints written before (the whole optimizer inside ``trainer.pt``) still load:
+every rank reads that file whole, as it did then.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Protocol
 
 import torch
 
@@ -121,23 +140,33 @@ def _write_shard(tensors: dict[str, torch.Tensor], scratch: Path, uri: str) -> N
 
 def save_checkpoint(root: str, k: int, model, tokenizer, state: dict[str, Any] | None,
                     meta: dict[str, Any] | None = None, *, gather: Gather = _no_gather, is_main: bool = True,
-                    max_shard_bytes: int = MAX_SHARD_BYTES) -> dict[str, Any] | None:
-    """Write checkpoint ``k`` (model folder, trainer state) and commit it → the marker (``None`` on the
-    ranks other than the main one, which only take part in ``gather``)."""
+                    max_shard_bytes: int = MAX_SHARD_BYTES,
+                    optimizer: OptimizerShard | None = None) -> dict[str, Any] | None:
+    """Write checkpoint ``k`` (model folder, trainer state, the optimizer state sharded by rank) and commit
+    it → the marker (``None`` on the ranks other than the main one, which take part in ``gather`` and
+    write their own optimizer shard). ``optimizer``: this rank's :class:`OptimizerShard` (with several
+    ranks a collective: every rank passes its own). The commit marker is written last, by the main rank,
+    after every rank's shard is written."""
     if is_main:
         if is_committed(root, k):
             raise RuntimeError(f"{layout.checkpoint_dir(root, k)} is already committed")
         storage.delete_prefix(layout.checkpoint_dir(root, k))
     write_model_folder(layout.checkpoint_model_dir(root, k), model, tokenizer, gather=gather, is_main=is_main,
                        max_shard_bytes=max_shard_bytes)
+    if optimizer is not None:
+        save_optimizer_shards(optimizer_dir(root, k), optimizer)
     if not is_main:
         return None
+    if optimizer is not None:
+        state = {**(state or {}), SHARDED_KEY: optimizer.describe()}
     if state is not None:
         buf = io.BytesIO()
         torch.save(state, buf)
         storage.write_bytes(storage.join(layout.checkpoint_state_dir(root, k), "trainer.pt"), buf.getvalue())
     marker = {"checkpoint": k, "commit_id": uuid.uuid4().hex, "has_state": state is not None,
               "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(meta or {})}
+    if optimizer is not None:
+        marker["optimizer"] = OPTIMIZER_FORMAT
     storage.write_json(layout.checkpoint_marker(root, k), marker)
     return marker
 
@@ -164,10 +193,301 @@ def load_checkpoint_model(root: str, k: int, dtype: str = "float32", device: str
 
 
 def load_trainer_state(root: str, k: int) -> dict[str, Any] | None:
+    """Checkpoint ``k``'s ``trainer.pt`` (step counter, RNG; the optimizer's hyper-parameters under
+    ``optimizer_shards``, or, in checkpoints written before sharding, the whole optimizer state under
+    ``optimizer``); None when it has no trainer state."""
     if not read_marker(root, k).get("has_state"):
         return None
     data = storage.read_bytes(storage.join(layout.checkpoint_state_dir(root, k), "trainer.pt"))
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# sharded optimizer state
+
+OPTIMIZER_FORMAT = "dcp-adamw/1"
+SHARDED_KEY = "optimizer_shards"
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+# AdamW settings carried from one engine to another (never lr: the schedule sets it every step; never an
+# implementation flag such as foreach or fused, which belongs to the engine that loads)
+HYPER_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+def optimizer_dir(root: str, k: int) -> str:
+    return storage.join(layout.checkpoint_state_dir(root, k), "optimizer")
+
+
+@dataclass
+class OptimizerShard:
+    """One rank's share of an AdamW state, in coordinates that do not depend on the engine: for parameter
+    ``i`` (``model.parameters()`` order, ``numels[i]`` elements), ``fragments[i]`` lists the slices of its
+    flattened state this rank holds as ``(start, {"exp_avg": view, "exp_avg_sq": view})`` — views of the
+    engine's own state, so saving reads and loading writes them in place. ``replicated``: every rank
+    holds every parameter's whole state (one process, or DeepSpeed without ZeRO), so one copy is saved
+    and every rank loads all of it. ``step`` is None before the first optimizer step (nothing to save)."""
+
+    numels: list[int]
+    fragments: list[list[tuple[int, dict[str, torch.Tensor]]]]
+    hyper: dict[str, Any]
+    step: float | None
+    replicated: bool = False
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+
+    def describe(self) -> dict[str, Any]:
+        """What ``trainer.pt`` keeps of it: everything but the tensors."""
+        return {"format": OPTIMIZER_FORMAT, "step": self.step, "numels": list(self.numels),
+                "shapes": [list(s) for s in self.shapes],
+                "hyper": {k: v for k, v in self.hyper.items() if k in HYPER_KEYS}}
+
+    def held_elements(self) -> int:
+        return sum(views[STATE_KEYS[0]].numel() for frags in self.fragments for _, views in frags)
+
+
+class ShardedOptimizer(Protocol):
+    """What :func:`restore_optimizer` asks of a training engine."""
+
+    def optimizer_shard(self) -> OptimizerShard:
+        """This rank's share of the current state (views)."""
+        ...
+
+    def prepare_optimizer_shard(self, step: float, hyper: dict[str, Any]) -> OptimizerShard:
+        """Create the optimizer state (zeros, at ``step``, with ``hyper``'s settings) and return this rank's
+        share of it, to be filled in place."""
+        ...
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """A whole ``torch.optim.AdamW`` state dict (checkpoints written before sharding)."""
+        ...
+
+
+def torch_optimizer_shard(optimizer: torch.optim.Optimizer) -> OptimizerShard:
+    """The :class:`OptimizerShard` of a plain AdamW over a whole model (the torch engine: it holds it all)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    shapes = [tuple(p.shape) for p in params]
+    numels = [p.numel() for p in params]
+    if not optimizer.state:
+        return OptimizerShard(numels, [[] for _ in params], hyper, None, True, shapes)
+    step = float(optimizer.state[params[0]]["step"])
+    frags = [[(0, {key: optimizer.state[p][key].view(-1) for key in STATE_KEYS})] for p in params]
+    return OptimizerShard(numels, frags, hyper, step, True, shapes)
+
+
+def prepare_torch_optimizer_shard(optimizer: torch.optim.Optimizer, step: float,
+                                  hyper: dict[str, Any]) -> OptimizerShard:
+    """AdamW's state created as its first step would (zeros, ``step``), hyper-parameters set; → its views."""
+    for group in optimizer.param_groups:
+        for key in HYPER_KEYS:
+            if key in hyper and key in group:
+                group[key] = tuple(hyper[key]) if key == "betas" else hyper[key]
+        for p in group["params"]:
+            optimizer.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    return torch_optimizer_shard(optimizer)
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _dcp_state_dict(shard: OptimizerShard) -> dict[str, Any]:
+    """The DCP state dict of a shard: per parameter and key a 1-D tensor over its flattened elements — a
+    plain tensor where this rank holds it whole (replicated), else a ``ShardedTensor`` of this rank's
+    slices (the global layout, every rank's slices, is exchanged once: a few integers per parameter)."""
+    out: dict[str, Any] = {}
+    if shard.replicated or not _distributed():
+        for i, frags in enumerate(shard.fragments):
+            for start, views in frags:
+                if start != 0 or views[STATE_KEYS[0]].numel() != shard.numels[i]:
+                    raise ValueError(f"parameter {i}: a replicated optimizer shard must hold it whole")
+                for key in STATE_KEYS:
+                    out[f"{i}.{key}"] = views[key]
+        return out
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+    rank = torch.distributed.get_rank()
+    mine = [(i, start, views[STATE_KEYS[0]].numel(), str(views[STATE_KEYS[0]].device))
+            for i, frags in enumerate(shard.fragments) for start, views in frags if views[STATE_KEYS[0]].numel()]
+    everyone: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    layout_of: dict[int, list[ShardMetadata]] = {}
+    for r, entries in enumerate(everyone):
+        for i, start, n, device in entries:
+            layout_of.setdefault(i, []).append(ShardMetadata([start], [n], f"rank:{r}/{device}"))
+    for i, frags in enumerate(shard.fragments):
+        if i not in layout_of:
+            raise RuntimeError(f"optimizer state of parameter {i} is held by no rank")
+        for key in STATE_KEYS:
+            local = [Shard(views[key], ShardMetadata([start], [views[key].numel()],
+                                                     f"rank:{rank}/{views[key].device}"))
+                     for start, views in frags if views[key].numel()]
+            dtype = local[0].tensor.dtype if local else torch.float32
+            meta = ShardedTensorMetadata(layout_of[i], torch.Size([shard.numels[i]]), TensorProperties(dtype=dtype))
+            out[f"{i}.{key}"] = ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP warns about ShardedTensor's deprecation at every use; the slices here are not one of its
+    tensor-parallel layouts, which DTensor would need (uneven, per-parameter ZeRO slices)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*")
+        warnings.filterwarnings("ignore", message=".*_shard.*")
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
+def save_optimizer_shards(uri: str, shard: OptimizerShard) -> None:
+    """Every rank writes its slices of the optimizer state below ``uri`` (its own file, streamed through
+    storage), then rank 0 the index; a collective where torch.distributed is initialised."""
+    import torch.distributed.checkpoint as dcp
+    writer, _ = _dcp_io()
+    with _quiet_dcp():
+        dcp.save(_dcp_state_dict(shard), storage_writer=writer(uri), no_dist=not _distributed())
+
+
+def load_optimizer_shards(uri: str, shard: OptimizerShard) -> None:
+    """Fill this rank's slices (``shard``'s views, in place) from the optimizer state below ``uri``,
+    whatever world size or engine wrote it: each rank reads only the byte ranges holding its slices."""
+    import torch.distributed.checkpoint as dcp
+    _, reader = _dcp_io()
+    with _quiet_dcp():
+        dcp.load(_dcp_state_dict(shard), storage_reader=reader(uri), no_dist=not _distributed())
+
+
+def restore_optimizer(root: str, k: int, engine: ShardedOptimizer, state: dict[str, Any] | None,
+                      log: Callable[[str], None] = print) -> str:
+    """Checkpoint ``k``'s optimizer state into ``engine`` (every rank calls it; ``state`` is
+    :func:`load_trainer_state`'s). → "sharded", "whole" (a checkpoint written before sharding: every rank
+    reads it whole) or "none" (no optimizer state: the optimizer starts fresh)."""
+    if not state:
+        return "none"
+    if "optimizer" in state:
+        engine.load_optimizer_state(state["optimizer"])
+        log(f"checkpoint {k}: optimizer state stored whole (written by an earlier sapd), read whole by every "
+            "rank; checkpoints from now on are sharded")
+        return "whole"
+    desc = state.get(SHARDED_KEY)
+    if not desc:
+        return "none"
+    if desc.get("format") != OPTIMIZER_FORMAT:
+        raise ValueError(f"{layout.checkpoint_dir(root, k)}: optimizer state format {desc.get('format')!r} is not "
+                         f"one this sapd reads ({OPTIMIZER_FORMAT}); resume it with the sapd that wrote it")
+    if desc["step"] is None:
+        return "none"
+    dest = engine.prepare_optimizer_shard(desc["step"], desc["hyper"])
+    if list(dest.numels) != list(desc["numels"]):
+        diff = next((i for i, (a, b) in enumerate(zip(dest.numels, desc["numels"])) if a != b),
+                    min(len(dest.numels), len(desc["numels"])))
+        raise ValueError(f"{layout.checkpoint_dir(root, k)}: its optimizer state is for {len(desc['numels'])} "
+                         f"parameters, the model has {len(dest.numels)} (first difference at parameter {diff}): "
+                         "a checkpoint of another model")
+    load_optimizer_shards(optimizer_dir(root, k), dest)
+    return "sharded"
+
+
+def consolidated_optimizer_state(root: str, k: int) -> dict[str, Any] | None:
+    """Checkpoint ``k``'s whole optimizer state as a ``torch.optim.AdamW`` state dict, in this one process
+    (for inspection, tests and tools: it holds everything, which training never does)."""
+    state = load_trainer_state(root, k)
+    if not state:
+        return None
+    if "optimizer" in state:
+        return state["optimizer"]
+    desc = state.get(SHARDED_KEY)
+    if not desc or desc["step"] is None:
+        return None
+    tensors = [{key: torch.zeros(n, dtype=torch.float32) for key in STATE_KEYS} for n in desc["numels"]]
+    shard = OptimizerShard(desc["numels"], [[(0, t)] for t in tensors], desc["hyper"], desc["step"], True)
+    import torch.distributed.checkpoint as dcp
+    _, reader = _dcp_io()
+    with _quiet_dcp():
+        dcp.load(_dcp_state_dict(shard), storage_reader=reader(optimizer_dir(root, k)), no_dist=True)
+    shapes = desc.get("shapes") or [[n] for n in desc["numels"]]
+    return {"state": {i: {"step": torch.tensor(float(desc["step"])),
+                          **{key: t[key].reshape(shapes[i]) for key in STATE_KEYS}} for i, t in enumerate(tensors)},
+            "param_groups": [{**desc["hyper"], "params": list(range(len(tensors)))}]}
+
+
+class _RangeFile:
+    """A data file DCP opened for reading: nothing is fetched until a slice is asked for."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+
+    def __enter__(self) -> _RangeFile:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+@functools.cache
+def _dcp_io() -> tuple[Any, Any]:
+    """DCP's file-system writer and reader with :mod:`sapd.storage` underneath (classes made on first use:
+    DCP is imported lazily). Files are streamed as written (``open_write``: temp + rename locally,
+    multipart on S3); a reader fetches each saved item with one ranged read."""
+    from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
+
+    class StorageFS(FileSystemBase):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            uri = str(path)
+            if mode == "wb":
+                with storage.open_write(uri) as out:
+                    yield out
+            elif mode == "rb":
+                yield io.BytesIO(storage.read_bytes(uri)) if uri.endswith(".metadata") else _RangeFile(uri)
+            else:
+                raise ValueError(f"unsupported mode {mode!r}")
+
+        def concat_path(self, path: Any, suffix: str) -> str:
+            return storage.join(str(path), suffix)
+
+        def rename(self, path: Any, new_path: Any) -> None:  # only DCP's small index goes through here
+            storage.write_bytes(str(new_path), storage.read_bytes(str(path)))
+            storage.delete(str(path))
+
+        def init_path(self, path: Any) -> str:
+            return str(path)
+
+        def mkdir(self, path: Any) -> None:
+            pass  # storage creates folders as it writes
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return True
+
+        def exists(self, path: Any) -> bool:
+            return storage.exists(str(path))
+
+        def rm_file(self, path: Any) -> None:
+            storage.delete(str(path))
+
+        def ls(self, path: Any) -> list[str]:
+            return storage.list_files(str(path))
+
+    class Writer(FileSystemWriter):
+        def __init__(self, uri: str) -> None:
+            super().__init__(uri, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
+            self.fs = StorageFS()  # type: ignore[assignment]  # DCP's own fsspec writer does the same
+            self.path = uri
+
+    class Reader(FileSystemReader):
+        def __init__(self, uri: str) -> None:
+            super().__init__(uri)
+            self.fs = StorageFS()  # type: ignore[assignment]
+            self.path = uri
+
+        def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            return io.BytesIO(storage.read_range(file.uri, sinfo.offset, sinfo.length))
+
+    return Writer, Reader
 
 
 def export_model(source: str, out: str, *, checkpoint: int | None = None) -> str:

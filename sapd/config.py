@@ -57,6 +57,8 @@ class SamplingConfig:
     gpu_memory_utilization: float = 0.4  # vLLM: share of GPU memory for each engine (student sampler, teacher)
     tensor_parallel_size: int = 1  # vLLM: GPUs the student sampler's engine spans
     teacher_tensor_parallel_size: int = 1  # vLLM: GPUs the teacher scoring engine spans
+    # vLLM: deadline (s) of each call of the student engine's in-place weight sync; past it the stage stops
+    weight_sync_timeout_s: float = 600.0
 
 
 @dataclass
@@ -324,6 +326,9 @@ def validate(cfg: RunConfig) -> None:
     for key in ("tensor_parallel_size", "teacher_tensor_parallel_size"):
         if getattr(cfg.sampling, key) < 1:
             raise ConfigError(f"sampling.{key}: must be at least 1", f"sampling.{key}")
+    if not cfg.sampling.weight_sync_timeout_s > 0:
+        raise ConfigError("sampling.weight_sync_timeout_s: must be a positive number of seconds",
+                          "sampling.weight_sync_timeout_s")
     if cfg.data.reopd_kappa is not None and cfg.data.reopd_kappa <= 0:
         raise ConfigError("data.reopd_kappa: must be positive", "data.reopd_kappa")
 
@@ -340,7 +345,8 @@ def dump_config(cfg: RunConfig) -> str:
 
 # may change between rounds of one run, or differ between the stages of one run (the scoring workers of a
 # round record their own count; the chart gives only the scoring stage its engines' tensor-parallel sizes)
-MAY_CHANGE = ("workers", "sampling.tensor_parallel_size", "sampling.teacher_tensor_parallel_size")
+MAY_CHANGE = ("workers", "sampling.tensor_parallel_size", "sampling.teacher_tensor_parallel_size",
+              "sampling.weight_sync_timeout_s")
 # may change between two invocations of one run (a `helm upgrade --set config.train.rounds=40`, a `sapd run`
 # with more rounds): the run continues from its newest committed checkpoint. Only under a constant
 # lr_schedule: a linear or cosine decay spans train.rounds, so another count would change the learning rate

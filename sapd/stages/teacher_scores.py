@@ -48,9 +48,11 @@ class TeacherScorer(Protocol):
 def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None = None) -> Generator:
     """The sampler of round k: checkpoint k behind ``sampling.backend``. With ``reuse`` (the engine of an
     earlier round, built by this function) the engine stays up and takes checkpoint k's weights in place
-    — HF: copied into the live model; vLLM: its ``reload_weights`` path, woken first if it slept through
-    training — instead of a model load (and, for vLLM, an engine start) per round. Samples after the
-    update equal a fresh engine's on the same weights and seed (tests/test_models.py, tests/vllm)."""
+    — HF: copied into the live model; vLLM: its native weight-update session (``reload_weights`` where the
+    installed vLLM lacks it), woken first if it slept through training, every call under
+    ``sampling.weight_sync_timeout_s`` — instead of a model load (and, for vLLM, an engine start) per
+    round. Samples after the update equal a fresh engine's on the same weights and seed (tests/test_models.py,
+    tests/vllm)."""
     path = checkpoints.checkpoint_model_path(cfg.run_root, k)
     if isinstance(reuse, (HFGenerator, VLLMGenerator)):
         reuse.load_weights(path)
@@ -58,7 +60,8 @@ def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None
     if cfg.sampling.backend == "vllm":
         return VLLMGenerator.from_path(path, dtype=cfg.model.dtype,
                                        gpu_memory_utilization=cfg.sampling.gpu_memory_utilization,
-                                       tensor_parallel_size=cfg.sampling.tensor_parallel_size)
+                                       tensor_parallel_size=cfg.sampling.tensor_parallel_size,
+                                       sync_timeout_s=cfg.sampling.weight_sync_timeout_s)
     student = checkpoints.load_checkpoint_model(cfg.run_root, k, cfg.model.dtype, cfg.model.device)
     return HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch, device=cfg.model.device)
 

@@ -65,9 +65,17 @@ class Engine(Protocol):
         """Finish the accumulated gradient, clip, apply the update at ``lr``; → the pre-clip grad norm."""
         ...
 
-    def optimizer_state(self) -> dict[str, Any]: ...
+    def optimizer_shard(self) -> checkpoints.OptimizerShard:
+        """This rank's share of the optimizer state (checkpoint k+1 stores each rank's share)."""
+        ...
 
-    def load_optimizer_state(self, state: dict[str, Any]) -> None: ...
+    def prepare_optimizer_shard(self, step: float, hyper: dict[str, Any]) -> checkpoints.OptimizerShard:
+        """The optimizer state created empty, to be filled from checkpoint k (resharded to this layout)."""
+        ...
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """A whole AdamW state dict (checkpoints written before the state was sharded)."""
+        ...
 
     @property
     def is_main(self) -> bool: ...
@@ -117,8 +125,11 @@ class TorchEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def optimizer_state(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+    def optimizer_shard(self) -> checkpoints.OptimizerShard:
+        return checkpoints.torch_optimizer_shard(self.optimizer)
+
+    def prepare_optimizer_shard(self, step: float, hyper: dict[str, Any]) -> checkpoints.OptimizerShard:
+        return checkpoints.prepare_torch_optimizer_shard(self.optimizer, step, hyper)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
@@ -388,8 +399,9 @@ def optimizer_steps(cfg: RunConfig, k: int, engine: Engine, items: list, micro_l
 
 
 def _trainer_state(engine: Engine, k: int, global_step: int) -> dict[str, Any]:
-    """What checkpoint k+1 stores besides the weights: the step counter, RNG and optimizer state."""
-    return {"global_step": global_step, "round": k + 1, "rng": _rng_state(), "optimizer": engine.optimizer_state()}
+    """What checkpoint k+1 stores besides the weights and the (sharded) optimizer state: the step counter
+    and RNG."""
+    return {"global_step": global_step, "round": k + 1, "rng": _rng_state()}
 
 
 def describe_step(rec: dict) -> str:
@@ -481,8 +493,7 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     engine = (engine_factory or engine_factory_for(cfg))(model, cfg)
     state = checkpoints.load_trainer_state(root, k)
-    if state and "optimizer" in state:
-        engine.load_optimizer_state(state["optimizer"])
+    checkpoints.restore_optimizer(root, k, engine, state, log=log)  # each rank reads only its share
     if objective_of(cfg.loss_cfg).data == "recorded":
         rows = round_batch(cfg, k).to_pylist()
         records, new_state = sft_round(cfg, k, engine, tokenizer, rows, state, log=log, show_progress=show_progress,
@@ -495,10 +506,12 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
     engine.barrier()
     if engine.is_main:
         write_round_log(root, k, records, {"variant": cfg.variant})
-    # every rank takes part (ZeRO-3 gathers one shard's parameters at a time); rank 0 writes and commits
+    # every rank takes part (ZeRO-3 gathers one shard's parameters at a time) and writes its own share of
+    # the optimizer state; rank 0 writes the rest and commits
     checkpoints.save_checkpoint(root, k + 1, engine.module, tokenizer, new_state, {"round": k, "steps": len(records)},
                                 gather=engine.gather, is_main=engine.is_main,
-                                max_shard_bytes=int(cfg.train.checkpoint_shard_mb * 2**20))
+                                max_shard_bytes=int(cfg.train.checkpoint_shard_mb * 2**20),
+                                optimizer=engine.optimizer_shard())
     engine.barrier()
     return checkpoints.read_marker(root, k + 1)
 

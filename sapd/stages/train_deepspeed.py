@@ -26,9 +26,13 @@ How it matches the single-process engine, step for step:
   vocabulary at response positions only: (B, T, V) logits, never (B, S, V).
 * **ZeRO-3 is built partitioned** (:func:`load_partitioned`: ``zero.Init`` through transformers), so no
   rank ever holds the whole student.
-* **Optimizer state** is saved and loaded in ``torch.optim.AdamW``'s own ``state_dict`` format over
-  the full (gathered) parameters, so a checkpoint trained by either engine, on any number of ranks
-  and any ZeRO stage, resumes on any other. Both calls are collective (every rank calls them).
+* **Optimizer state is saved and loaded sharded**: each rank names the slices of every parameter's
+  AdamW state it holds (:meth:`DeepSpeedEngine.optimizer_shard`: ZeRO-1/2 from DeepSpeed's fragment
+  mapping of its flat partition, ZeRO-3 from each parameter's partition) and
+  :mod:`sapd.checkpoints` writes and reads exactly those, so no rank gathers the whole state, and a
+  checkpoint trained by either engine, on any number of ranks and any ZeRO stage, resumes on any other
+  (resharding on load). Checkpoints holding the whole state (written before) still load
+  (:meth:`DeepSpeedEngine.load_optimizer_state`). Both are collective (every rank calls them).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import Any, ContextManager
 
 import torch
 
+from sapd.checkpoints import HYPER_KEYS, STATE_KEYS, OptimizerShard
 from sapd.config import ConfigError, RunConfig
 from sapd.models.loading import load_causal_lm
 from sapd.models.scoring import HeadOnlyLM, decoder_and_head
@@ -116,23 +121,69 @@ class DeepSpeedEngine:
     def _params(self) -> list[torch.nn.Parameter]:
         return list(self.module.parameters())  # the order TorchEngine's AdamW indexes them by
 
-    def optimizer_state(self) -> dict[str, Any]:
-        from deepspeed.utils import safe_get_full_optimizer_state
+    def optimizer_shard(self) -> OptimizerShard:
+        """This rank's slices of the AdamW state (views of DeepSpeed's own tensors): ZeRO-3 — each
+        parameter's partition (``partition_rank · partition_numel`` onward, its padding cut off);
+        ZeRO-1/2 and DeepSpeed's bf16 optimizer — the fragment of the parameter that falls into this
+        rank's flat partition (DeepSpeed's ``_hp_mapping``), none where it falls elsewhere; no ZeRO —
+        the whole state, replicated on every rank."""
         inner = self._inner()
-        group = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
         params = self._params()
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        if inner.state:
-            step = next(iter(inner.state.values()))["step"]
-            for i, p in enumerate(params):
-                shape = getattr(p, "ds_shape", p.shape)
-                entry = {"step": torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()}
-                for key in ("exp_avg", "exp_avg_sq"):
-                    entry[key] = safe_get_full_optimizer_state(p, key).detach().float().reshape(shape).cpu().clone()
-                state[i] = entry
-        return {"state": state, "param_groups": [{**group, "params": list(range(len(params)))}]}
+        hyper = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
+        numels = [int(getattr(p, "ds_numel", p.numel())) for p in params]
+        shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in params]
+        if not inner.state:
+            return OptimizerShard(numels, [[] for _ in params], hyper, None, False, shapes)
+        step = float(next(iter(inner.state.values()))["step"])
+        zero = self.model.optimizer
+        replicated = not any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params)
+        fragments: list[list[tuple[int, dict[str, torch.Tensor]]]] = []
+        for param in params:
+            p: Any = param  # DeepSpeed's attributes live on the parameter
+            if hasattr(p, "ds_id"):  # ZeRO-3: the parameter's partition on this rank
+                part = p.partition_numel()
+                start = zero._get_param_partition_rank(p) * part
+                n = max(0, min(part, p.ds_numel - start))
+                views = {key: zero._get_fp32_opt_state_partition(p, False, key)[0].narrow(0, 0, n)
+                         for key in STATE_KEYS}
+                fragments.append([(start, views)] if n else [])
+            elif getattr(p, "_hp_mapping", None) is not None:  # ZeRO-1/2, bf16: this rank's fragment
+                m = p._hp_mapping
+                fragments.append([(m.lp_fragment_address.start,
+                                   {key: m.get_optim_state_fragment(key) for key in STATE_KEYS})])
+            elif replicated:  # no partitioning: the optimizer holds the parameter itself
+                fragments.append([(0, {key: inner.state[p][key].view(-1) for key in STATE_KEYS})])
+            else:
+                fragments.append([])
+        return OptimizerShard(numels, fragments, hyper, step, replicated, shapes)
+
+    def prepare_optimizer_shard(self, step: float, hyper: dict[str, Any]) -> OptimizerShard:
+        """Create AdamW's state as its first step would (zeros at ``step``, on the flat partitions this
+        rank owns), link DeepSpeed's per-parameter views to it, set ``hyper``; → the slices to fill."""
+        self._create_state(step)
+        for group in self._inner().param_groups:
+            for key in HYPER_KEYS:
+                if key in hyper and key in group:
+                    group[key] = tuple(hyper[key]) if key == "betas" else hyper[key]
+        return self.optimizer_shard()
+
+    def _create_state(self, step: float) -> None:
+        # torch AdamW creates its state lazily at the first step: create it on the flat partitions this
+        # rank owns, then link DeepSpeed's per-parameter views (ZeRO-1/2) to it
+        inner = self._inner()
+        zero = self.model.optimizer
+        flats = (getattr(zero, "fp32_partitioned_groups_flat", None)  # ZeRO-3 (param groups filled per step)
+                 or [flat for group in inner.param_groups for flat in group["params"]])
+        for flat in flats:
+            inner.state[flat] = {"step": torch.tensor(step, dtype=torch.float32),
+                                 "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+        if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO 1/2, bf16
+            zero._hp_optimizer_states_linked = False
+            zero._lazy_init_hp_params_optimizer_state()
 
     def load_optimizer_state(self, saved: dict[str, Any]) -> None:
+        """A whole ``torch.optim.AdamW`` state dict (checkpoints written before sharding), set on every
+        rank's partitions."""
         from deepspeed.utils import safe_set_full_optimizer_state
         inner = self._inner()
         params = self._params()
@@ -145,18 +196,7 @@ class DeepSpeedEngine:
                     group[key] = value
         if not saved["state"]:
             return
-        step = float(next(iter(saved["state"].values()))["step"])
-        # torch AdamW creates its state lazily at the first step: create it (on the flat partitions this
-        # rank owns), link DeepSpeed's per-parameter views to it, then fill in the full values
-        zero = self.model.optimizer
-        flats = (getattr(zero, "fp32_partitioned_groups_flat", None)  # ZeRO-3 (param groups filled per step)
-                 or [flat for group in inner.param_groups for flat in group["params"]])
-        for flat in flats:
-            inner.state[flat] = {"step": torch.tensor(step, dtype=torch.float32),
-                                 "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
-        if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO 1/2
-            zero._hp_optimizer_states_linked = False
-            zero._lazy_init_hp_params_optimizer_state()
+        self._create_state(float(next(iter(saved["state"].values()))["step"]))
         for i, p in enumerate(params):
             for key in ("exp_avg", "exp_avg_sq"):
                 safe_set_full_optimizer_state(p, saved["state"][i][key].to(self._device()).flatten(), key)

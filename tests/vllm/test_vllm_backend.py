@@ -234,23 +234,35 @@ def test_generator_refuses_too_long_prompt(generator, tokenizer) -> None:
         generator.generate(["short", long_prompt], SamplingParams(n=1, max_new_tokens=2))
 
 
+@pytest.mark.parametrize("path", ["native", "reload_weights"])
 def test_load_weights_in_place_samples_like_a_fresh_engine(model_dir, generator, stop_samples, prompts,
-                                                          tmp_path) -> None:
+                                                          tmp_path, path) -> None:
     """The student engine kept across rounds: an engine started on other weights, then given the model's
-    weights in place (reload_weights, the CPU backend's packed GEMMs rebuilt — the tied LM head among
-    them — and the prefix cache reset), samples exactly what a freshly started engine samples on those
-    weights with the same seed; and before the update it did not."""
+    weights in place — through vLLM's native weight-update session (start / update per shard / finish,
+    sapd's transfer engine on the worker) or, the fallback, ``reload_weights`` — with the CPU backend's
+    packed GEMMs rebuilt (the tied LM head among them) and the prefix cache reset, samples exactly what a
+    freshly started engine samples on those weights with the same seed; and before the update it did
+    not. The model is written in several safetensors shards, so the native path takes several updates."""
+    from transformers import AutoModelForCausalLM
+
     tok = load_tokenizer(str(model_dir))
     other = tmp_path / "other"
     build_tiny_model(tok, other, hidden_size=128, heads=4, kv_heads=2, intermediate_size=256, layers=2, seed=5)
+    sharded = tmp_path / "sharded"  # the model's own weights, in 3 shards (as checkpoints are written)
+    AutoModelForCausalLM.from_pretrained(str(model_dir)).save_pretrained(str(sharded), max_shard_size="150KB")
+    tok.save_pretrained(str(sharded))
+    assert len(list(sharded.glob("*.safetensors"))) >= 3
     params, fresh = stop_samples
     kept = VLLMGenerator.from_path(other, dtype="float32", max_model_len=MAX_MODEL_LEN,
-                                   kv_cache_memory_bytes=128 * 2**20)
+                                   kv_cache_memory_bytes=128 * 2**20, sync_timeout_s=120)
+    if path == "reload_weights":
+        kept._native = False  # what an installed vLLM without the weight-transfer API gets
     assert kept.llm.llm_engine.model_config.hf_config.tie_word_embeddings  # the case vLLM's reload missed
     before = kept.generate(prompts, params)  # also fills the prefix cache with the old weights' blocks
     assert [[s.token_ids for s in g] for g in before] != [[s.token_ids for s in g] for g in fresh]
     kept.release()  # no sleep mode on the CPU backend: stays resident, still usable after load_weights
-    kept.load_weights(model_dir)
+    kept.load_weights(sharded)
+    assert kept.weight_sync == path
     after = kept.generate(prompts, params)
     assert [[s.token_ids for s in g] for g in after] == [[s.token_ids for s in g] for g in fresh]
     assert _max_abs_diff([s.logprobs for g in after for s in g], [s.logprobs for g in fresh for s in g]) < 1e-5
@@ -258,4 +270,40 @@ def test_load_weights_in_place_samples_like_a_fresh_engine(model_dir, generator,
     kept.load_weights(other)
     assert [[s.token_ids for s in g] for g in kept.generate(prompts, params)] == \
         [[s.token_ids for s in g] for g in before]
+    del kept
+
+
+def test_a_weight_sync_past_its_deadline_ends_the_stage(model_dir, prompts, tmp_path, monkeypatch) -> None:
+    """A call of the weight sync that hangs (here a shard that takes 3 s to load) fails after the deadline
+    with one line naming the call, and the engine refuses further work instead of sampling from weights
+    in an unknown state."""
+    import threading
+    import time
+
+    from sapd.models import vllm_backend
+    from sapd.models.vllm_backend import WeightSyncTimeout
+
+    engine_class = vllm_backend._checkpoint_engine_class()
+    slow = engine_class.receive_weights
+
+    def hanging(self, update_info):
+        time.sleep(3)
+        slow(self, update_info)
+
+    monkeypatch.setattr(engine_class, "receive_weights", hanging)
+    kept = VLLMGenerator.from_path(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                                   kv_cache_memory_bytes=64 * 2**20, sync_timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match=r"update_weights \(model\.safetensors, 1 of 1\) did not finish "
+                                                r"within 0\.5 s; .*weight_sync_timeout_s") as e:
+        kept.load_weights(model_dir)
+    assert time.monotonic() - t0 < 2.5 and e.value.exit_code == 75
+    with pytest.raises(RuntimeError, match="unusable after a failed weight sync"):
+        kept.generate(prompts, SamplingParams(n=1, max_new_tokens=2))
+    for t in threading.enumerate():  # let the hung call finish before the engine goes
+        if t.name.startswith("sapd-weight-sync"):
+            t.join(30)
+    # and close the session it left open: vLLM shares some layers (rotary caches) between the engines of a
+    # process, which a half-done layerwise reload leaves unusable for the engines the next tests start
+    kept.llm.collective_rpc("finish_weight_update")
     del kept
