@@ -134,7 +134,7 @@ def test_a_container_sees_rendered_env_volumes_and_rewritten_paths(cluster, tmp_
     assert cluster.wait_job("env", 60) == "Complete", cluster.describe()
     (pod,) = cluster.pods("batch.kubernetes.io/job-name=env")
     seen = json.loads(cluster.logs(pod["metadata"]["name"]).strip().splitlines()[-1])
-    vols = cluster.root / "pods" / "sapd" / pod["metadata"]["name"] / "volumes"
+    vols = cluster.node_root / "pods" / "sapd" / pod["metadata"]["name"] / "volumes"
     assert seen["argv"][0] == f"{vols}/config/config.yaml" and seen["cfg"] == "run_root: x\n"
     assert seen["argv"][1] == "--master-addr=127.0.0.1"  # <pod>.<headless service>
     assert seen["argv"][2] == f"--out={vols}/scratch/x" and seen["argv"][3] == "/etc/sapdx"  # not a mount path
@@ -252,18 +252,19 @@ def test_pods_run_as_their_user_with_a_nodes_volume_permissions(cluster):
             "rwo": {"persistentVolumeClaim": {"claimName": "rwo"}}, "rwx": {"persistentVolumeClaim": {"claimName": "rwx"}},
             "cfg": {"configMap": {"name": "cfg"}}}
     cluster.create(job("who", """
-        import json, os
+        import json, os, sys
         out = {"uid": os.getuid(), "gid": os.getgid(), "groups": sorted(os.getgroups())}
-        for v in ("scratch", "node", "rwo", "rwx", "cfg"):
+        for v, path in zip(("scratch", "node", "rwo", "rwx", "cfg"), sys.argv[1:]):
             try:
-                open(f"/v/{v}/f", "w").write("x")
+                open(path, "w").write("x")
                 out[v] = "written"
             except OSError as e:
                 out[v] = e.strerror
         print(json.dumps(out))
         """, pod={"securityContext": {"runAsUser": 1000, "runAsGroup": 3000, "fsGroup": 2000, "supplementalGroups": [4000]},
                   "volumes": [{"name": n, **v} for n, v in vols.items()]},
-        container={"volumeMounts": [{"name": n, "mountPath": f"/v/{n}"} for n in vols]}))
+        container={"volumeMounts": [{"name": n, "mountPath": f"/v/{n}"} for n in vols],
+                   "args": [f"/v/{n}/f" for n in vols]}))
     assert cluster.wait_job("who", 60) == "Complete", cluster.describe()
     (pod,) = cluster.pods("batch.kubernetes.io/job-name=who")
     seen = json.loads(cluster.logs(pod["metadata"]["name"]).strip().splitlines()[-1])

@@ -33,12 +33,12 @@ What a container gets, and how it differs from a real node (each difference is d
   files, downwardAPI/projected files); hostPath is a folder shared by all pods of the node; a
   persistentVolumeClaim is a folder per claim shared by all pods that mount it. Ownership and modes
   are a node's: emptyDir is 0777; configMap/secret/downwardAPI files are root's, 0644 (``mode``/
-  ``defaultMode`` honoured), read-only to the pod; a hostPath folder the kubelet creates
+  ``defaultMode`` honoured), read-only to the pod (fsGroup: group-readable); a hostPath folder the kubelet creates
   (``DirectoryOrCreate`` or no type) is root's, 0755, and never gets ``fsGroup`` — a non-root pod
   cannot write to it unless the node's admin prepared it (``Cluster.host_path``); a claim's folder is
   created root's, 0755, and gets ``fsGroup`` (group-owned, group-writable, setgid) unless the claim is
-  ReadWriteMany (CSI's default ``fsGroupPolicy: ReadWriteOnceWithFSType`` skips those). emptyDir and
-  projected volumes get ``fsGroup`` too. A pod that cannot write where it must fails, as on a node. Absolute mount paths
+  ReadWriteMany (CSI's default ``fsGroupPolicy: ReadWriteOnceWithFSType`` skips those). emptyDir gets
+  ``fsGroup`` too. A pod that cannot write where it must fails, as on a node. Absolute mount paths
   cannot be created here, so **paths that point into a volume are rewritten**: in the command, args,
   env values and workingDir, any absolute path at or below a mountPath becomes the same path below
   that volume's folder (``/etc/sapd/config.yaml`` → ``…/volumes/config/config.yaml``); nothing else is
@@ -201,7 +201,7 @@ class Kubelet:
                         continue
                     raise PodNotReady(f'{kind.lower()} "{ref}" not found (volume {name})')
                 self._write_items(d, self._data(obj), src.get("items"), src.get("defaultMode", 0o644))
-                self._own(d, fs_group)
+                self._own(d, fs_group, writable=False)
             elif "hostPath" in v:
                 hp = v["hostPath"]
                 d = self.cluster.node_root / "node-hostpath" / hp["path"].strip("/")
@@ -224,7 +224,7 @@ class Kubelet:
                 self._write_items(d, {i["path"]: _field(pod, i["fieldRef"]["fieldPath"])
                                       for i in v["downwardAPI"].get("items", [])}, None,
                                   v["downwardAPI"].get("defaultMode", 0o644))
-                self._own(d, fs_group)
+                self._own(d, fs_group, writable=False)
             elif "projected" in v:
                 d.mkdir(parents=True, exist_ok=True)
                 mode = v["projected"].get("defaultMode", 0o644)
@@ -242,7 +242,7 @@ class Kubelet:
                     elif "serviceAccountToken" in s:
                         self._write_items(d, {s["serviceAccountToken"]["path"]: self.cluster.sa_token(pod) or ""},
                                           None, mode)
-                self._own(d, fs_group)
+                self._own(d, fs_group, writable=False)
             else:
                 raise PodFailedToStart(f"volume {name}: type {sorted(set(v) - {'name'})} is not supported by the harness")
             out[name] = d
@@ -259,18 +259,19 @@ class Kubelet:
             m.mkdir()
             m.chmod(0o755)
 
-    def _own(self, d: Path, fs_group: int | None, recursive: bool = False) -> None:
+    def _own(self, d: Path, fs_group: int | None, recursive: bool = False, writable: bool = True) -> None:
         """fsGroup on a volume: group-owned by it, group read/write, setgid folders (what the kubelet's
-        SetVolumeOwnership does); a no-op without fsGroup, or when the harness cannot chown."""
+        SetVolumeOwnership does); read-only volumes (configMap, secret, …: mounted read-only on a node)
+        only change group. A no-op without fsGroup, or when the harness cannot chown."""
         if fs_group is None or not self.identity:
             return
-        for p in [d, *(d.rglob("*") if recursive else ())]:
+        for p in [d, *(d.rglob("*") if recursive or not writable else ())]:
             st = p.lstat()
             os.chown(p, -1, int(fs_group), follow_symlinks=False)
             if p.is_dir():
-                p.chmod(st.st_mode & 0o7777 | 0o2070)
+                p.chmod(st.st_mode & 0o7777 | (0o2070 if writable else 0o050))
             elif p.is_file():
-                p.chmod(st.st_mode & 0o7777 | 0o060)
+                p.chmod(st.st_mode & 0o7777 | (0o060 if writable else 0o040))
 
     @staticmethod
     def _data(obj: dict) -> dict[str, str]:
@@ -477,7 +478,8 @@ class Kubelet:
         log = c.log.open("ab")
         who: dict[str, Any] = {}
         if self.identity:
-            who = {"user": c.uid, "group": c.gid, "extra_groups": c.groups, "umask": 0o022}
+            # the runtime's supplementary groups: the primary group, fsGroup, supplementalGroups
+            who = {"user": c.uid, "group": c.gid, "extra_groups": sorted({c.gid, *c.groups}), "umask": 0o022}
         try:
             c.proc = subprocess.Popen(c.argv, cwd=c.cwd, env=c.env, stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True, **who)
