@@ -217,6 +217,7 @@ podFailurePolicy:
     - action: Ignore
       onPodConditions:
         - type: DisruptionTarget
+          status: "True"
     - action: FailJob
       onExitCodes:
         containerName: {{ .container | default .component }}
