@@ -305,7 +305,8 @@ def test_each_image_target_runs_in_its_own_environment(cluster):
         (pod,) = cluster.pods(f"batch.kubernetes.io/job-name=env-{target}")
         seen[target] = json.loads(cluster.logs(pod["metadata"]["name"]).strip().splitlines()[-1])
     assert seen["cpu"]["prefix"].endswith("/.cache/images/cpu")
-    assert seen["eval"]["prefix"].endswith("/.cache/images/eval") and seen["gpu"]["prefix"].endswith(".venv-vllm")
+    assert seen["eval"]["prefix"].endswith("/.cache/images/eval") and seen["gpu"]["prefix"].endswith("/.cache/images/gpu")
+    assert Path(seen["gpu"]["prefix"]).resolve().name == ".venv-vllm"  # the gpu environment is .venv-vllm
     has = {t: {m for m, v in s.items() if v is True} for t, s in seen.items()}
     assert has == {"cpu": {"textworld", "bm25s", "deepspeed"}, "gpu": {"vllm", "deepspeed"},
                    "eval": {"textworld", "alfworld", "bm25s", "vllm", "deepspeed"}}

