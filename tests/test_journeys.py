@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -298,7 +299,7 @@ def test_the_readme_and_notes_kubectl_commands_show_the_run(smoke, cluster):
     described = kubectl(cluster, "-n", NS, "describe", "job", "sapd-smoke-train-r0")
     uid = cluster.job("sapd-smoke-train-r0")["metadata"]["uid"]
     assert f"batch.kubernetes.io/controller-uid={uid}" in described
-    assert "Pods Statuses:    0 Active (0 Ready) / 1 Succeeded / 0 Failed" in described
+    assert re.search(r"Pods Statuses: +0 Active \(0 Ready\) / 1 Succeeded / 0 Failed", described), described
     pods = kubectl(cluster, "-n", NS, "get", "pods", "-l", "batch.kubernetes.io/job-name=sapd-smoke-train-r0")
     assert [ln.split()[1:3] for ln in pods.splitlines()[1:]] == [["0/1", "Completed"]]
 
