@@ -91,6 +91,11 @@ class Cluster:
     # -------------------------------------------------------------------------------- lifecycle
 
     def start(self) -> "Cluster":
+        if self.kubelet.identity:  # pods run as uid 1000: they must reach the checkout and its environments
+            for p in [REPO, *REPO.parents]:
+                if not p.stat().st_mode & 0o001:
+                    raise RuntimeError(f"the harness's pods run as their own users (uid 1000) and cannot reach "
+                                       f"{REPO}: {p} is not searchable by others (chmod o+x {p})")
         self.api.start()
         self.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": self.namespace}})
         self.create({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}}, self.namespace)
