@@ -204,7 +204,7 @@ def test_batch_fields_and_failure_policy_on_every_job(rendered):
         assert spec["template"]["spec"]["restartPolicy"] == "Never"
         assert spec["podReplacementPolicy"] == "Failed"
         rules = spec["podFailurePolicy"]["rules"]
-        assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+        assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
         fail = [r for r in rules if r["action"] == "FailJob"]
         assert len(fail) == 1 and fail[0]["onExitCodes"]["containerName"] == container(spec)["name"]
         codes = fail[0]["onExitCodes"]["values"]
