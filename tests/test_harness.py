@@ -1,12 +1,15 @@
 """The journey harness itself (tests/k8s_harness): its Job semantics, its API server's authentication,
-RBAC and validation, and what a container sees — each on tiny `python -c` pods, so that a journey
-failing in tests/test_journeys.py can be trusted to be the chart's or sapd's fault, not the harness's."""
+RBAC, validation, defaulting and discovery (driven by the real kubectl), its queue admission, and what
+a container sees — its image target's environment, its user, its volumes' permissions — each on tiny
+`python -c` pods, so that a journey failing in tests/test_journeys.py can be trusted to be the chart's
+or sapd's fault, not the harness's. The pods run as uid 1000 (the image's USER) unless they say
+otherwise, which needs the test process to be root (as in CI)."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
-import sys
 import textwrap
 from pathlib import Path
 
@@ -30,7 +33,7 @@ def cluster(tmp_path):
 
 def job(name: str, script: str, **spec) -> dict:
     pod = spec.pop("pod", {})
-    container = {"name": "main", "image": IMAGE, "command": [sys.executable, "-c", textwrap.dedent(script)],
+    container = {"name": "main", "image": IMAGE, "command": ["python", "-c", textwrap.dedent(script)],
                  **spec.pop("container", {})}
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
             "spec": {"template": {"spec": {"restartPolicy": "Never", "containers": [container], **pod}}, **spec}}
@@ -42,6 +45,7 @@ MOUNT = {"volumeMounts": [{"name": "shared", "mountPath": "/shared"}]}
 
 def test_indexed_job_retries_one_index_and_completes(cluster):
     # index 1 fails once (exit 3, counted) and succeeds on its second pod; every pod sees its index
+    cluster.host_path("/var/harness-test", owner=(1000, 1000))  # the node's admin hands it to the pods' user
     cluster.create(job("idx", """
         import os, pathlib
         i = os.environ["JOB_COMPLETION_INDEX"]
@@ -60,7 +64,7 @@ def test_indexed_job_retries_one_index_and_completes(cluster):
         i = p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"]
         assert p["metadata"]["name"].startswith(f"idx-{i}-") and p["spec"]["hostname"] == f"idx-{i}"
         assert f"index {i} host idx-{i}" in cluster.logs(p["metadata"]["name"])
-    assert (cluster.root / "node-hostpath/var/harness-test/tried-1").exists()  # hostPath: shared by the node
+    assert (cluster.host_path("/var/harness-test") / "tried-1").exists()  # hostPath: shared by the node
 
 
 def test_pod_failure_policy_fail_job_ends_the_job_and_its_running_pods(cluster):
@@ -131,7 +135,7 @@ def test_a_container_sees_rendered_env_volumes_and_rewritten_paths(cluster, tmp_
     assert cluster.wait_job("env", 60) == "Complete", cluster.describe()
     (pod,) = cluster.pods("batch.kubernetes.io/job-name=env")
     seen = json.loads(cluster.logs(pod["metadata"]["name"]).strip().splitlines()[-1])
-    vols = cluster.root / "pods" / "sapd" / pod["metadata"]["name"] / "volumes"
+    vols = cluster.node_root / "pods" / "sapd" / pod["metadata"]["name"] / "volumes"
     assert seen["argv"][0] == f"{vols}/config/config.yaml" and seen["cfg"] == "run_root: x\n"
     assert seen["argv"][1] == "--master-addr=127.0.0.1"  # <pod>.<headless service>
     assert seen["argv"][2] == f"--out={vols}/scratch/x" and seen["argv"][3] == "/etc/sapdx"  # not a mount path
@@ -143,10 +147,16 @@ def test_a_container_sees_rendered_env_volumes_and_rewritten_paths(cluster, tmp_
     assert yaml.safe_load(Path(env["KUBECONFIG"]).read_text())["users"][0]["user"] == {"token": cluster.sa_tokens[("sapd", "default")]}
 
 
-def test_a_pod_that_writes_to_its_root_filesystem_is_recorded(cluster):
-    cluster.create(job("rootfs", "open('cache.txt', 'w').write('x')"))
+def test_a_pod_that_writes_to_its_root_filesystem_is_recorded_or_refused(cluster):
+    # as root (the image's files are root's) the write lands, and is recorded: a read-only root refuses it
+    cluster.create(job("rootfs", "open('cache.txt', 'w').write('x')", pod={"securityContext": {"runAsUser": 0}}))
     assert cluster.wait_job("rootfs", 60) == "Complete"
     assert [path for _, path in cluster.kubelet.rootfs_writes] == ["/app/cache.txt"]
+    # as the image's user (1000) it fails at once, as on a node
+    cluster.create(job("rootfs-1000", "open('cache.txt', 'w').write('x')", backoffLimit=0))
+    assert cluster.wait_job("rootfs-1000", 60) == "Failed"
+    (pod,) = cluster.pods("batch.kubernetes.io/job-name=rootfs-1000")
+    assert "PermissionError: [Errno 13] Permission denied: 'cache.txt'" in cluster.logs(pod["metadata"]["name"])
 
 
 def test_a_missing_secret_keeps_the_pod_pending_and_a_gpu_request_unschedulable(cluster):
@@ -229,3 +239,133 @@ def test_helm_upgrade_refuses_an_immutable_change_and_keeps_resource_policy_keep
     cluster.helm.upgrade("r", set_values=["kept=false"])  # the ConfigMap is no longer rendered, but kept
     assert cluster.store.get("ConfigMap", "sapd", "kept") is not None
     assert cluster.job("r-job")["metadata"]["annotations"]["meta.helm.sh/release-name"] == "r"
+
+
+def test_pods_run_as_their_user_with_a_nodes_volume_permissions(cluster):
+    """runAsUser/runAsGroup/fsGroup as a kubelet applies them: emptyDir and a ReadWriteOnce claim are
+    writable through fsGroup; a hostPath the kubelet creates (root's, 0755) and a ReadWriteMany claim
+    (no fsGroup) are not; a configMap is read-only."""
+    for name, mode in (("rwo", "ReadWriteOnce"), ("rwx", "ReadWriteMany")):
+        cluster.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+                        "spec": {"accessModes": [mode], "resources": {"requests": {"storage": "1Gi"}}}})
+    cluster.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"a": "1"}})
+    vols = {"scratch": {"emptyDir": {}}, "node": {"hostPath": {"path": "/var/new-cache", "type": "DirectoryOrCreate"}},
+            "rwo": {"persistentVolumeClaim": {"claimName": "rwo"}}, "rwx": {"persistentVolumeClaim": {"claimName": "rwx"}},
+            "cfg": {"configMap": {"name": "cfg"}}}
+    cluster.create(job("who", """
+        import json, os, sys
+        out = {"uid": os.getuid(), "gid": os.getgid(), "groups": sorted(os.getgroups())}
+        for v, path in zip(("scratch", "node", "rwo", "rwx", "cfg"), sys.argv[1:]):
+            try:
+                open(path, "w").write("x")
+                out[v] = "written"
+            except OSError as e:
+                out[v] = e.strerror
+        print(json.dumps(out))
+        """, pod={"securityContext": {"runAsUser": 1000, "runAsGroup": 3000, "fsGroup": 2000, "supplementalGroups": [4000]},
+                  "volumes": [{"name": n, **v} for n, v in vols.items()]},
+        container={"volumeMounts": [{"name": n, "mountPath": f"/v/{n}"} for n in vols],
+                   "args": [f"/v/{n}/f" for n in vols]}))
+    assert cluster.wait_job("who", 60) == "Complete", cluster.describe()
+    (pod,) = cluster.pods("batch.kubernetes.io/job-name=who")
+    seen = json.loads(cluster.logs(pod["metadata"]["name"]).strip().splitlines()[-1])
+    assert seen == {"uid": 1000, "gid": 3000, "groups": [2000, 3000, 4000], "scratch": "written",
+                    "node": "Permission denied", "rwo": "written", "rwx": "Permission denied",
+                    "cfg": "Permission denied"}
+    node = cluster.host_path("/var/new-cache")
+    assert (node.stat().st_uid, oct(node.stat().st_mode & 0o777)) == (0, "0o755")
+    # a pod that must write there fails, as on a node, until the node's admin hands the folder over
+    write = "open('/cache/x', 'w').write('x')"
+    mount = {"volumeMounts": [{"name": "node", "mountPath": "/cache"}]}
+    cluster.create(job("must-write", write, backoffLimit=0, pod={"volumes": [{"name": "node", **vols["node"]}]},
+                       container=mount))
+    assert cluster.wait_job("must-write", 60) == "Failed"
+    cluster.host_path("/var/new-cache", owner=(1000, 1000))
+    cluster.create(job("must-write-2", write, backoffLimit=0, pod={"volumes": [{"name": "node", **vols["node"]}]},
+                       container=mount))
+    assert cluster.wait_job("must-write-2", 60) == "Complete"
+    # runAsNonRoot with root: the container is never started
+    cluster.create(job("nonroot", "print(1)", pod={"securityContext": {"runAsUser": 0, "runAsNonRoot": True}}))
+    p = cluster.wait_pod("batch.kubernetes.io/job-name=nonroot", lambda p: p["status"].get("message"), 30)
+    assert p["status"]["phase"] == "Pending" and "runAsNonRoot" in p["status"]["message"]
+
+
+def test_each_image_target_runs_in_its_own_environment(cluster):
+    """cpu has TextWorld and no vLLM; gpu has vLLM (its CPU build here) and no TextWorld; eval has both
+    and ALFWorld — each from the Dockerfile's install script, not from the test's environment."""
+    probe = """
+        import importlib.util, json, sys
+        print(json.dumps({"prefix": sys.prefix, **{m: importlib.util.find_spec(m) is not None
+                          for m in ("textworld", "alfworld", "bm25s", "vllm", "deepspeed", "pytest_timeout")}}))
+        """
+    for target in ("cpu", "gpu", "eval"):
+        cluster.create(job(f"env-{target}", probe, container={"image": f"ghcr.io/sapd/sapd:0.1.0-{target}"}))
+    seen = {}
+    for target in ("cpu", "gpu", "eval"):
+        assert cluster.wait_job(f"env-{target}", 120) == "Complete", cluster.describe()
+        (pod,) = cluster.pods(f"batch.kubernetes.io/job-name=env-{target}")
+        seen[target] = json.loads(cluster.logs(pod["metadata"]["name"]).strip().splitlines()[-1])
+    assert seen["cpu"]["prefix"].endswith("/.cache/images/cpu")
+    assert seen["eval"]["prefix"].endswith("/.cache/images/eval") and seen["gpu"]["prefix"].endswith("/.cache/images/gpu")
+    assert Path(seen["gpu"]["prefix"]).resolve().name == ".venv-vllm"  # the gpu environment is .venv-vllm
+    has = {t: {m for m, v in s.items() if v is True} for t, s in seen.items()}
+    assert has == {"cpu": {"textworld", "bm25s", "deepspeed"}, "gpu": {"vllm", "deepspeed"},
+                   "eval": {"textworld", "alfworld", "bm25s", "vllm", "deepspeed"}}
+
+
+def test_real_kubectl_creates_gets_describes_and_reads_logs(cluster):
+    """The real kubectl (1.32) against the API server: discovery, Job defaulting (selector, template
+    labels), Tables, events, logs by Job and by selector. (kubectl's typed `create job` sends protobuf,
+    which the harness refuses with 415: that is checked too, so the day it works the test says so.)"""
+    version = json.loads(cluster.kubectl("version", "-o", "json"))
+    assert version["serverVersion"]["gitVersion"] == "v1.33.0"
+    spec = job("hello", "print('line 1'); print('line 2')")
+    assert cluster.kubectl("create", "--validate=false", "-f", "-", input=json.dumps(spec)).strip() == "job.batch/hello created"
+    assert cluster.wait_job("hello", 60) == "Complete", cluster.describe()
+    j = cluster.job("hello")
+    uid = j["metadata"]["uid"]
+    assert j["spec"]["selector"] == {"matchLabels": {"batch.kubernetes.io/controller-uid": uid}}
+    assert j["spec"]["template"]["metadata"]["labels"]["batch.kubernetes.io/job-name"] == "hello"
+    assert (j["spec"]["completions"], j["spec"]["parallelism"], j["spec"]["backoffLimit"]) == (1, 1, 6)
+    table = cluster.kubectl("get", "jobs").splitlines()
+    assert table[0].split() == ["NAME", "STATUS", "COMPLETIONS", "DURATION", "AGE"]
+    assert table[1].split()[:3] == ["hello", "Complete", "1/1"]
+    pods = cluster.kubectl("get", "pods", "-l", "batch.kubernetes.io/job-name=hello").splitlines()
+    assert pods[0].split() == ["NAME", "READY", "STATUS", "RESTARTS", "AGE"] and pods[1].split()[1:4] == ["0/1", "Completed", "0"]
+    assert cluster.kubectl("logs", "job/hello") == "line 1\nline 2\n"
+    assert cluster.kubectl("logs", "-l", "job-name=hello", "--tail=1") == "line 2\n"
+    described = cluster.kubectl("describe", "job", "hello")
+    assert re.search(rf"Selector: +batch.kubernetes.io/controller-uid={uid}\n", described), described
+    assert re.search(r"Pods Statuses: +0 Active \(0 Ready\) / 1 Succeeded / 0 Failed", described), described
+    assert "CompletionsReached" in described  # the controller's event
+    cluster.create({"apiVersion": "batch/v1", "kind": "CronJob", "metadata": {"name": "tick"},
+                    "spec": {"schedule": "0 * * * *", "jobTemplate": {"spec": job("x", "print('tick')")["spec"]}}})
+    assert cluster.kubectl("get", "cronjobs").split()[:9] == ["NAME", "SCHEDULE", "TIMEZONE", "SUSPEND", "ACTIVE",
+                                                              "LAST", "SCHEDULE", "AGE", "tick"]
+    refused = cluster.kubectl("create", "job", "--from=cronjob/tick", "tick-now", check=False)
+    assert "the body of the request was in an unknown format" in refused  # protobuf: not decoded here
+
+
+def test_queue_admission_keeps_jobs_suspended_until_their_quota_frees(tmp_path):
+    """A Kueue-like admission: two Jobs of queue `team` (quota: 1 CPU) each asking 1 CPU run one after
+    the other; a Job for a queue the cluster lacks waits; an unlabelled Job runs at once."""
+    c = Cluster(tmp_path / "cluster", backoff_base_seconds=0.05, max_grace_seconds=2,
+                queues={"team": {"cpu": "1"}}).start()
+    try:
+        one_cpu = {"resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "1"}}}
+        for name, queue in (("first", "team"), ("second", "team"), ("lost", "nope"), ("free", None)):
+            spec = job(name, "import time; time.sleep(1.5)", container=one_cpu)
+            if queue:
+                spec["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": queue}
+            c.create(spec)
+        assert c.wait_job("first", 60) == "Complete" and c.wait_job("free", 60) == "Complete"
+        assert c.wait_job("second", 60) == "Complete", c.describe()
+        first, second = c.job("first")["status"], c.job("second")["status"]
+        assert second["startTime"] >= first["completionTime"]  # admitted only once `first` was done
+        assert c.job("lost")["spec"]["suspend"] is True and c.pods("batch.kubernetes.io/job-name=lost") == []
+        rows = {r.split()[0]: r.split()[1] for r in c.kubectl("get", "jobs").splitlines()[1:]}
+        assert rows == {"first": "Complete", "second": "Complete", "lost": "Suspended", "free": "Complete"}
+        reasons = [e["reason"] for e in c.store.events if e["name"] == "second"]
+        assert reasons.index("Suspended") < reasons.index("QuotaReserved") < reasons.index("Resumed")
+    finally:
+        c.stop()

@@ -1,11 +1,14 @@
 """A cluster in a test process, to run the Helm chart the way Kubernetes runs it.
 
 ``Cluster`` (cluster.py) holds an object store (store.py) behind a real HTTPS API server on 127.0.0.1
-(apiserver.py: bearer-token authentication, RBAC from the rendered Roles, strict schema validation,
-immutable fields), a Job controller, a CronJob trigger, a garbage collector (controllers.py), and a
-kubelet that runs every container of every pod as a local process with the rendered command, args,
-env, volumes and working directory (kubelet.py; the image's ENTRYPOINT/WORKDIR/ENV come from the
-Dockerfile, image.py). ``Cluster.helm`` installs, upgrades, tests and uninstalls releases with Helm's
+(apiserver.py: bearer-token authentication, RBAC from the rendered Roles, the API's defaulting
+(admission.py), strict schema validation, immutable fields, discovery and Tables for the real
+kubectl — ``Cluster.kubectl``), a Job controller, a CronJob trigger, a garbage collector and an
+optional Kueue-like queue admission (controllers.py), and a kubelet that runs every container of
+every pod as a local process with the rendered command, args, env, volumes and working directory, as
+the pod's user, in its image target's own Python environment (kubelet.py; the image's
+ENTRYPOINT/WORKDIR/ENV/USER come from the Dockerfile, its packages from ``docker/install.sh``,
+image.py). ``Cluster.helm`` installs, upgrades, tests and uninstalls releases with Helm's
 own template engine (helm.py). Each module's docstring lists what it reproduces and where it departs
 from a real cluster (path rewriting into volumes, pod DNS names → 127.0.0.1, shortened back-off).
 

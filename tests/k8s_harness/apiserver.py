@@ -2,8 +2,14 @@
 
 Served: namespaced ``create``/``get``/``list``/``update``/``patch`` (JSON merge patch)/``delete`` of
 every kind in :data:`store.KINDS` (core ``/api/v1``, groups ``/apis/<group>/<version>``), cluster-scoped
-kinds, ``pods/<name>/log`` (``container``, ``tailLines``), ``/version``. Not served: watch, server-side
-apply, discovery beyond ``/version``.
+kinds, ``pods/<name>/log`` (``container``, ``tailLines``; ``follow`` answers what there is and
+ends), events (the controllers' events as core/v1 Events, ``fieldSelector`` on ``involvedObject.*``),
+``/version`` (:data:`cluster.KUBE_VERSION`), legacy discovery (``/api``, ``/apis``, each group
+version's resource list), and ``meta.k8s.io/v1`` Tables when the client asks for them
+(:mod:`tables`) — enough for the real ``kubectl`` (1.32) to run ``get``, ``describe``, ``logs`` and
+``create -f --validate=false`` against it. Not served: watch, server-side apply, aggregated discovery (kubectl falls
+back to the legacy form), OpenAPI documents, and request bodies in protobuf (415): kubectl's typed
+commands (``create job``, ``create job --from=cronjob/…``) send those, and fail here.
 
 What it enforces, like a real API server:
 
@@ -26,12 +32,14 @@ import json
 import re
 import ssl
 import threading
+import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .store import BY_PLURAL, Conflict, Invalid, Kind, NotFound
+from .store import BY_PLURAL, KINDS, SHORT_NAMES, Conflict, Invalid, Kind, NotFound
+from .tables import table
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -195,6 +203,81 @@ class ApiServer:
                                                "immutable after creation except resources.requests")
 
 
+_VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
+_CATEGORY_ALL = {"pods", "services", "jobs", "cronjobs", "deployments"}
+
+
+def discovery(path: str, server: str) -> dict | None:
+    """Legacy discovery documents: /api, /apis, /api/v1, /apis/<group>[/<version>]; None if not one."""
+    groups: dict[str, set[str]] = {}
+    for k in KINDS:
+        groups.setdefault(k.group, set()).add(k.version)
+    if path == "/api":
+        return {"kind": "APIVersions", "versions": ["v1"],
+                "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": server}]}
+
+    def group_doc(g: str) -> dict:
+        vs = [{"groupVersion": f"{g}/{v}", "version": v} for v in sorted(groups[g])]
+        return {"name": g, "versions": vs, "preferredVersion": vs[0]}
+    if path == "/apis":
+        return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [group_doc(g) for g in sorted(groups) if g]}
+    m = re.fullmatch(r"/apis/([^/]+)", path)
+    if m and m.group(1) in groups and m.group(1):
+        return {"kind": "APIGroup", "apiVersion": "v1", **group_doc(m.group(1))}
+    m = re.fullmatch(r"/api/(v1)|/apis/([^/]+)/([^/]+)", path)
+    if not m:
+        return None
+    group, version = ("", "v1") if m.group(1) else (m.group(2), m.group(3))
+    if version not in groups.get(group, set()):
+        return None
+    resources = []
+    for k in KINDS:
+        if (k.group, k.version) != (group, version):
+            continue
+        resources.append({"name": k.plural, "singularName": k.kind.lower(), "namespaced": k.namespaced,
+                          "kind": k.kind, "verbs": _VERBS, "shortNames": SHORT_NAMES.get(k.plural, []),
+                          **({"categories": ["all"]} if k.plural in _CATEGORY_ALL else {})})
+        if k.kind in ("Pod", "Job", "CronJob", "JobSet", "Deployment"):
+            resources.append({"name": f"{k.plural}/status", "singularName": "", "namespaced": True, "kind": k.kind,
+                              "verbs": ["get", "patch", "update"]})
+        if k.kind == "Pod":
+            resources.append({"name": "pods/log", "singularName": "", "namespaced": True, "kind": "Pod",
+                              "verbs": ["get"]})
+    return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{group}/{version}" if group else version,
+            "resources": resources}
+
+
+def event_objects(events: list[dict], namespace: str | None, field_selector: str | None) -> list[dict]:
+    """The controllers' events (Store.event) as core/v1 Events, filtered as ``fieldSelector`` asks."""
+    want = dict(p.split("=", 1) for p in (field_selector or "").split(",") if "=" in p)
+    out = []
+    for i, e in enumerate(events):
+        inv = {"kind": e["kind"], "name": e["name"], "namespace": e.get("namespace", ""), "uid": e.get("uid", ""),
+               "apiVersion": e.get("apiVersion", "")}
+        if namespace and inv["namespace"] not in (namespace, ""):
+            continue
+        if any(inv.get(k.split(".", 1)[1]) != v for k, v in want.items() if k.startswith("involvedObject.")):
+            continue
+        t = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(e["time"]))
+        out.append({"apiVersion": "v1", "kind": "Event",
+                    "metadata": {"name": f"{e['name']}.{i:016x}", "namespace": inv["namespace"],
+                                 "creationTimestamp": t, "uid": f"event-{i}", "resourceVersion": str(i + 1)},
+                    "involvedObject": inv, "reason": e["reason"], "message": e["message"], "type": e["type"],
+                    "count": 1, "firstTimestamp": t, "lastTimestamp": t,
+                    "source": {"component": "job-controller" if e["kind"] == "Job" else "harness"}})
+    return out
+
+
+def strip_null_timestamps(obj: Any) -> Any:
+    """Drop ``creationTimestamp: null`` (what clients send in new objects and templates), as the API
+    server ignores it; the schema would refuse a null."""
+    if isinstance(obj, dict):
+        return {k: strip_null_timestamps(v) for k, v in obj.items() if not (k == "creationTimestamp" and v is None)}
+    if isinstance(obj, list):
+        return [strip_null_timestamps(v) for v in obj]
+    return obj
+
+
 def merge_patch(target: Any, patch: Any) -> Any:
     if not isinstance(patch, dict):
         return patch
@@ -258,10 +341,19 @@ class _Handler(BaseHTTPRequestHandler):
             if parts.path == "/version":
                 code = 200
                 major, minor, _ = self.api.cluster.kube_version.split(".")
-                return self._send(200, {"major": major, "minor": minor, "gitVersion": f"v{self.api.cluster.kube_version}"})
+                return self._send(200, {"major": major, "minor": minor, "gitVersion": f"v{self.api.cluster.kube_version}",
+                                        "platform": "linux/amd64"})
             if user is None:
                 raise ApiError(401, "Unauthorized", "Unauthorized")
-            code = self._route(method, parts.path, query, json.loads(raw) if raw.strip() else None, user)
+            doc = discovery(parts.path.rstrip("/"), f"127.0.0.1:{self.api.port}") if method == "GET" else None
+            if doc is not None:
+                code = 200
+                return self._send(200, doc)
+            if raw and "protobuf" in (self.headers.get("Content-Type") or ""):
+                raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - "
+                               "accepted media types include: application/json, application/merge-patch+json")
+            body = strip_null_timestamps(json.loads(raw)) if raw.strip() else None
+            code = self._route(method, parts.path, query, body, user)
         except ApiError as e:
             code = e.code
             self._status(e.code, e.reason, e.message)
@@ -300,6 +392,7 @@ class _Handler(BaseHTTPRequestHandler):
         store = self.api.cluster.store
         if verb == "watch":
             raise ApiError(405, "MethodNotAllowed", "watch is not served by the harness")
+        as_table = "as=Table" in self.headers.get("Accept", "")
         if sub == "log" and kind.kind == "Pod":
             if store.get("Pod", ns, name) is None:
                 raise NotFound(f'pods "{name}" not found')
@@ -318,23 +411,30 @@ class _Handler(BaseHTTPRequestHandler):
             if ns and body.get("metadata", {}).get("namespace") not in (None, ns):
                 raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the "
                                                   "namespace sent on the request")
-            self.api.validate(kind, body, strict)
-            obj = self.api.cluster.create(body, ns)
+            obj = self.api.cluster.create(body, ns, validate=True, strict=strict)
             self._send(201, obj)
             return 201
         if method == "GET" and name is None:
             items = store.list(kind.kind, ns, query.get("labelSelector"))
-            self._send(200, {"kind": f"{kind.kind}List", "apiVersion": kind.api_version,
-                             "metadata": {"resourceVersion": "1"}, "items": items})
+            if kind.kind == "Event":
+                items += event_objects(store.events, ns, query.get("fieldSelector"))
+            if as_table:
+                self._send(200, table(kind.kind, items))
+            else:
+                self._send(200, {"kind": f"{kind.kind}List", "apiVersion": kind.api_version,
+                                 "metadata": {"resourceVersion": "1"}, "items": items})
             return 200
         obj = store.get(kind.kind, ns, name)
         if obj is None:
             raise NotFound(f'{plural}{"." + group if group else ""} "{name}" not found')
         if method == "GET":
-            self._send(200, obj)
+            self._send(200, table(kind.kind, [obj]) if as_table and sub is None else obj)
             return 200
         if method in ("PUT", "PATCH"):
             new = body if method == "PUT" else merge_patch(obj, body)
+            if kind.kind == "Job" and sub is None:  # the API server defaults an update as it does a create
+                from .admission import default_job
+                new = default_job({**new, "metadata": {**new.get("metadata", {}), "name": name}}, obj["metadata"]["uid"])
             self.api.validate(kind, new, strict)
             if sub == "status":
                 out = store.update({**obj, "status": new.get("status", {})}, status_only=True)

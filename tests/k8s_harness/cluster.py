@@ -5,19 +5,24 @@ injection) and waits with diagnostics."""
 from __future__ import annotations
 
 import base64
+import os
 import secrets
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
 
+from .admission import default_cronjob, default_job, kueue_webhook
 from .apiserver import ApiServer
-from .controllers import GarbageCollector, JobController
+from .controllers import GarbageCollector, JobController, QueueAdmission
 from .helm import Helm
 from .kubelet import REPO, Kubelet
 from .store import Store
@@ -39,20 +44,33 @@ def make_certs(d: Path) -> tuple[Path, Path, Path]:
     return ca, cert, key
 
 
+# the version the API server reports and validates against: within the supported skew (±1 minor) of
+# the kubectl 1.32 that the journeys run (/usr/bin/kubectl), and inside the chart's kubeVersion range
+KUBE_VERSION = "1.33.0"
+
+
 class Cluster:
+    """``queues``: run a Kueue-like admission (controllers.QueueAdmission) with these LocalQueues, each
+    a nominal quota, e.g. ``{"team": {"nvidia.com/gpu": 8, "cpu": 64}}``; None: no Kueue installed (the
+    queue-name label means nothing). The node's folders (pods, hostPath, claims) live in a fresh
+    folder under the system's temporary directory that any user may traverse (``node_root``), since
+    pods run as their own users; it goes with ``stop()``."""
+
     def __init__(self, root: Path, *, namespace: str = "sapd", backoff_base_seconds: float = 0.2,
                  max_grace_seconds: float = 5.0, deadline_scale: float = 1.0,
-                 node_capacity: dict[str, Any] | None = None, kube_version: str | None = None,
-                 dockerfile: Path = REPO / "Dockerfile", tick_seconds: float = 0.05) -> None:
-        import kubernetes_validate
+                 node_capacity: dict[str, Any] | None = None, kube_version: str = KUBE_VERSION,
+                 dockerfile: Path = REPO / "Dockerfile", tick_seconds: float = 0.05,
+                 queues: dict[str, dict[str, Any]] | None = None) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        self.node_root = Path(tempfile.mkdtemp(prefix="sapd-harness-node-"))
+        self.node_root.chmod(0o755)
         self.namespace = namespace
         self.backoff_base_seconds = backoff_base_seconds
         self.max_grace_seconds = max_grace_seconds
         self.deadline_scale = deadline_scale
         self.node_capacity = node_capacity or {}
-        self.kube_version = kube_version or kubernetes_validate.utils.latest_version()
+        self.kube_version = kube_version
         self.dockerfile = dockerfile
         self.tick = tick_seconds
         self.store = Store()
@@ -64,6 +82,7 @@ class Cluster:
         self.kubelet = Kubelet(self)
         self.jobs = JobController(self)
         self.gc = GarbageCollector(self)
+        self.queues = QueueAdmission(self, queues) if queues is not None else None
         self.helm = Helm(self)
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -72,6 +91,11 @@ class Cluster:
     # -------------------------------------------------------------------------------- lifecycle
 
     def start(self) -> "Cluster":
+        if self.kubelet.identity:  # pods run as uid 1000: they must reach the checkout and its environments
+            for p in [REPO, *REPO.parents]:
+                if not p.stat().st_mode & 0o001:
+                    raise RuntimeError(f"the harness's pods run as their own users (uid 1000) and cannot reach "
+                                       f"{REPO}: {p} is not searchable by others (chmod o+x {p})")
         self.api.start()
         self.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": self.namespace}})
         self.create({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}}, self.namespace)
@@ -83,10 +107,11 @@ class Cluster:
         self._thread.join(timeout=10)
         self.kubelet.stop_all()
         self.api.stop()
+        shutil.rmtree(self.node_root, ignore_errors=True)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            for part in (self.kubelet, self.jobs, self.gc):
+            for part in (self.kubelet, *([self.queues] if self.queues else []), self.jobs, self.gc):
                 try:
                     part.sync()
                 except Exception:  # noqa: BLE001 - a controller bug must show up in the test, not kill the loop
@@ -97,13 +122,27 @@ class Cluster:
 
     # -------------------------------------------------------------------------------- objects
 
-    def create(self, obj: dict, namespace: str | None = None) -> dict:
+    def create(self, obj: dict, namespace: str | None = None, *, validate: bool = False,
+               strict: bool = False) -> dict:
+        """Create as the API server does: defaults and admission webhooks first, then (``validate``)
+        the schema and name checks, then the store."""
         obj = dict(obj)
         if obj["kind"] == "Secret" and obj.get("stringData"):
             data = dict(obj.get("data") or {})
             data.update({k: base64.b64encode(str(v).encode()).decode() for k, v in obj["stringData"].items()})
             obj = {**{k: v for k, v in obj.items() if k != "stringData"}, "data": data}
-        out = self.store.create(obj, namespace or self.namespace)
+        uid = str(uuid.uuid4())
+        obj["metadata"] = dict(obj.get("metadata") or {})
+        if obj["kind"] == "Job" and obj["metadata"].get("name"):
+            obj = default_job(obj, uid)
+            if self.queues is not None:
+                obj = kueue_webhook(obj)
+        elif obj["kind"] == "CronJob":
+            obj = default_cronjob(obj)
+        if validate:
+            from .store import BY_KIND
+            self.api.validate(BY_KIND[obj["kind"]], obj, strict)
+        out = self.store.create(obj, namespace or self.namespace, uid=uid)
         if obj["kind"] == "ServiceAccount":
             token = secrets.token_hex(16)
             key = (out["metadata"]["namespace"], out["metadata"]["name"])
@@ -124,9 +163,10 @@ class Cluster:
 
     def kubeconfig_text(self, token: str | None, namespace: str) -> str:
         user: dict[str, Any] = {"token": token} if token else {}
+        ca = base64.b64encode(self.ca.read_bytes()).decode()  # inline: pods need not read the test's folder
         return yaml.safe_dump({
             "apiVersion": "v1", "kind": "Config", "current-context": "harness",
-            "clusters": [{"name": "harness", "cluster": {"server": self.api.url, "certificate-authority": str(self.ca)}}],
+            "clusters": [{"name": "harness", "cluster": {"server": self.api.url, "certificate-authority-data": ca}}],
             "users": [{"name": "pod", "user": user}],
             "contexts": [{"name": "harness", "context": {"cluster": "harness", "user": "pod", "namespace": namespace}}]})
 
@@ -135,6 +175,16 @@ class Cluster:
         p.write_text(self.kubeconfig_text(self.admin_token, self.namespace))
         return p
 
+    def kubectl(self, *args: str, check: bool = True, timeout: float = 60, input: str | None = None) -> str:
+        """Run the real kubectl (/usr/bin/kubectl, or $KUBECTL) against this cluster as its admin; its
+        stdout (stderr appended when ``check`` is false); a failure raises with both."""
+        exe = os.environ.get("KUBECTL", "/usr/bin/kubectl")
+        env = {**os.environ, "KUBECONFIG": str(self.admin_kubeconfig()), "KUBECACHEDIR": str(self.root / "kubecache")}
+        r = subprocess.run([exe, *args], capture_output=True, text=True, env=env, timeout=timeout, input=input)
+        if check and r.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} exited {r.returncode}:\n{r.stdout}{r.stderr}")
+        return r.stdout if check else r.stdout + r.stderr
+
     def client(self):
         """A kubernetes.client.ApiClient as the cluster admin (the test's `kubectl`)."""
         from kubernetes import client, config
@@ -142,10 +192,14 @@ class Cluster:
         config.load_kube_config(config_file=str(self.admin_kubeconfig()), client_configuration=conf)
         return client.ApiClient(conf)
 
-    def host_path(self, path: str) -> Path:
-        """The folder a hostPath volume of ``path`` is on this (single) node."""
-        d = self.root / "node-hostpath" / path.strip("/")
-        d.mkdir(parents=True, exist_ok=True)
+    def host_path(self, path: str, owner: tuple[int, int] | None = None) -> Path:
+        """The folder a hostPath volume of ``path`` is on this (single) node, created as a node's admin
+        would (root's, 0755; ``owner`` (uid, gid): handed to that user, e.g. the pods' 1000:1000)."""
+        d = self.node_root / "node-hostpath" / path.strip("/")
+        self.kubelet._make_node_dirs(d)
+        if owner is not None:
+            for p in [d, *d.rglob("*")]:
+                os.chown(p, *owner, follow_symlinks=False)
         return d
 
     def create_secret(self, name: str, data: dict[str, str], namespace: str | None = None) -> None:

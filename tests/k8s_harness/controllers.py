@@ -1,6 +1,6 @@
 """The controllers of the harness: Job (batch/v1), CronJob (run on demand), the garbage collector,
-the TTL-after-finished controller, and a JobSet controller (jobset.x-k8s.io/v1alpha2) for the parts of
-JobSet the chart uses.
+the TTL-after-finished controller, and a queue admission in the manner of Kueue (QueueAdmission).
+There is no JobSet controller: JobSets are stored and validated (apiserver) but never run.
 
 Job semantics implemented (as the Kubernetes Job controller, v1.31+):
 
@@ -15,7 +15,9 @@ Job semantics implemented (as the Kubernetes Job controller, v1.31+):
 * a failed pod is replaced after the exponential back-off delay, 10 s × 2^(n−1) capped at 6 min on a
   real cluster, here ``Cluster.backoff_base_seconds`` × 2^(n−1) capped at 36 × that base;
   ``podReplacementPolicy: Failed`` waits until the failed/terminating pod is fully gone;
-* ``activeDeadlineSeconds`` (reason DeadlineExceeded), ``suspend``, ``ttlSecondsAfterFinished``;
+* ``activeDeadlineSeconds`` (reason DeadlineExceeded), counted from the Job's (last) start: a
+  suspended Job has no pods, a ``Suspended`` condition, and its ``startTime`` and deadline begin
+  again when it is resumed; ``ttlSecondsAfterFinished``;
 * conditions: FailureTarget/SuccessCriteriaMet once decided, then Failed/Complete once no pod of the
   Job is still running (active pods are deleted, i.e. SIGTERM then SIGKILL after their grace period);
   status counts ``active``/``ready``/``terminating``/``succeeded``/``failed``, ``completedIndexes``/
@@ -66,7 +68,8 @@ class JobState:
     index_failures: dict[int, int] = field(default_factory=dict)
     next_try: dict[int | None, float] = field(default_factory=dict)
     target: tuple[str, str, str] | None = None  # (FailureTarget|SuccessCriteriaMet, reason, message)
-    started: float = field(default_factory=time.monotonic)
+    started: float | None = None  # when it last started (created or resumed): activeDeadlineSeconds
+
     finished_at: float | None = None
 
 
@@ -158,8 +161,15 @@ class JobController:
         if spec.get("suspend"):
             for p in running:
                 self._delete_pod(p)
+            if st.started is not None or not any(c["type"] == "Suspended" for c in conds.values()):
+                st.started = None
+                self._set_suspended(job, True)
             self._publish(job, st, pods)
             return
+        if st.started is None:
+            st.started = time.monotonic()
+            if "Suspended" in conds:
+                self._set_suspended(job, False)
         indexed = spec.get("completionMode") == "Indexed"
         completions = spec.get("completions") or 1
         parallelism = spec.get("parallelism", 1)
@@ -260,12 +270,32 @@ class JobController:
             except NotFound:
                 pass
 
+    def _set_suspended(self, job: dict, suspended: bool) -> None:
+        """The Suspended condition; resuming restarts the clock (startTime), as the Job controller does."""
+        t = now_rfc3339()
+
+        def fn(j: dict) -> None:
+            s = j.setdefault("status", {})
+            conds = [c for c in s.get("conditions") or [] if c["type"] != "Suspended"]
+            conds.append({"type": "Suspended", "status": str(suspended), "lastProbeTime": t, "lastTransitionTime": t,
+                          "reason": "JobSuspended" if suspended else "JobResumed",
+                          "message": "Job suspended" if suspended else "Job resumed"})
+            s["conditions"] = conds
+            if suspended:
+                s.pop("startTime", None)
+            else:
+                s["startTime"] = t
+        self.cluster.store.mutate("Job", job["metadata"]["namespace"], job["metadata"]["name"], fn)
+        self.cluster.store.event(job, "Suspended" if suspended else "Resumed",
+                                 "Job suspended" if suspended else "Job resumed")
+
     def _publish(self, job: dict, st: JobState, pods: list[dict], final: str | None = None) -> None:
         indexed = job["spec"].get("completionMode") == "Indexed"
 
         def fn(j: dict) -> None:
             s = j.setdefault("status", {})
-            s.setdefault("startTime", now_rfc3339())
+            if not j["spec"].get("suspend"):
+                s.setdefault("startTime", now_rfc3339())
             running = [p for p in pods if p.get("status", {}).get("phase") not in ("Succeeded", "Failed")]
             s["active"] = len([p for p in running if not p["metadata"].get("deletionTimestamp")])
             s["terminating"] = len([p for p in running if p["metadata"].get("deletionTimestamp")])
@@ -336,6 +366,70 @@ class JobController:
                 "spec": tmpl["spec"]}
         job = store.create(body, namespace)
         return job["metadata"]["name"]
+
+
+def pod_requests(job: dict) -> dict[str, float]:
+    """What one Job asks of a queue's quota: ``parallelism`` × its pod's requests (limits where a
+    request is not given; init containers count with their largest), as Kueue computes a PodSet."""
+    from .kubelet import _quantity
+    spec = job["spec"]["template"]["spec"]
+    total: dict[str, float] = {}
+    for c in spec.get("containers", []):
+        res = c.get("resources") or {}
+        for r, q in {**(res.get("limits") or {}), **(res.get("requests") or {})}.items():
+            if q is not None:
+                total[r] = total.get(r, 0.0) + _quantity(q)
+    for c in spec.get("initContainers", []):
+        res = c.get("resources") or {}
+        for r, q in {**(res.get("limits") or {}), **(res.get("requests") or {})}.items():
+            if q is not None:
+                total[r] = max(total.get(r, 0.0), _quantity(q))
+    n = job["spec"].get("parallelism", 1)
+    return {r: v * n for r, v in total.items()}
+
+
+class QueueAdmission:
+    """Kueue in miniature: a Job labelled ``kueue.x-k8s.io/queue-name: <q>`` is created suspended
+    (admission.kueue_webhook) and waits; in creation order, a Job whose requests (pod_requests) fit in
+    what its queue's nominal quota has left is admitted — its ``suspend`` set to false, a
+    ``QuotaReserved`` event — and holds that quota until it finishes or goes. A queue name the cluster
+    does not have, or a resource the quota does not list, keeps the Job waiting (Kueue: inadmissible).
+    Not modelled: ClusterQueue cohorts and borrowing, preemption, partial admission, waitForPodsReady."""
+
+    def __init__(self, cluster: "Cluster", queues: dict[str, dict]) -> None:
+        from .kubelet import _quantity
+        self.cluster = cluster
+        self.quota = {q: {r: _quantity(v) for r, v in res.items()} for q, res in queues.items()}
+        self.admitted: dict[str, tuple[str, dict[str, float]]] = {}  # job uid → (queue, usage)
+
+    def sync(self) -> None:
+        from .admission import QUEUE_LABEL
+        jobs = self.cluster.store.list("Job")
+        live = {j["metadata"]["uid"]: j for j in jobs}
+        for uid in list(self.admitted):
+            j = live.get(uid)
+            if j is None or any(c["type"] in ("Complete", "Failed") and c["status"] == "True"
+                                for c in (j.get("status") or {}).get("conditions") or []):
+                del self.admitted[uid]
+        for j in jobs:
+            queue = (j["metadata"].get("labels") or {}).get(QUEUE_LABEL)
+            uid = j["metadata"]["uid"]
+            if not queue or uid in self.admitted or not j["spec"].get("suspend") or j["metadata"].get("deletionTimestamp"):
+                continue
+            quota = self.quota.get(queue)
+            if quota is None:
+                continue
+            need = pod_requests(j)
+            used: dict[str, float] = {}
+            for q, usage in self.admitted.values():
+                if q == queue:
+                    for r, v in usage.items():
+                        used[r] = used.get(r, 0.0) + v
+            if all(r in quota and used.get(r, 0.0) + v <= quota[r] + 1e-9 for r, v in need.items() if v > 0):
+                self.admitted[uid] = (queue, need)
+                ns, name = j["metadata"]["namespace"], j["metadata"]["name"]
+                self.cluster.store.mutate("Job", ns, name, lambda o: o["spec"].update(suspend=False))
+                self.cluster.store.event(j, "QuotaReserved", f"Quota reserved in ClusterQueue of LocalQueue {queue}")
 
 
 class GarbageCollector:

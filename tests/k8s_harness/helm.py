@@ -12,7 +12,8 @@ and rendering; the release bookkeeping Helm does around it is reproduced here:
   ``helm.sh/hook-delete-policy`` (``before-hook-creation`` is the default); every resource gets Helm's
   ``meta.helm.sh/release-*`` annotations and ``app.kubernetes.io/managed-by: Helm``;
 * upgrade: objects in both revisions are patched — Helm's three-way patch carries the difference
-  between the old and the new rendering, so a change to an immutable field fails the upgrade with the
+  between the old and the new rendering (here a JSON merge patch, applied to the live object, so what
+  the cluster set — defaults, a queue's ``suspend`` — stays), so a change to an immutable field fails the upgrade with the
   API server's "field is immutable"; objects no longer rendered are deleted (propagation Background)
   unless annotated ``helm.sh/resource-policy: keep``; new ones are created;
 * test: the ``test`` hooks, waited for; uninstall: everything but ``keep`` resources, in reverse order.
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import helm_python
 import yaml
 
+from .apiserver import merge_patch
 from .store import BY_KIND, NotFound
 
 if TYPE_CHECKING:
@@ -132,10 +134,9 @@ class Helm:
         body = self._annotate(d, rel)
         from .apiserver import ApiError
         try:
-            self.cluster.api.validate(kind, body, strict=True)
+            self.cluster.create(body, rel.namespace, validate=True, strict=True)
         except ApiError as e:
             raise HelmError(f"{d['kind']} {d['metadata']['name']}: {e.message}") from e
-        self.cluster.create(body, rel.namespace)
 
     def _run_hooks(self, rel: Release, event: str, timeout: float) -> list[tuple[str, str]]:
         hooks = [h for h in rel.hooks
@@ -218,10 +219,11 @@ class Helm:
             if live is None:
                 self._create(d, new)
             elif before.get(key(d)) != d:
-                body = self._annotate(d, new)
-                body["metadata"] = {**live["metadata"], "labels": body["metadata"].get("labels", {}),
-                                    "annotations": body["metadata"].get("annotations", {})}
-                self.cluster.store.update(body)
+                # Helm's three-way patch: what changed between the two renderings, applied to the live
+                # object (fields that only the cluster set — defaults, Kueue's suspend — stay)
+                patch = diff_patch(self._annotate(before[key(d)], old), self._annotate(d, new)) \
+                    if key(d) in before else self._annotate(d, new)
+                self.cluster.store.update(merge_patch(live, patch))
         for k, d in sorted(before.items(), key=lambda kv: order_key(kv[1]), reverse=True):
             if k not in after and (d["metadata"].get("annotations") or {}).get("helm.sh/resource-policy") != "keep":
                 try:
@@ -248,6 +250,19 @@ class Helm:
     @staticmethod
     def lint(chart: Path, values: dict, kube_version: str) -> dict[str, Any]:
         return helm_python.lint(chart, values, strict=True, kube_version=f"v{kube_version}")
+
+
+def diff_patch(old: Any, new: Any) -> Any:
+    """The JSON merge patch that turns ``old`` into ``new`` (removed keys → null, lists whole)."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return copy.deepcopy(new)
+    out: dict = {k: None for k in old if k not in new}
+    for k, v in new.items():
+        if k not in old:
+            out[k] = copy.deepcopy(v)
+        elif old[k] != v:
+            out[k] = diff_patch(old[k], v)
+    return out
 
 
 def wait_seconds(start: float) -> float:

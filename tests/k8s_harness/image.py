@@ -1,7 +1,9 @@
 """What a container of the sapd image starts with, read from the repository's Dockerfile: the target
-stage (``…-cpu`` / ``…-gpu`` tag suffix → ``cpu`` / ``gpu``) and, following its ``FROM`` chain,
-ENTRYPOINT, CMD, WORKDIR, ENV and USER. The harness runs this checkout as that image: the code the
-image installs (``sapd``, ``jobs``) comes from the working tree (PYTHONPATH), its Python from .venv."""
+stage (``…-cpu`` / ``…-gpu`` / ``…-eval`` tag suffix) and, following its ``FROM`` chain, ENTRYPOINT,
+CMD, WORKDIR, ENV and USER; and the Python environment that stands for the target's installed
+packages: ``.cache/images/<target>/``, made by the Dockerfile's own install script
+(``docker/install.sh <target> --venv …``; ``make image-venvs``). The code the image copies (``sapd``,
+``jobs``) comes from the working tree (PYTHONPATH)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,24 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGES = REPO / ".cache" / "images"
+MARK = ".sapd-image-env"  # written by docker/install.sh --venv once the environment is complete
+
+
+class ImageNotBuilt(ValueError):
+    """The environment of an image target is missing: the pod cannot start (as with an image that was
+    never pushed)."""
+
+
+def image_env(target: str) -> Path:
+    """The environment that runs ``target``'s pods; ``ImageNotBuilt`` if it was not made (completely)."""
+    env = IMAGES / target
+    if not (env / MARK).is_file():
+        raise ImageNotBuilt(f"ErrImagePull: the harness runs image target {target!r} in {env}, which is not "
+                            f"built: make image-venvs (docker/install.sh {target} --venv {env})")
+    return env
 
 
 @dataclass

