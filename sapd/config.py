@@ -280,15 +280,23 @@ def load_config(*paths: str | Path, overrides: dict[str, Any] | None = None) -> 
         sources.append((where, data))
     if overrides:
         apply_overlay(cfg, overrides, "")
+    cfg._sources = sources  # type: ignore[attr-defined]  # for locate(): errors found later name file:line too
     try:
         validate(cfg)
     except ConfigError as e:
-        # name the last file that set the key the error is about
-        for where, data in reversed(sources):
-            if e.path and _sets(data, e.path):
-                raise ConfigError(f"{where}:{yamlio.line_of(data, e.path)}: {e}", e.path) from None
-        raise
+        raise locate(cfg, e) from None
     return cfg
+
+
+def locate(cfg: RunConfig, e: ConfigError) -> ConfigError:
+    """``e`` prefixed with ``file:line`` of the last overlay file that set the key it is about (``e.path``),
+    when :func:`load_config` read ``cfg`` from files and one of them set it; else ``e`` itself. For values
+    checked after loading, where the list they must be in lives above the config (``data.format``: the
+    format registry of :mod:`sapd.data.loaders`)."""
+    for where, data in reversed(getattr(cfg, "_sources", [])):
+        if e.path and _sets(data, e.path):
+            return ConfigError(f"{where}:{yamlio.line_of(data, e.path)}: {e}", e.path)
+    return e
 
 
 def _sets(data: Any, path: str) -> bool:

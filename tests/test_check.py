@@ -207,3 +207,15 @@ def test_the_webshop_probe_defaults_to_the_adapters_server():
     from sapd.envs.webshop_env import DEFAULT_URL
     from sapd.run.check import WEBSHOP_DEFAULT_URL
     assert WEBSHOP_DEFAULT_URL == DEFAULT_URL
+
+
+def test_an_unknown_data_format_names_the_file_and_line_that_set_it(tmp_path, models, capsys):
+    """data.format is checked against the format registry after loading (the config does not spell the
+    list), and the error still names the overlay file and line, as every other config error does."""
+    base = tmp_path / "run.yaml"
+    base.write_text(yaml.safe_dump(tiny_config(str(tmp_path / "run"), *models), sort_keys=False))
+    overlay = tmp_path / "format.yaml"
+    overlay.write_text("# the format of my logs\ndata:\n  format: natve\n")
+    assert main(["check", str(base), str(overlay)]) == EXIT_USER_ERROR
+    failed = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("check data: FAILED")]
+    assert len(failed) == 1 and f"{overlay}:3: data.format: unknown format 'natve'" in failed[0], failed

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sapd import layout, storage
-from sapd.config import ConfigError, RunConfig, committed_config, committed_config_problem
+from sapd.config import ConfigError, RunConfig, committed_config, committed_config_problem, locate
 from sapd.data.loaders import LoadOptions, load_trajectories
 from sapd.entry import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USER_ERROR, exit_code
 from sapd.models.loading import check_same_tokenizer, load_tokenizer, read_model_config
@@ -138,8 +138,11 @@ def check_data(cfg: RunConfig, sample: int = SAMPLE_RECORDS) -> str:
     if not d.input or d.input.startswith(PLACEHOLDER):
         raise ConfigError(f"data.input: {'empty' if not d.input else 'still the starter placeholder ' + d.input}; "
                           "set it to your trajectories (a file or folder, local or s3://)", "data.input")
-    res = load_trajectories(d.input, d.format, LoadOptions(d.benchmark, skip_invalid=d.skip_invalid,
-                                                           action_wording=d.action_wording), limit=sample)
+    try:
+        res = load_trajectories(d.input, d.format, LoadOptions(d.benchmark, skip_invalid=d.skip_invalid,
+                                                               action_wording=d.action_wording), limit=sample)
+    except ConfigError as e:
+        raise locate(cfg, e) from None  # data.format is checked against the registry here: name its file:line
     if not res.trajectories:
         raise ValueError(f"{d.input}: the first {res.records_read} records hold no valid trajectory"
                          + (f" ({res.report.total} invalid, skipped)" if res.report.total else ""))
