@@ -505,7 +505,8 @@ def test_evaluation_gets_each_benchmark_what_it_needs():
     assert pvc["metadata"]["name"] == "sapd-test-alfworld-data" and pvc["spec"]["resources"]["requests"]["storage"] == "10Gi"
     (fill,) = [d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].startswith("sapd-test-alfworld-fill-")]
     fpod = fill["spec"]["template"]["spec"]
-    assert container(fill["spec"])["args"] == ["sapd", "alfworld-games", "--out", "/data/alfworld", "--split", "valid_unseen"]
+    assert container(fill["spec"])["args"] == ["sapd", "alfworld-games", "--out", "/data/alfworld", "--split", "valid_unseen",
+                                              "--per-type", "5"]
     assert container(fill["spec"])["image"].endswith("-eval") and GPU not in json.dumps(fpod)
     assert {"name": "alfworld", "persistentVolumeClaim": {"claimName": "sapd-test-alfworld-data"}} in fpod["volumes"]
     assert env_of(container(fill["spec"]))["ALFWORLD_DATA"]["value"] == "/data/alfworld"

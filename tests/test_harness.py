@@ -10,13 +10,17 @@ from __future__ import annotations
 import json
 import re
 import signal
+import ssl
 import textwrap
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.k8s_harness import Cluster, HelmError
+from tests.k8s_harness.protobuf import MEDIA_TYPE
 
 IMAGE = "ghcr.io/sapd/sapd:0.1.0-cpu"
 pytestmark = pytest.mark.integration
@@ -353,7 +357,6 @@ def test_a_protobuf_job_is_stored_as_kubectls_own_json_of_it_would_be(cluster):
     kubectl's own JSON of the same command (`--dry-run=client -o json`) — pointer fields at zero kept
     (backoffLimit 0, suspend false), inlined structs (volume sources, config map references),
     quantities, int-or-strings, maps — and a body that is not the envelope is refused with 400."""
-    from tests.k8s_harness.protobuf import MEDIA_TYPE
     container = {"name": "main", "image": IMAGE, "command": ["python", "-c", "print('tock')"], "workingDir": "/tmp",
                  "resources": {"requests": {"cpu": "250m", "memory": "1Gi", "nvidia.com/gpu": "0"},
                                "limits": {"cpu": "1", "memory": "2Gi", "ephemeral-storage": "1Gi"}},
@@ -394,7 +397,6 @@ def test_a_protobuf_job_is_stored_as_kubectls_own_json_of_it_would_be(cluster):
     assert [r[3] for r in posts[-2:]] == [201, 201]
     assert cluster.wait_job("tock-proto", 60) == "Complete", cluster.describe()
     # not the envelope: 400 with the reason, not a guess
-    import urllib.request, ssl  # noqa: E401
     req = urllib.request.Request(f"{cluster.api.url}/apis/batch/v1/namespaces/sapd/jobs", data=b"\x0a\x03abc", method="POST",
                                  headers={"Content-Type": MEDIA_TYPE, "Authorization": f"Bearer {cluster.admin_token}"})
     ctx = ssl.create_default_context(cafile=str(cluster.ca))
