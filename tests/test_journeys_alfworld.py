@@ -122,7 +122,7 @@ def run(cluster, inputs) -> Run:
             "config.train.trajectories_per_round=1", f"s3.endpoint={inputs.endpoint}", "pushgateway.url=",
             "pipeline.pollSeconds=0.5", "pipeline.logEverySeconds=60",
             *(f"jobDefaults.extraEnv[{i}].{k}" for i, (name, value) in enumerate(NO_EGRESS.items())
-              for k in (f"name={name}", f"value={value}"))]
+              for k in (f"name={name}", "value=" + value.replace(",", "\\,")))]  # --set's escaped comma
     fill = ["sapd", "alfworld-games", "--out", "/data/alfworld", "--split", "valid_unseen", "--per-type", "1"]
     cluster.helm.install(REL, CHART, values_files=[SMOKE, ALFWORLD], set_values=sets,
                          set_json=["config.train.lr=0.001", f"evaluate.alfworld.fill.command={json.dumps(fill)}",
@@ -168,13 +168,18 @@ def test_two_rounds_and_the_final_evaluation_play_alfworlds_engine(run, cluster)
     manifest = json.loads(storage.read_text(storage.join(layout.prefixes_dir(run.root), "_MANIFEST.json")))
     assert manifest["format_read"].startswith("auto → native"), manifest["format_read"]
     result = storage.read_json(storage.join(layout.evals_dir(run.root, 2), "alfworld.json"))
-    assert result["checkpoint"] == 2 and result["split"] == "valid_unseen" and result["horizon"] == 3
+    # the panel's default split, "test": ALFWorld's valid_unseen — the games the fill Job put on the claim
+    assert result["checkpoint"] == 2 and result["split"] == "test" and result["horizon"] == 3
     assert set(result["by_category"]) == SIX and result["overall"]["episodes"] == 6
     for cat in SIX:
         lo, hi = result["by_category"][cat]["success_ci"]
         assert 0.0 <= lo <= result["by_category"][cat]["success"] <= hi <= 1.0
-    episodes = storage.read_text(storage.join(layout.evals_dir(run.root, 2), "alfworld.episodes.jsonl")).splitlines()
-    assert len(episodes) == 6 and all(json.loads(e)["metadata"]["engine_wording"] == "move" for e in episodes)
+    episodes = [json.loads(e) for e in storage.read_text(
+        storage.join(layout.evals_dir(run.root, 2), "alfworld.episodes.jsonl")).splitlines()]
+    assert all(e["metadata"]["engine_wording"] == "move" for e in episodes)  # ALFWorld 0.4's engine played them
+    claim = cluster.node_root / "pvc" / NS / f"{REL}-alfworld-data" / "json_2.1.1" / "valid_unseen"
+    assert sorted(e["id"] for e in episodes) == sorted(f"alfworld/{g.parent.parent.name}/{g.parent.name}"
+                                                       for g in claim.glob("*/trial_*/game.tw-pddl"))
     # the stages ran the smoke overlay's cpu image, every evaluation the eval image (ALFWorld's engine)
     images = {(p["metadata"]["labels"]["app.kubernetes.io/component"], p["spec"]["containers"][0]["image"])
               for p in cluster.pods(f"app.kubernetes.io/instance={REL}")}
@@ -206,7 +211,7 @@ def test_the_claim_was_filled_once_by_the_chart_and_nothing_was_downloaded(run, 
                      if p["metadata"]["labels"]["app.kubernetes.io/component"] == "evaluate")
     finished = fill_pod["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"]
     assert finished <= first_eval
-    assert "use them: ALFWORLD_DATA=/data/alfworld" in run.fill_log.replace(str(cluster.node_root), ""), run.fill_log
+    assert "json_2.1.1/valid_unseen: 6 games (pick_and_place_simple 1," in run.fill_log, run.fill_log
     # no pod fetched anything from outside: every pod ran with egress closed, and all of them succeeded
     pods = cluster.pods(f"app.kubernetes.io/instance={REL}")
     assert pods and all(p["status"]["phase"] == "Succeeded" for p in pods), cluster.describe()
