@@ -692,9 +692,12 @@ def test_overlays_list_only_differences():
                 yield from same_leaves(v, ref[k], f"{path}{k}.")
             elif k in ref and ref[k] == v:
                 yield f"{path}{k}"
+    # a benchmark overlay names its benchmark even where the base has it: layered after the smoke overlay
+    # (`-f smoke.yaml -f alfworld.yaml`), it must undo smoke's textworld
+    restated = {"alfworld": ["config.data.benchmark"]}
     for name in OVERLAYS:
         overlay = yaml.safe_load((CHART / "values" / f"{name}.yaml").read_text())
-        assert list(same_leaves(overlay, base)) == [], name
+        assert list(same_leaves(overlay, base)) == restated.get(name, []), name
 
 
 # ------------------------------------------------------------------------------------------ lifecycle, names
