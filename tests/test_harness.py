@@ -10,13 +10,17 @@ from __future__ import annotations
 import json
 import re
 import signal
+import ssl
 import textwrap
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.k8s_harness import Cluster, HelmError
+from tests.k8s_harness.protobuf import MEDIA_TYPE
 
 IMAGE = "ghcr.io/sapd/sapd:0.1.0-cpu"
 pytestmark = pytest.mark.integration
@@ -315,8 +319,8 @@ def test_each_image_target_runs_in_its_own_environment(cluster):
 
 def test_real_kubectl_creates_gets_describes_and_reads_logs(cluster):
     """The real kubectl (1.32) against the API server: discovery, Job defaulting (selector, template
-    labels), Tables, events, logs by Job and by selector. (kubectl's typed `create job` sends protobuf,
-    which the harness refuses with 415: that is checked too, so the day it works the test says so.)"""
+    labels), Tables, events, logs by Job and by selector, and `create job --from=cronjob/…`, whose Job
+    kubectl sends as protobuf."""
     version = json.loads(cluster.kubectl("version", "-o", "json"))
     assert version["serverVersion"]["gitVersion"] == "v1.33.0"
     spec = job("hello", "print('line 1'); print('line 2')")
@@ -342,8 +346,63 @@ def test_real_kubectl_creates_gets_describes_and_reads_logs(cluster):
                     "spec": {"schedule": "0 * * * *", "jobTemplate": {"spec": job("x", "print('tick')")["spec"]}}})
     assert cluster.kubectl("get", "cronjobs").split()[:9] == ["NAME", "SCHEDULE", "TIMEZONE", "SUSPEND", "ACTIVE",
                                                               "LAST", "SCHEDULE", "AGE", "tick"]
-    refused = cluster.kubectl("create", "job", "--from=cronjob/tick", "tick-now", check=False)
-    assert "the body of the request was in an unknown format" in refused  # protobuf: not decoded here
+    assert cluster.kubectl("create", "job", "--from=cronjob/tick", "tick-now").strip() == "job.batch/tick-now created"
+    assert cluster.wait_job("tick-now", 60) == "Complete" and cluster.kubectl("logs", "job/tick-now") == "tick\n"
+    assert [r for r in cluster.api.requests if r[1:3] == ("POST", "/apis/batch/v1/namespaces/sapd/jobs")][-1][3] == 201
+
+
+def test_a_protobuf_job_is_stored_as_kubectls_own_json_of_it_would_be(cluster):
+    """kubectl sends `create job --from=cronjob/…` as protobuf (runtime.Unknown + batch/v1 Job), decoded with
+    the schema inside the kubectl binary: the stored Job is the one `kubectl create -f` stores from
+    kubectl's own JSON of the same command (`--dry-run=client -o json`) — pointer fields at zero kept
+    (backoffLimit 0, suspend false), inlined structs (volume sources, config map references),
+    quantities, int-or-strings, maps — and a body that is not the envelope is refused with 400."""
+    container = {"name": "main", "image": IMAGE, "command": ["python", "-c", "print('tock')"], "workingDir": "/tmp",
+                 "resources": {"requests": {"cpu": "250m", "memory": "1Gi", "nvidia.com/gpu": "0"},
+                               "limits": {"cpu": "1", "memory": "2Gi", "ephemeral-storage": "1Gi"}},
+                 "env": [{"name": "EMPTY", "value": ""}, {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                         {"name": "CM", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k", "optional": True}}}],
+                 "ports": [{"name": "metrics", "containerPort": 9400}],
+                 "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}, {"name": "cfg", "mountPath": "/etc/cfg", "readOnly": True}],
+                 "readinessProbe": {"httpGet": {"path": "/", "port": "metrics"}, "periodSeconds": 5},
+                 "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                     "capabilities": {"drop": ["ALL"]}}}
+    template = {"metadata": {"labels": {"app": "tock"}, "annotations": {"note": "x"}},
+                "spec": {"backoffLimit": 0, "suspend": False, "activeDeadlineSeconds": 600, "ttlSecondsAfterFinished": 60,
+                         "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [2]}},
+                                                        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]},
+                         "template": {"metadata": {"labels": {"app": "tock"}},
+                                      "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 30,
+                                               "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                                                                   "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+                                               "volumes": [{"name": "scratch", "emptyDir": {"sizeLimit": "1Gi"}},
+                                                           {"name": "cfg", "configMap": {"name": "cm", "optional": True,
+                                                                                         "defaultMode": 0o444}}],
+                                               "containers": [container]}}}}
+    cluster.create({"apiVersion": "batch/v1", "kind": "CronJob", "metadata": {"name": "tock"},
+                    "spec": {"schedule": "0 * * * *", "jobTemplate": template}})
+    own_json = json.loads(cluster.kubectl("create", "job", "--from=cronjob/tock", "tock-json", "--dry-run=client", "-o", "json"))
+    cluster.kubectl("create", "job", "--from=cronjob/tock", "tock-proto")
+    cluster.kubectl("create", "--validate=false", "-f", "-", input=json.dumps(own_json))
+
+    def stored(name: str) -> dict:
+        j = json.loads(json.dumps(cluster.job(name)).replace(name, "NAME").replace(cluster.job(name)["metadata"]["uid"], "UID"))
+        return {"metadata": {k: v for k, v in j["metadata"].items() if k not in ("creationTimestamp", "resourceVersion")},
+                "spec": j["spec"]}
+    assert stored("tock-proto") == stored("tock-json")
+    assert stored("tock-proto")["spec"]["backoffLimit"] == 0 and stored("tock-proto")["spec"]["suspend"] is False
+    vols = stored("tock-proto")["spec"]["template"]["spec"]["volumes"]
+    assert vols[1] == {"name": "cfg", "configMap": {"name": "cm", "optional": True, "defaultMode": 0o444}}
+    posts = [r for r in cluster.api.requests if r[1] == "POST" and r[2].endswith("/jobs")]
+    assert [r[3] for r in posts[-2:]] == [201, 201]
+    assert cluster.wait_job("tock-proto", 60) == "Complete", cluster.describe()
+    # not the envelope: 400 with the reason, not a guess
+    req = urllib.request.Request(f"{cluster.api.url}/apis/batch/v1/namespaces/sapd/jobs", data=b"\x0a\x03abc", method="POST",
+                                 headers={"Content-Type": MEDIA_TYPE, "Authorization": f"Bearer {cluster.admin_token}"})
+    ctx = ssl.create_default_context(cafile=str(cluster.ca))
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, context=ctx)
+    assert e.value.code == 400 and "'k8s\\x00' magic" in json.loads(e.value.read())["message"]
 
 
 def test_queue_admission_keeps_jobs_suspended_until_their_quota_frees(tmp_path):

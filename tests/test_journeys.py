@@ -231,9 +231,12 @@ def test_smoke_install_finishes_two_rounds_and_an_evaluation(smoke, cluster):
     driver_calls = [r for r in cluster.api.requests if r[0] == "system:serviceaccount:sapd:sapd-smoke-pipeline"]
     assert {(m, c) for _, m, _, c in driver_calls} >= {("POST", 201), ("GET", 200)}
     assert not [r for r in driver_calls if r[3] in (401, 403)], driver_calls
-    # stage Jobs belong to the driver's Job: `helm uninstall` removes them with it
-    owner = cluster.job("sapd-smoke-pipeline-1")["metadata"]["uid"]
-    assert all(cluster.job(f"sapd-smoke-{s}")["metadata"]["ownerReferences"][0]["uid"] == owner for s in ORDER)
+    # stage Jobs belong to the release's pipeline-templates ConfigMap, which every revision keeps: an
+    # upgrade never deletes a running stage, `helm uninstall` removes them with it
+    owner = cluster.store.get("ConfigMap", NS, "sapd-smoke-pipeline-templates")["metadata"]["uid"]
+    for s in ORDER:
+        (ref,) = cluster.job(f"sapd-smoke-{s}")["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"]) == ("ConfigMap", "sapd-smoke-pipeline-templates", owner), s
 
 
 def notes_commands(notes: str, **placeholders: str) -> list[list[str]]:
@@ -264,11 +267,8 @@ def test_the_readme_and_notes_kubectl_commands_show_the_run(smoke, cluster):
     commands = notes_commands(smoke.release.notes, job="sapd-smoke-teacher-scores-r1")
     assert commands[:2] == [["-n", NS, "get", "jobs", "-l", "app.kubernetes.io/instance=sapd-smoke"],
                             ["-n", NS, "logs", "-f", "job/sapd-smoke-pipeline-1"]], commands
-    # NOTES' CronJob line: kubectl's typed `create job` sends protobuf, which the harness does not
-    # decode, so the journeys run the CronJob through the harness (test_textworld_…); it names the real one
     creates = [c for c in commands if c[2:4] == ["create", "job"]]
     assert creates == [["-n", NS, "create", "job", "--from=cronjob/sapd-smoke-evaluate-cron", "sapd-smoke-eval-now"]]
-    assert cluster.store.get("CronJob", NS, "sapd-smoke-evaluate-cron") is not None
     commands = [c for c in commands if c not in creates]
     assert len(commands) >= 3 and all(c[:4] == ["-n", NS, "logs", "-l"] for c in commands[2:]), commands
     jobs, driver, *by_label = [kubectl(cluster, *c) for c in commands]
@@ -302,6 +302,14 @@ def test_the_readme_and_notes_kubectl_commands_show_the_run(smoke, cluster):
     assert re.search(r"Pods Statuses: +0 Active \(0 Ready\) / 1 Succeeded / 0 Failed", described), described
     pods = kubectl(cluster, "-n", NS, "get", "pods", "-l", "batch.kubernetes.io/job-name=sapd-smoke-train-r0")
     assert [ln.split()[1:3] for ln in pods.splitlines()[1:]] == [["0/1", "Completed"]]
+    # NOTES' CronJob line, as typed (kubectl sends that Job as protobuf): an evaluation now, which finds the
+    # final checkpoint evaluated by the driver already
+    assert kubectl(cluster, *creates[0]).strip() == "job.batch/sapd-smoke-eval-now created"
+    assert cluster.wait_job("sapd-smoke-eval-now", 300) == "Complete", cluster.describe()
+    now = cluster.job("sapd-smoke-eval-now")
+    assert now["metadata"]["ownerReferences"][0]["name"] == "sapd-smoke-evaluate-cron"
+    assert now["metadata"]["annotations"]["cronjob.kubernetes.io/instantiate"] == "manual"
+    assert "checkpoint 2: textworld already evaluated" in kubectl(cluster, "-n", NS, "logs", "job/sapd-smoke-eval-now")
 
 
 def test_prometheus_sees_the_train_pods_metrics_and_each_workers_push(smoke, cluster, monitoring):
@@ -403,26 +411,26 @@ def test_killed_pods_end_in_the_same_committed_result(smoke, cluster, inputs, mo
 # ------------------------------------------------------------------------------------------ manual mode, CronJob
 
 
-def release_jobs(cluster: Cluster, release: str) -> dict[str, str]:
-    """stage (e.g. "train-r0") → the name of the Job Helm rendered for it in the current revision."""
-    rel = cluster.helm.releases[release]
+def gate_jobs(cluster: Cluster, release: str) -> dict[str, str]:
+    """mode manual: stage of the current revision's gates (e.g. "train-r0") → its gate Job's name,
+    `<release>-gate-<stage>-r<K>-<values hash>`."""
     out = {}
-    for d in rel.manifests:
-        if d["kind"] == "Job":
-            stage = d["metadata"]["name"][len(release) + 1:].rsplit("-", 1)[0]
-            out[stage] = d["metadata"]["name"]
+    for d in cluster.helm.releases[release].manifests:
+        name = d["metadata"]["name"]
+        if d["kind"] == "Job" and name.startswith(f"{release}-gate-"):
+            out[name[len(release) + 6:].rsplit("-", 1)[0]] = name
     return out
 
 
-def init_log(cluster: Cluster, pod: dict) -> str:
-    return cluster.kubelet.log_text(NS, pod["metadata"]["name"], "wait-for-input")
+def job_log(cluster: Cluster, job: str) -> str:
+    return "\n".join(cluster.logs(p["metadata"]["name"]) for p in pods_of(cluster, job))
 
 
-def run_cron(cluster: Cluster, name: str) -> str:
-    job = cluster.run_cronjob(name)
-    assert job and cluster.wait_job(job, 300) == "Complete", cluster.describe()
-    (pod,) = pods_of(cluster, job)
-    return cluster.logs(pod["metadata"]["name"])
+def eval_now(cluster: Cluster, cron: str, name: str) -> str:
+    """The README's `kubectl create job --from=cronjob/<cron> <name>`, run to the end: the evaluation's log."""
+    assert kubectl(cluster, "-n", NS, "create", "job", f"--from=cronjob/{cron}", name).strip() == f"job.batch/{name} created"
+    assert cluster.wait_job(name, 300) == "Complete", cluster.describe()
+    return kubectl(cluster, "-n", NS, "logs", f"job/{name}")
 
 
 CPU_TEXTWORLD = [  # the TextWorld overlay (GPU pools, the gpu and eval images) on this CPU node: the user's --sets
@@ -440,10 +448,11 @@ CPU_TEXTWORLD = [  # the TextWorld overlay (GPU pools, the gpu and eval images) 
 
 
 def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster, inputs, monitoring):
-    """`-f textworld.yaml` on CPU, mode manual: Helm creates each round's Jobs at once and each waits for
-    its input; training runs on two pods meeting through the headless Service (DeepSpeed, gloo);
-    Prometheus scrapes rank 0 only; the evaluation CronJob finds nothing to evaluate before checkpoint
-    0, then evaluates each new checkpoint once."""
+    """`-f textworld.yaml` on CPU, mode manual: Helm creates a small gate Job per stage of the round; each
+    waits (no stage Job, no GPU held) until its input is committed, then creates its stage Job and sees it
+    through; training runs on two pods meeting through the headless Service (DeepSpeed, gloo);
+    Prometheus scrapes rank 0 only; the evaluation CronJob, run with the README's `kubectl create job
+    --from=cronjob/…`, finds nothing to evaluate before checkpoint 0, then evaluates each new checkpoint once."""
     from sapd import layout, storage
     from sapd.data import shards
     t0 = time.monotonic()
@@ -452,49 +461,58 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
         shutil.copytree(ext, cluster.host_path("/var/cache/sapd") / "torch_extensions")
         cluster.host_path("/var/cache/sapd", owner=(1000, 1000))
     rel_name, cron = "sapd-tw", "sapd-tw-evaluate-cron"
-    sets = user_sets(inputs, monitoring, rel_name, *CPU_TEXTWORLD, "mode=manual", "round=0",
+    sets = user_sets(inputs, monitoring, rel_name, *CPU_TEXTWORLD, "mode=manual", "round=0", "manual.pollSeconds=1",
                      "buildPrefixes.enabled=false", "evaluate.enabled=false")
     rel = cluster.helm.install(rel_name, CHART, values_files=[TEXTWORLD], set_values=sets, set_json=LR)
     root = rel.values["runRoot"]
-    first = release_jobs(cluster, rel_name)
-    assert set(first) == {"teacher-scores-r0", "train-r0"}  # Helm created them at once; they wait
-    ts0 = cluster.wait_pod(f"batch.kubernetes.io/job-name={first['teacher-scores-r0']}",
-                           lambda p: "waiting for checkpoint 0" in init_log(cluster, p), 120)
-    assert ts0["status"]["phase"] == "Pending"  # Init: the scoring container has not started
+    first = gate_jobs(cluster, rel_name)
+    assert set(first) == {"teacher-scores-r0", "train-r0"}  # Helm created the gates at once; they wait
+    cluster.wait_for(lambda: "stage teacher-scores-r0: waiting for the output of build-prefixes"
+                     in job_log(cluster, first["teacher-scores-r0"]), 120, "the teacher-scores gate to wait")
+    assert cluster.job("sapd-tw-teacher-scores-r0") is None and cluster.job("sapd-tw-train-r0") is None
+    gate_pods = [p for g in first.values() for p in pods_of(cluster, g)]
+    assert gate_pods and all("nvidia.com/gpu" not in str(c.get("resources")) for p in gate_pods
+                             for c in p["spec"]["containers"])  # the gates hold no GPU
     # the CronJob before any checkpoint: nothing to evaluate, and a success (no retries on a GPU node)
-    assert "nothing to evaluate" in run_cron(cluster, cron)
+    assert "nothing to evaluate" in eval_now(cluster, cron, "sapd-tw-eval-0")
 
     cluster.helm.upgrade(rel_name, reuse_values=True, set_values=["buildPrefixes.enabled=true"])
-    jobs = release_jobs(cluster, rel_name)
-    assert set(jobs) == {"build-prefixes", "teacher-scores-r0", "train-r0"} and not set(jobs.values()) & set(first.values())
-    cluster.wait_for(lambda: not any(cluster.job(n) for n in first.values()), 60, "the first revision's Jobs to go")
-    assert cluster.wait_job(jobs["train-r0"], 900) == "Complete", cluster.describe()
+    gates = gate_jobs(cluster, rel_name)  # a changed value: new gates (new names), the old ones deleted
+    assert set(gates) == {"build-prefixes", "teacher-scores-r0", "train-r0"} and not set(gates.values()) & set(first.values())
+    cluster.wait_for(lambda: not any(cluster.job(n) for n in first.values()), 60, "the first revision's gates to go")
+    assert cluster.wait_job(gates["train-r0"], 900) == "Complete", cluster.describe()
     assert layout.committed_checkpoints(root) == [0, 1]
-    for p in pods_of(cluster, jobs["teacher-scores-r0"]):
-        assert "checkpoint 0 is committed" in init_log(cluster, p)
-    train_pods = pods_of(cluster, jobs["train-r0"])
+    ts_gate = job_log(cluster, gates["teacher-scores-r0"])
+    assert ts_gate.index("its input (build-prefixes) is committed") < ts_gate.index("job sapd-tw-teacher-scores-r0: created")
+    train_gate = job_log(cluster, gates["train-r0"])
+    assert train_gate.index("its input (teacher-scores-r0) is committed") < train_gate.index("job sapd-tw-train-r0: created")
+    for stage in ("build-prefixes", "teacher-scores-r0", "train-r0"):  # plain stage Jobs, owned by the ConfigMap
+        assert cluster.job_state(f"sapd-tw-{stage}") == "Complete", stage
+        assert cluster.job(f"sapd-tw-{stage}")["metadata"]["ownerReferences"][0]["name"] == "sapd-tw-pipeline-templates"
+        assert all(not p["spec"].get("initContainers") for p in pods_of(cluster, f"sapd-tw-{stage}"))
+    train_pods = pods_of(cluster, "sapd-tw-train-r0")
     assert sorted(p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] for p in train_pods) == ["0", "1"]
-    assert all(p["status"]["phase"] == "Succeeded" and "round 0's scored manifest is committed" in init_log(cluster, p)
-               for p in train_pods)
+    assert all(p["status"]["phase"] == "Succeeded" for p in train_pods)
     assert shards.read_manifest(layout.scored_dir(root, 0))["workers"] == 2  # committed by the last worker
     rank0 = next(p for p in train_pods if p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] == "0")
     assert "round 0: checkpoint 1 committed" in cluster.logs(rank0["metadata"]["name"])
 
-    out1 = run_cron(cluster, cron)
+    out1 = eval_now(cluster, cron, "sapd-tw-eval-1")
     assert "checkpoint 1: 1 textworld episodes" in out1
     first_eval = storage.read_json(storage.join(layout.evals_dir(root, 1), "textworld.json"))
 
     cluster.helm.upgrade(rel_name, reuse_values=True, set_values=["round=1"])
-    jobs = release_jobs(cluster, rel_name)
-    assert {"teacher-scores-r1", "train-r1"} <= set(jobs)
-    assert cluster.wait_job(jobs["train-r1"], 900) == "Complete", cluster.describe()
+    gates = gate_jobs(cluster, rel_name)
+    assert {"teacher-scores-r1", "train-r1"} <= set(gates)
+    assert cluster.wait_job(gates["train-r1"], 900) == "Complete", cluster.describe()
+    assert cluster.job_state("sapd-tw-train-r1") == "Complete"
     assert layout.committed_checkpoints(root) == [0, 1, 2]
 
-    out2 = run_cron(cluster, cron)
+    out2 = eval_now(cluster, cron, "sapd-tw-eval-2")
     assert "checkpoint 2: 1 textworld episodes" in out2 and "checkpoint 1" not in out2  # only the new one
     assert storage.read_json(storage.join(layout.evals_dir(root, 1), "textworld.json")) == first_eval
     assert not storage.exists(storage.join(layout.evals_dir(root, 0), "textworld.json"))
-    assert "checkpoint 2: textworld already evaluated" in run_cron(cluster, cron)
+    assert "checkpoint 2: textworld already evaluated" in eval_now(cluster, cron, "sapd-tw-eval-3")
     TIMINGS["textworld overlay, manual mode, 2 train pods, 4 CronJob runs"] = time.monotonic() - t0
     # the overlay's images: the stages on gpu, the evaluation CronJob's Jobs on eval (the benchmarks)
     images = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p["spec"]["containers"][0]["image"]

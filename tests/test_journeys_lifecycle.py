@@ -8,15 +8,20 @@ nobody touched.
 - `helm upgrade --reuse-values --set config.train.rounds=2` on a finished run of 1 round: the new driver
   continues from checkpoint 1;
 - mode manual: small gate Jobs create each stage Job once its input is committed (no GPU held while
-  waiting; the evaluation's deadline starts when it runs), round after round with `--set round=K+1`.
+  waiting; the evaluation's deadline starts when it runs), round after round with `--set round=K+1`;
+- `--set kueue.queueName=…` on a cluster whose queue (a Kueue-like admission by quota) cannot admit the
+  train stage yet: the driver logs its stage Job as queued, does not count its deadline while it waits,
+  and the run completes once the platform's admin raises the quota.
 
 Inputs are what a user uploads (a tiny student and teacher, TextWorld expert games recorded with sapd's
-collector) in a real S3 server (SeaweedFS); the four releases run side by side in one cluster.
+collector) in a real S3 server (SeaweedFS); the first four releases run side by side in one cluster, the
+queued one in a cluster of its own (with the queue admission on).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import signal
 import time
@@ -77,8 +82,10 @@ def cluster(tmp_path_factory, inputs, s3_server):
     try:
         c.create_secret("sapd-s3-credentials", {"AWS_ACCESS_KEY_ID": s3_server.access_key,
                                                 "AWS_SECRET_ACCESS_KEY": s3_server.secret_key})
-        # a node whose shared cache already holds the evaluation panel's games (modelCache: hostPath)
+        # a node whose shared cache already holds the evaluation panel's games (modelCache: hostPath),
+        # prepared by the node's admin for the pods' user (a folder the kubelet would create is root's)
         shutil.copytree(inputs.games, c.host_path("/var/cache/sapd") / "textworld")
+        c.host_path("/var/cache/sapd", owner=(1000, 1000))
         yield c
     finally:
         c.stop()
@@ -273,3 +280,70 @@ def report_time():
     t0 = time.monotonic()
     yield
     print(f"\nlifecycle journeys: {time.monotonic() - t0:.0f}s")
+
+
+# ------------------------------------------------------------------------------------------ queued
+
+
+QUEUE = "sapd-queue"
+TRAIN_DEADLINE = 45  # seconds: the train Job's activeDeadlineSeconds, shorter than its wait in the queue
+
+
+@pytest.fixture(scope="module")
+def queue_cluster(tmp_path_factory, inputs, s3_server):
+    """A cluster with Kueue-like admission: LocalQueue `sapd-queue`'s quota admits the driver and any one
+    stage of the smoke overlay except training (2 CPUs), until its admin raises it."""
+    c = Cluster(tmp_path_factory.mktemp("queue-cluster"), namespace=NS, backoff_base_seconds=0.2, max_grace_seconds=3,
+                queues={QUEUE: {"cpu": "1.5", "memory": "16Gi", "ephemeral-storage": "16Gi"}}).start()
+    try:
+        c.create_secret("sapd-s3-credentials", {"AWS_ACCESS_KEY_ID": s3_server.access_key,
+                                                "AWS_SECRET_ACCESS_KEY": s3_server.secret_key})
+        shutil.copytree(inputs.games, c.host_path("/var/cache/sapd") / "textworld")
+        c.host_path("/var/cache/sapd", owner=(1000, 1000))
+        yield c
+    finally:
+        c.stop()
+    assert c.errors == [], c.errors[-1]
+
+
+def test_a_queued_stage_waits_for_admission_without_its_deadline_running(queue_cluster, inputs):
+    """`helm install … --set kueue.queueName=sapd-queue`: every Job is created suspended and admitted by
+    quota; train-r0 (2 CPUs) does not fit while the driver holds its share, so it stays suspended — the
+    driver logs it as queued, longer than the Job's own activeDeadlineSeconds, without timing out or
+    retrying — until the admin raises the quota; then it runs, within its deadline counted from
+    admission, and the run completes."""
+    from sapd import layout
+    c = queue_cluster
+    t0 = time.monotonic()
+    c.helm.install("sapd-q", CHART, values_files=[SMOKE], set_json=LR, set_values=user_sets(
+        inputs, "sapd-q", f"kueue.queueName={QUEUE}", f"train.activeDeadlineSeconds={TRAIN_DEADLINE}",
+        "pipeline.logEverySeconds=10"))
+    driver = "sapd-q-pipeline-1"
+
+    def queued_for() -> int:
+        """Seconds of the longest "queued" line the driver has logged for train-r0 (kubectl logs job/…)."""
+        log = c.kubectl("-n", NS, "logs", f"job/{driver}", check=False)
+        spans = re.findall(r"job sapd-q-train-r0: queued (\d+)m(\d\d)s: suspended", log)
+        return max((int(m) * 60 + int(s) for m, s in spans), default=-1)
+    c.wait_for(lambda: queued_for() > TRAIN_DEADLINE, 900, f"train-r0 queued longer than {TRAIN_DEADLINE}s")
+    rows = {ln.split()[0]: ln.split()[1] for ln in c.kubectl("-n", NS, "get", "jobs").splitlines()[1:]}
+    assert rows["sapd-q-train-r0"] == "Suspended" and rows[driver] == "Running", rows
+    assert c.pods("batch.kubernetes.io/job-name=sapd-q-train-r0") == []
+    assert c.job("sapd-q-teacher-scores-r0")["spec"]["suspend"] is False  # admitted before, and done
+    c.queues.set_quota(QUEUE, {"cpu": "4", "memory": "16Gi", "ephemeral-storage": "16Gi"})  # the admin adds capacity
+
+    assert c.wait_job(driver, 900) == "Complete", c.describe()
+    log = c.kubectl("-n", NS, "logs", f"job/{driver}")
+    assert "job sapd-q-train-r0: queued 0m00s: suspended, waiting for admission by Kueue (LocalQueue sapd-queue)" in log
+    assert re.search(r"job sapd-q-train-r0: running \d+m\d\ds: ", log), log
+    assert "pipeline done: checkpoints [0, 1, 2] committed" in log and "not finished after" not in log
+    train = c.job("sapd-q-train-r0")
+    assert c.job_state("sapd-q-train-r0") == "Complete" and train["metadata"]["annotations"]["sapd.io/attempt"] == "1"
+    assert not [cond for cond in train["status"]["conditions"] if cond.get("reason") == "DeadlineExceeded"]
+    assert layout.committed_checkpoints(f"{inputs.prefix}/runs/sapd-q") == [0, 1, 2]
+    # every Job of the release went through the queue: the driver's own, the stages', in creation order
+    admitted = [e["name"] for e in c.store.events if e["reason"] == "QuotaReserved"]
+    assert admitted[0] == driver and admitted[1:] == ["sapd-q-build-prefixes", "sapd-q-teacher-scores-r0",
+                                                      "sapd-q-train-r0", "sapd-q-teacher-scores-r1", "sapd-q-train-r1",
+                                                      "sapd-q-evaluate-r2"], admitted
+    print(f"\nqueued journey: {time.monotonic() - t0:.0f}s")

@@ -3,7 +3,8 @@
 ``Cluster`` (cluster.py) holds an object store (store.py) behind a real HTTPS API server on 127.0.0.1
 (apiserver.py: bearer-token authentication, RBAC from the rendered Roles, the API's defaulting
 (admission.py), strict schema validation, immutable fields, discovery and Tables for the real
-kubectl — ``Cluster.kubectl``), a Job controller, a CronJob trigger, a garbage collector and an
+kubectl — ``Cluster.kubectl`` —, and the protobuf bodies of kubectl's typed commands, decoded with the
+schema inside kubectl itself: protobuf.py), a Job controller, a CronJob trigger, a garbage collector and an
 optional Kueue-like queue admission (controllers.py), and a kubelet that runs every container of
 every pod as a local process with the rendered command, args, env, volumes and working directory, as
 the pod's user, in its image target's own Python environment (kubelet.py; the image's

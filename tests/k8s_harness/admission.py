@@ -36,7 +36,8 @@ def default_job(job: dict, uid: str) -> dict:
         spec.setdefault("podReplacementPolicy", "Failed")
         for rule in spec["podFailurePolicy"].get("rules", []):
             for pattern in rule.get("onPodConditions") or []:
-                pattern.setdefault("status", "True")
+                if not pattern.get("status"):  # unset or "" (Go's zero value, what JSON clients send)
+                    pattern["status"] = "True"
     else:
         spec.setdefault("podReplacementPolicy", "TerminatingOrFailed")
     if not spec.get("manualSelector"):

@@ -8,8 +8,10 @@ ends), events (the controllers' events as core/v1 Events, ``fieldSelector`` on `
 version's resource list), and ``meta.k8s.io/v1`` Tables when the client asks for them
 (:mod:`tables`) — enough for the real ``kubectl`` (1.32) to run ``get``, ``describe``, ``logs`` and
 ``create -f --validate=false`` against it. Not served: watch, server-side apply, aggregated discovery (kubectl falls
-back to the legacy form), OpenAPI documents, and request bodies in protobuf (415): kubectl's typed
-commands (``create job``, ``create job --from=cronjob/…``) send those, and fail here.
+back to the legacy form) and OpenAPI documents. Request bodies may be JSON, or protobuf for create and
+update — what kubectl's typed commands (``create job``, ``create job --from=cronjob/…``) send —, decoded
+with the schema registered in the kubectl binary itself (:mod:`protobuf`); answers are always JSON, which
+those clients accept beside protobuf.
 
 What it enforces, like a real API server:
 
@@ -38,6 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import protobuf
 from .store import BY_PLURAL, KINDS, SHORT_NAMES, Conflict, Invalid, Kind, NotFound
 from .tables import table
 
@@ -349,10 +352,18 @@ class _Handler(BaseHTTPRequestHandler):
             if doc is not None:
                 code = 200
                 return self._send(200, doc)
-            if raw and "protobuf" in (self.headers.get("Content-Type") or ""):
+            ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip()
+            if raw and ctype == protobuf.MEDIA_TYPE and method in ("POST", "PUT"):
+                try:  # kubectl's typed commands: decoded with kubectl's own schema (protobuf.py)
+                    body = strip_null_timestamps(protobuf.decode_object(raw, self.api.cluster.kube_version))
+                except protobuf.ProtobufError as e:
+                    raise ApiError(400, "BadRequest", f"the protobuf body cannot be decoded: {e}") from e
+            elif raw and "protobuf" in ctype:
                 raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - "
-                               "accepted media types include: application/json, application/merge-patch+json")
-            body = strip_null_timestamps(json.loads(raw)) if raw.strip() else None
+                               "accepted media types include: application/json, application/merge-patch+json, "
+                               f"{protobuf.MEDIA_TYPE} (create and update)")
+            else:
+                body = strip_null_timestamps(json.loads(raw)) if raw.strip() else None
             code = self._route(method, parts.path, query, body, user)
         except ApiError as e:
             code = e.code

@@ -402,6 +402,11 @@ class QueueAdmission:
         self.quota = {q: {r: _quantity(v) for r, v in res.items()} for q, res in queues.items()}
         self.admitted: dict[str, tuple[str, dict[str, float]]] = {}  # job uid → (queue, usage)
 
+    def set_quota(self, queue: str, resources: dict) -> None:
+        """The queue's nominal quota from now on (an admin editing its ClusterQueue), e.g. more GPUs."""
+        from .kubelet import _quantity
+        self.quota[queue] = {r: _quantity(v) for r, v in resources.items()}
+
     def sync(self) -> None:
         from .admission import QUEUE_LABEL
         jobs = self.cluster.store.list("Job")
