@@ -41,7 +41,7 @@ test: setup system-deps .venv-vllm/.sapd-vllm-installed lint
 	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
 
 lint: setup
-	$(BIN)/ruff check sapd jobs tests bench experiments
+	$(BIN)/ruff check sapd jobs tests bench research
 	$(BIN)/mypy
 
 .venv-vllm/.sapd-vllm-installed: scripts/setup_vllm_venv.sh

@@ -36,7 +36,6 @@ def test_demo_small(tmp_path):
     from pathlib import Path
 
     import yaml
-
     from sapd.study.demo import BEFORE, DEMO_ARMS, TEACHER, run_demo
 
     out = tmp_path / "demo-out"

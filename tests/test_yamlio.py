@@ -96,7 +96,7 @@ def test_betas_tuple_of_floats(tmp_path):
 
 
 def test_every_study_config_float_field(tmp_path):
-    from sapd.study.run import StudyConfig, load_study_config
+    from research.reproduction import StudyConfig, load_study_config
     paths = float_fields(StudyConfig)
     assert {"pretrain_lr", "lr", "sft_lr", "student_epochs", "env_timeout_s"} <= set(paths)
     for dotted in paths:
@@ -108,7 +108,7 @@ def test_every_study_config_float_field(tmp_path):
 
 
 def test_sequence_file_numbers(tmp_path):
-    from sapd.study.sequential import load_sequence
+    from research.sequential import load_sequence
     f = tmp_path / "seq.yaml"
     f.write_text("root: runs/seq\nenv_timeout_s: 1.5e2\nbase:\n  train: {lr: 1e-6}\n  sampling: {top_p: .5}\n"
                  "stages:\n  - name: a\n    data: {input: a.jsonl, format: native, benchmark: textworld}\n"

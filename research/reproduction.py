@@ -1,9 +1,9 @@
-"""The reproduction study on the embedded TextWorld environment (``sapd study``).
+"""The reproduction study on the embedded TextWorld environment (``python -m research study``).
 
 One command builds everything from nothing and writes the results under ``--results``
 (``docs/results/`` in the repository)::
 
-    .venv/bin/sapd study experiments/study.yaml --out study-out --results docs/results
+    python -m research study experiments/study.yaml --out study-out --results docs/results
 
 What it does, each piece committed in ``--out`` as it finishes, so an interrupted study resumes:
 
@@ -57,6 +57,9 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from research.a5 import a5_experiments
+from research.reproduction_report import LABELS, TABLE1_METHODS, TABLE2_VARIANTS, TEACHERS, render_report
+from research.sequential import Stage, run_sequential
 from sapd import checkpoints, layout, storage
 from sapd.baselines.online import cycling_games, run_online
 from sapd.config import ConfigError, apply_file_overlay, apply_overlay, config_from_dict, dump_config, read_yaml_mapping
@@ -74,9 +77,6 @@ from sapd.models.tiny import build_tiny_model
 from sapd.run.local import run_pipeline
 from sapd.run.report import read_step_log, round_timings
 from sapd.stages.evaluate import evaluate_checkpoint, offline_eval
-from sapd.study.a5 import a5_experiments
-from sapd.study.report import LABELS, TABLE1_METHODS, TABLE2_VARIANTS, TEACHERS, render_report
-from sapd.study.sequential import Stage, run_sequential
 
 
 @dataclass

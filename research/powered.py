@@ -18,10 +18,10 @@ another live process.
 
 Run it piece by piece (each step does only what is not yet recorded)::
 
-    .venv/bin/python -m experiments.powered pilot        # games, pools, models, timings
-    .venv/bin/python -m experiments.powered gate probe   # student/teacher gates, round-0 signal probe
-    .venv/bin/python -m experiments.powered sweep --max-units 4
-    .venv/bin/python -m experiments.powered status       # what is recorded, what remains, CPU estimate
+    python -m research powered pilot        # games, pools, models, timings
+    python -m research powered gate probe   # student/teacher gates, round-0 signal probe
+    python -m research powered sweep --max-units 4
+    python -m research powered status       # what is recorded, what remains, CPU estimate
 
 ``final`` and ``test`` refuse to run until the config and the analysis plan are committed (git) and
 unmodified: the test panel is evaluated only under the pre-registered plan.
@@ -41,6 +41,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+from research import stats
+from research.reproduction import ModelShape, pool_texts, read_pool
+from research.signals import heldout_decisions, round_health, signal_probe, summarize_decisions
 from sapd import checkpoints, layout, storage
 from sapd.config import ConfigError, apply_overlay, config_from_dict, dump_config
 from sapd.data.loaders import write_native_jsonl
@@ -55,9 +58,6 @@ from sapd.models.loading import load_causal_lm, load_tokenizer
 from sapd.models.tiny import build_tiny_model
 from sapd.run.local import run_pipeline
 from sapd.stages.evaluate import evaluate_checkpoint
-from sapd.study import stats
-from sapd.study.run import ModelShape, pool_texts, read_pool
-from sapd.study.signals import heldout_decisions, round_health, signal_probe, summarize_decisions
 
 STEPS = ("pilot", "gate", "probe", "sweep", "final", "test")
 
@@ -766,7 +766,7 @@ class PoweredStudy:
 
     def plan_is_committed(self) -> bool:
         """The config and docs/results/ANALYSIS_PLAN.md are committed and unmodified in git."""
-        repo = Path(__file__).resolve().parents[2]
+        repo = Path(__file__).resolve().parents[1]
         paths = ["docs/results/ANALYSIS_PLAN.md"] + ([str(self.config_path)] if self.config_path else [])
         try:
             for p in paths:

@@ -34,14 +34,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from research.powered import PoweredConfig, PoweredStudy, wilson_interval
+from research.powered_report import _outcomes
+from research.stats import paired_bootstrap
 from sapd import checkpoints
 from sapd.config import apply_overlay
 from sapd.run.report import write_report
-from sapd.study.powered import PoweredConfig, PoweredStudy, wilson_interval
-from sapd.study.powered_report import _outcomes
-from sapd.study.stats import paired_bootstrap
 
-# fields of sapd.study.powered.PoweredConfig: the powered study's setting (experiments/powered.yaml) with
+# fields of research.powered.PoweredConfig: the powered study's setting (experiments/powered.yaml) with
 # its student and teacher recipes unchanged — the same games, pools and seeds give the same models — and a
 # smaller test panel (its first 15 games per family), 16 rounds instead of 24 and one seed. The student's
 # 250 pre-training games matter: on 100 it writes malformed responses at T = 1 often enough (the study's gate
@@ -119,7 +119,7 @@ def _reading(name: str, d: dict[str, float], what: str) -> str:
 
 def demo_config(overrides: dict[str, Any] | None = None) -> PoweredConfig:
     """The demo's setting: :data:`DEMO_CONFIG` with ``overrides`` (fields of
-    :class:`sapd.study.powered.PoweredConfig`) on top; an unknown or mistyped field is a ``ConfigError``."""
+    :class:`research.powered.PoweredConfig`) on top; an unknown or mistyped field is a ``ConfigError``."""
     cfg = PoweredConfig()
     apply_overlay(cfg, {**DEMO_CONFIG, **(overrides or {})})
     return cfg
@@ -128,7 +128,7 @@ def demo_config(overrides: dict[str, Any] | None = None) -> PoweredConfig:
 def run_demo(out: Path, *, log: Callable[[str], None] = print, show_progress: bool = True,
              overrides: dict[str, Any] | None = None) -> dict:
     """Run (or resume: every unit reuses what is already in ``out``) the embedded demo. ``overrides``
-    change :data:`DEMO_CONFIG` (fields of :class:`sapd.study.powered.PoweredConfig`). Returns the summary
+    change :data:`DEMO_CONFIG` (fields of :class:`research.powered.PoweredConfig`). Returns the summary
     also written to ``out/demo-summary.json``."""
     t_start = time.perf_counter()
     cfg = demo_config(overrides)
