@@ -44,8 +44,15 @@ from typing import Any, Callable
 from research import stats
 from research.reproduction import ModelShape, pool_texts, read_pool
 from research.signals import heldout_decisions, round_health, signal_probe, summarize_decisions
-from sapd import checkpoints, layout, storage
-from sapd.config import ConfigError, apply_overlay, config_from_dict, dump_config
+from sapd import checkpoints, layout, storage, yamlio
+from sapd.config import (
+    ConfigError,
+    apply_file_overlay,
+    apply_overlay,
+    config_from_dict,
+    dump_config,
+    read_yaml_mapping,
+)
 from sapd.data.loaders import write_native_jsonl
 from sapd.data.prefixes import PrefixOptions, build_prefixes, read_prefixes
 from sapd.envs.base import EpisodeSpec
@@ -144,21 +151,22 @@ class PoweredConfig:
 
 
 def load_powered_config(path: str | Path) -> PoweredConfig:
-    import yaml
-
-    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
+    """The study's config file through the project's YAML reader (:mod:`sapd.yamlio`: ``1e-3`` is a float);
+    an unknown or mistyped key is a ``ConfigError`` naming ``file:line``."""
+    data = read_yaml_mapping(path)
     arms = data.pop("arms", {}) or {}
+    if not isinstance(arms, dict):
+        raise ConfigError(f"{path}: arms: expected a mapping of arm name → arm")
     cfg = PoweredConfig()
-    try:
-        apply_overlay(cfg, data)
-        for name, spec in arms.items():
-            arm = Arm()
+    apply_file_overlay(cfg, str(path), data)
+    for name, spec in arms.items():
+        arm = Arm()
+        try:
             apply_overlay(arm, spec or {}, f"arms.{name}.")
-            cfg.arms[name] = arm
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        except ConfigError as e:
+            line = yamlio.line_of(arms, e.path.removeprefix("arms.")) if e.path else None
+            raise ConfigError(f"{path}:{line}: {e}" if line else f"{path}: {e}", e.path) from None
+        cfg.arms[name] = arm
     return cfg
 
 
