@@ -91,24 +91,13 @@ def cmd_show_prefixes(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The embedded default: the powered study's setting at demo size — games, noisy logs, student and
-    teacher, then SFT / OPD+Rule / SAPD from the student and a held-out evaluation (research.demo)."""
-    import yaml
-
-    from research.demo import demo_config, run_demo  # moved to sapd/ in the next commit
-    from sapd.config import ConfigError
-    overrides = None
-    if args.config:
-        overrides = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}
-        if not isinstance(overrides, dict):
-            raise ValueError(f"{args.config}: expected a mapping of demo setting fields, "
-                             f"got {type(overrides).__name__}")
-        try:
-            demo_config(overrides)  # checked before anything runs, so the error can name the file
-        except ConfigError as e:
-            raise ConfigError(f"{args.config}: {e}", e.path) from None
-    run_demo(Path(args.out), log=lambda s: print(s, flush=True), show_progress=not args.no_progress,
-             overrides=overrides)
+    """The embedded default: TextWorld games, noisy logs, student and teacher, then SFT / OPD+Rule / SAPD from
+    the student and a held-out evaluation, each model made by a `sapd run` config (sapd.demo.main)."""
+    from sapd.demo.main import demo_config, run_demo
+    cfg = demo_config(args.config)  # checked before anything runs
+    if args.workers is not None:
+        cfg.workers = args.workers
+    run_demo(Path(args.out), cfg, log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
     return 0
 
 
@@ -394,12 +383,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("demo", help="the embedded default: TextWorld games → noisy expert logs → student and teacher → "
-                                    "SFT / OPD+Rule / SAPD → held-out evaluation, on this CPU")
-    p.add_argument("--out", default="demo-out", help="output folder (default ./demo-out); a rerun resumes")
-    p.add_argument("--config", help="YAML of demo setting fields to change (fields of "
-                                    "research.powered.PoweredConfig; research.demo.DEMO_CONFIG lists the demo's "
-                                    "values), e.g. 'test_games: 30'; an unknown field is an error")
-    p.add_argument("--no-progress", action="store_true")
+                                    "SFT / OPD+Rule / SAPD → held-out evaluation, on this CPU in minutes")
+    p.add_argument("--out", default="demo-out", help="output folder (default ./demo-out); a rerun reuses what is there")
+    p.add_argument("--config", help="YAML of demo setting fields to change (fields of sapd.demo.main.DemoConfig), "
+                                    "e.g. 'test_games: 30'; an unknown field is an error")
+    p.add_argument("--workers", type=int, default=None,
+                   help="jobs run at once, one thread each (default: one per core, at most 4)")
+    p.add_argument("--no-progress", action="store_true", help="progress as plain lines, not bars")
     p.set_defaults(func=cmd_demo)
     return parser
 

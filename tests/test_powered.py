@@ -372,7 +372,7 @@ def test_claims_are_read_in_their_own_direction():
 
 
 def test_wilson_interval_matches_the_textbook_values():
-    from research.powered import wilson_interval
+    from sapd.demo.intervals import wilson_interval
     lo, hi = wilson_interval(0.5, 100)
     assert abs(lo - 0.4038) < 5e-4 and abs(hi - 0.5962) < 5e-4  # 50 of 100: [0.404, 0.596]
     lo, hi = wilson_interval(0.0, 10)
@@ -478,7 +478,7 @@ def test_tokenizer_and_teacher_data_keep_to_the_first_pretraining_games(tmp_path
     for n in ("train_clean", "train_noisy"):
         write_native_jsonl([traj(f"coin-{n}")], str(study.pool_path(n)))
     seen: list[str] = []
-    monkeypatch.setattr(powered, "build_tokenizer", lambda texts, out, vocab_size: seen.extend(texts))
+    monkeypatch.setattr(powered, "ensure_tokenizer", lambda out, texts, vocab_size: seen.extend(texts()))
     study.ensure_tokenizer()
     text = "\n".join(seen)
     assert "go coin_near-0" in text and "go coin_near-1" in text and "go coin_near-2" not in text

@@ -152,7 +152,7 @@ def test_sft_models_train_in_runs_and_are_exported_to_models(tmp_path, monkeypat
                 checkpoints.save_checkpoint(cfg.run_root, k, load_causal_lm(student), load_tokenizer(student), None)
         return {}
     monkeypatch.setattr(study_run, "run_pipeline", fake_pipeline)
-    monkeypatch.setattr(Study, "_count_trajectories", staticmethod(lambda data_input: 4))
+    monkeypatch.setattr(study_run, "count_trajectories", lambda data_input: 4)
     study = Study(load_study_config(str(SMOKE)), tmp_path / "new", log=lambda s: None)
     final = study._run_sft("student", student, "pool.jsonl", 1.0)
     assert trained == [str(tmp_path / "new" / "runs" / "student")] and "/runs/student/checkpoints/" in final
