@@ -64,11 +64,14 @@ def _generate_one(spec: GameSpec, cache_dir: str) -> float:
     add_arguments(parser)
     if challenge == "tw-cooking":
         args += ["--recipe-seed", str(spec.seed)]
-    settings = vars(parser.parse_args(args))
     out = game_path(spec, cache_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".gen-") as tmp:
         target = Path(tmp).resolve() / "game.z8"
+        # the settings tw-make passes (some challenges record them in the game): its flags, then the challenge's
+        settings = {"third_party": None, "subcommand": challenge, **vars(parser.parse_args(args)),
+                    "output": str(target), "seed": spec.seed, "format": "z8", "overview": False,
+                    "save_overview": False, "force": True, "silent": True, "verbose": False}
         options = textworld.GameOptions()
         options.seeds = spec.seed
         options.path = str(target)

@@ -21,6 +21,24 @@ interrupted one continues):
 5. **report** — ``OUT/REPORT.md`` (the table with 95 % intervals, paired differences, a plain reading, the
    powered study's conclusion beside it), ``OUT/evaluation.json``, ``OUT/success.png``, ``sapd report``'s
    training curves of the SAPD run and ``sapd export``'s copy of the SAPD student (``OUT/sapd_student``).
+
+**Why these sizes: the cost model** (single-threaded costs measured on the project's shared 2-core machine;
+upper bounds). A game takes ~1 s to generate (``tw-make``, one process per game, took 3.4 s), an expert
+episode 0.05 s, one SFT pass over one decision 0.026 s at 128 wide × 2 layers (prompts are ~320 tokens; 256
+× 4, the powered study's shape, costs about 6× as much), an SAPD or OPD+Rule round of 4 trajectories × G = 8
+about 5 s, an SFT round 0.6 s, evaluating one model on 30 games and 135 decisions 7–16 s, a worker process's
+start ~5 s. The critical path is::
+
+    100 pre-training games on 2 processes (~66 s) + their play and the tokenizer (~8 s)
+    + student SFT: 100 games × 3 decisions × 20 epochs (~175 s)
+    + teacher SFT: 3 epochs over ~480 decisions (~35 s)
+    + SAPD, 8 rounds, and its evaluation (~58 s; OPD+Rule beside it on the other core)
+    + the teacher's evaluation (~9 s) + the report (~3 s)                      ≈ 6 minutes
+
+while the other core generates and plays the 70 training and held-out games during the student's SFT, and
+evaluates the student and trains the SFT arm during the teacher's. The student needs its 6,000 decision-passes
+at a high learning rate: with 10 epochs at 1e-3 it stayed on the plateau where it ignores the route written in
+the task (action match 0.43 on the longer routes), and so would a student too small to learn it.
 """
 
 from __future__ import annotations
@@ -43,6 +61,7 @@ from sapd.demo.pools import count_trajectories, expert_pool, pool_texts, read_po
 from sapd.demo.progress import duration, progress
 from sapd.demo.workers import Job, cpu_count, run_jobs
 from sapd.envs.panels import PanelSpec
+from sapd.envs.textworld_env import GameSpec
 from sapd.run.local import run_pipeline
 from sapd.run.report import write_report
 
@@ -82,12 +101,12 @@ class DemoConfig:
     history_length: int = 2
     horizon: int = 12  # decisions per held-out episode
     tokenizer_vocab: int = 1024
-    student_shape: ModelShape = field(default_factory=lambda: ModelShape(128, 2, 4, 2, 256))
-    teacher_shape: ModelShape = field(default_factory=lambda: ModelShape(128, 2, 4, 2, 256))
-    student_epochs: float = 20.0  # SFT passes over the pre-training pool
-    teacher_epochs: float = 20.0  # over the pre-training pool and the clean training pool
-    sft_lr: float = 3e-3
-    sft_trajectories_per_round: int = 25
+    shape: ModelShape = field(default_factory=lambda: ModelShape(128, 2, 4, 2, 256))  # the student's (and teacher's)
+    student_epochs: float = 20.0  # SFT passes over the pre-training pool, from random weights
+    student_lr: float = 5e-3  # high for a small model: it must learn to read the route from the task in few steps
+    teacher_epochs: float = 3.0  # further SFT passes of the student over its own data and the clean training play
+    teacher_lr: float = 2e-3
+    sft_trajectories_per_round: int = 50
     sft_minibatch_prefixes: int = 8
     group_size: int = 8
     temperature: float = 1.0
@@ -111,6 +130,7 @@ def demo_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         apply_overlay(cfg, overrides)
     if unknown := set(cfg.lrs) - set(ARMS):
         raise ValueError(f"lrs: unknown arm(s) {sorted(unknown)}; the arms are {list(ARMS)}")
+    cfg.lrs = {**DemoConfig().lrs, **cfg.lrs}  # an arm the file does not name keeps its rate
     return cfg
 
 
@@ -158,8 +178,88 @@ def evaluate_job(report: Callable[[str, int, int, str], None], root: str, panel:
             "train_seconds": train_s}
 
 
+def sft_job(report: Callable[[str, int, int, str], None], config: str, root: str, init: str, data: str,
+            epochs: float, sft: dict[str, Any], comment: str) -> dict[str, Any]:
+    """Write the ``sapd run`` config that SFTs ``init`` on ``data`` for ``epochs`` (now that the data is there
+    to count), then run it (:func:`train_job`)."""
+    _write_config(Path(config), sft_run_config(root, init, data, epochs=epochs, trajectories=count_trajectories(data),
+                                               **sft), f"{comment}\nsapd run {config}")
+    return train_job(report, config)
+
+
+def play_games(games: list[GameSpec], pools: dict[str, float], cfg: DemoConfig, p: Paths, what: str, *,
+               workers: int, log: Callable[[str], None] = print, bar: bool | None = False,
+               report: Callable[[str, int, int, str], None] | None = None) -> bool:
+    """Generate ``games`` and let the expert play them into the pools ``{name: ε}`` (every pool on all of
+    ``games``), with progress (``what``: the games' name in it); False when all of it was there already."""
+    def counter(phase: str, total: int, unit: str, initial: int = 0):
+        if report is None:
+            return progress(phase, total, unit, log=log, bar=bar, initial=initial)
+        return _Reported(report, phase, total, unit, initial)
+
+    missing = missing_games(games, p.games)
+    with counter(f"{what} games", len(games), "games", len(games) - len(missing)) as b:
+        generate_games(missing, p.games, workers=workers, progress=b.update)
+    todo = {name: noise for name, noise in pools.items() if not p.pool(name).is_file()}
+    with counter(f"{what} games: expert episodes", len(games) * len(todo), "episodes") as b:
+        for name, noise in todo.items():
+            summary = expert_pool(games, p.games, p.pool(name), noise=noise, noise_seed=cfg.noise_seed,
+                                  thought=cfg.thought, horizon=40, env_timeout_s=cfg.env_timeout_s,  # type: ignore[arg-type]
+                                  progress=b.update)
+            (p.pools / f"{name}.summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return bool(missing or todo)
+
+
+class _Reported:
+    """A counter that reports to a job's ``report`` (the parent shows it)."""
+
+    def __init__(self, report: Callable[[str, int, int, str], None], phase: str, total: int, unit: str,
+                 initial: int = 0) -> None:
+        self.report, self.phase, self.total, self.unit, self.n = report, phase, total, unit, initial
+        if initial < total:
+            report(phase, initial, total, unit)
+
+    def set(self, n: int) -> None:
+        if n != self.n:
+            self.n = n
+            self.report(self.phase, n, self.total, self.unit)
+
+    def update(self, n: int = 1) -> None:
+        self.set(self.n + n)
+
+    def __enter__(self) -> _Reported:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def logs_job(report: Callable[[str, int, int, str], None], panels: dict[str, list[dict[str, Any]]],
+             cfg: dict[str, Any], out: str, pools: dict[str, tuple[str, float]]) -> dict[str, Any]:
+    """The training and held-out games, generated and played: the ε-noisy logs and the clean expert's play on
+    the training games, the clean expert on the held-out games (their decision prefixes, for evaluation), the
+    teacher's data folder; ``{pool: summary}``."""
+    c, p = demo_config(overrides=cfg), Paths(Path(out))
+    for panel, what in (("train", "training"), ("test", "held-out")):
+        play_games([GameSpec(**g) for g in panels[panel]], {name: noise for name, (on, noise) in pools.items()
+                                                            if on == panel}, c, p, what, workers=1, report=report)
+    tokenizer = ensure_tokenizer(p.tokenizer, lambda: [], c.tokenizer_vocab)
+    heldout_rows(p.pool("test"), p.heldout, tokenizer, c.history_length)
+    p.teacher_data.mkdir(parents=True, exist_ok=True)
+    for name in ("pretrain", "train_clean"):
+        dest = p.teacher_data / f"{name}.jsonl"
+        if not dest.is_file():
+            dest.write_bytes(p.pool(name).read_bytes())
+    summary = {name: json.loads((p.pools / f"{name}.summary.json").read_text())
+               for name in ("pretrain", *pools)}
+    (p.pools / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")  # written last: the logs are done
+    return summary
+
+
 def _finished(config: str, evaluated: bool = False) -> bool:
     """The run of ``config`` has its last checkpoint (and, with ``evaluated``, both its evaluations)."""
+    if not Path(config).is_file():
+        return False
     cfg = load_config(config)
     k = cfg.train.rounds
     if not checkpoints.is_committed(cfg.run_root, k):
@@ -206,6 +306,7 @@ class Paths:
         self.runs = out / "runs"
         self.tokenizer = self.models / "tokenizer"
         self.heldout = out / "heldout-prefixes"
+        self.teacher_data = self.pools / "teacher"  # the teacher's SFT data: the student's and the clean expert's
 
     def pool(self, name: str) -> Path:
         return self.pools / f"{name}.jsonl"
@@ -293,102 +394,74 @@ def run_demo(out: str | Path, cfg: DemoConfig | None = None, *, log: Callable[[s
     workers = cfg.workers or min(cpu_count(), 4)
     p.out.mkdir(parents=True, exist_ok=True)
     timings = Timings(p.out / "timings.json")
-
-    # 1. games
     pan = panels({"pretrain": (cfg.pretrain_games, [cfg.pretrain_family], cfg.pretrain_seed),
                   "train": (cfg.train_games, cfg.families, cfg.train_seed),
                   "test": (cfg.test_games, cfg.families, cfg.test_seed)})
-    games = [g for panel in pan.values() for g in panel]
-    log(f"[1/5] TextWorld games: {len(pan['pretrain'])} pre-training ({cfg.pretrain_family}), "
-        f"{len(pan['train'])} training and {len(pan['test'])} held-out ({', '.join(cfg.families)}) → {p.games}")
-    with progress("games", len(games), "games", log=log, bar=bar) as b:
-        b.set(len(games) - len(missing_games(games, p.games)))
-        made_games = generate_games(games, p.games, workers=workers, progress=b.update)
-    timings.lap("games", made_games > 0)
 
-    # 2. expert logs and the tokenizer
-    pools = {"pretrain": ("pretrain", 0.0), "train_clean": ("train", 0.0),
-             "train_noisy": ("train", cfg.noise), "test": ("test", 0.0)}
-    summary_path = p.pools / "summary.json"
-    log(f"[2/5] the expert plays them; the logs are the ε = {cfg.noise:g} noisy expert on the training games")
-    played = not summary_path.is_file()
-    if not played:
-        pool_summary = json.loads(summary_path.read_text())
-    else:
-        pool_summary = {}
-        with progress("expert episodes", sum(len(pan[v]) for v, _ in pools.values()), "episodes", log=log,
-                      bar=bar) as b:
-            for name, (panel, noise) in pools.items():
-                pool_summary[name] = expert_pool(pan[panel], p.games, p.pool(name), noise=noise,
-                                                 noise_seed=cfg.noise_seed, thought=cfg.thought,  # type: ignore[arg-type]
-                                                 horizon=40, env_timeout_s=cfg.env_timeout_s, progress=b.update)
-        summary_path.write_text(json.dumps(pool_summary, indent=1) + "\n")
-    tokenizer = ensure_tokenizer(
-        p.tokenizer, lambda: pool_texts([t for n in ("pretrain", "train_clean", "train_noisy")
-                                         for t in read_pool(p.pool(n))], cfg.history_length),
-        cfg.tokenizer_vocab)
-    rows = heldout_rows(p.pool("test"), p.heldout, tokenizer, cfg.history_length)
-    log(f"      logs: {pool_summary['train_noisy']['decisions']} decisions "
-        f"({pool_summary['train_noisy']['noisy_decisions']} noisy); held-out: {len(rows)} decisions; "
-        f"tokenizer: {len(tokenizer)} tokens")
-    timings.lap("expert logs and tokenizer", played)
+    # 1. the student's games and logs, and the tokenizer: on every core, before anything can train
+    log(f"[1/3] the student's data: {len(pan['pretrain'])} {cfg.pretrain_family} games, generated and played by "
+        f"the expert; a byte-level BPE tokenizer on their text → {p.out}")
+    worked = play_games(pan["pretrain"], {"pretrain": 0.0}, cfg, p, cfg.pretrain_family, workers=workers, log=log,
+                        bar=bar)
+    tokenizer = ensure_tokenizer(p.tokenizer, lambda: pool_texts(read_pool(p.pool("pretrain")), cfg.history_length),
+                                 cfg.tokenizer_vocab)
+    init = ensure_init_model(tokenizer, p.models / "init-student", cfg.shape, seed=0)
+    timings.lap("the student's games, logs and tokenizer", worked)
 
-    # 3. + 4. models, arms and evaluation: sapd run configs, run as parallel jobs
-    teacher_data = p.pools / "teacher"  # the teacher's SFT data: the student's and the clean expert's
-    teacher_data.mkdir(parents=True, exist_ok=True)
-    for name in ("pretrain", "train_clean"):
-        dest = teacher_data / f"{name}.jsonl"
-        if not dest.is_file():
-            dest.write_bytes(p.pool(name).read_bytes())
-    made = {}
-    for who, shape, seed, data, epochs in (
-            ("student", cfg.student_shape, 0, p.pool("pretrain"), cfg.student_epochs),
-            ("teacher", cfg.teacher_shape, 1, teacher_data, cfg.teacher_epochs)):
-        init = ensure_init_model(tokenizer, p.models / f"init-{who}", shape, seed)
-        made[who] = _write_config(
-            p.configs / f"{who}.yaml",
-            sft_run_config(p.models / who, init, data, epochs=epochs, trajectories=count_trajectories(data),
-                           trajectories_per_round=cfg.sft_trajectories_per_round, lr=cfg.sft_lr,
-                           history_length=cfg.history_length, minibatch_prefixes=cfg.sft_minibatch_prefixes,
-                           warmup_steps=10),
-            f"The demo's {who}: SFT from random weights ({shape.hidden_size} wide, {shape.layers} layers).\n"
-            f"sapd run {p.configs / f'{who}.yaml'}")
+    # 2. models, arms and evaluation: `sapd run` configs and `sapd evaluate`, as parallel jobs
     arm_configs = {arm: _write_config(p.configs / f"{arm}.yaml", arm_config(cfg, p, arm),
                                       f"The demo's {ARMS[arm][0]} arm: from the student, on the noisy logs.\n"
                                       f"sapd run {p.configs / f'{arm}.yaml'}")
                    for arm in ARMS}
-    heldout_panel = asdict(PanelSpec("textworld", families=tuple(cfg.families),
-                                     games_per_family=cfg.test_games, seed=cfg.test_seed,
-                                     cache_dir=str(p.games)))
+    sft = {"trajectories_per_round": cfg.sft_trajectories_per_round, "history_length": cfg.history_length,
+           "minibatch_prefixes": cfg.sft_minibatch_prefixes, "warmup_steps": 10}
+    student: dict[str, Any] = {
+        "config": str(p.configs / "student.yaml"), "root": str(p.models / "student"), "init": init,
+        "data": str(p.pool("pretrain")), "epochs": cfg.student_epochs, "sft": {**sft, "lr": cfg.student_lr},
+        "comment": f"The demo's student: SFT from random weights ({cfg.shape.hidden_size} wide, {cfg.shape.layers} "
+                   f"layers) on the expert's {cfg.pretrain_family} games."}
+    teacher: dict[str, Any] = {
+        "config": str(p.configs / "teacher.yaml"), "root": str(p.models / "teacher"),
+        "init": str(p.models / "student"), "data": str(p.teacher_data), "epochs": cfg.teacher_epochs,
+        "sft": {**sft, "lr": cfg.teacher_lr},
+        "comment": "The demo's teacher: the student, further SFT'd on the clean expert's training games of "
+                   f"{', '.join(cfg.families)} (and the student's data)."}
+    logs = {"panels": {name: [asdict(g) for g in pan[name]] for name in ("train", "test")}, "cfg": asdict(cfg),
+            "out": str(p.out),
+            "pools": {"train_clean": ("train", 0.0), "train_noisy": ("train", cfg.noise), "test": ("test", 0.0)}}
+    heldout_panel = asdict(PanelSpec("textworld", families=tuple(cfg.families), games_per_family=cfg.test_games,
+                                     seed=cfg.test_seed, cache_dir=str(p.games)))
     common = {"panel": heldout_panel, "prefixes": str(p.heldout), "horizon": cfg.horizon,
               "max_new_tokens": cfg.max_new_tokens, "env_timeout_s": cfg.env_timeout_s}
-    jobs = [Job("student SFT", train_job, {"config": made["student"]}, inline=_finished(made["student"])),
-            Job("teacher SFT", train_job, {"config": made["teacher"]}, inline=_finished(made["teacher"])),
+    data = ("student SFT", "logs and held-out games")
+    jobs = [Job("student SFT", sft_job, student, inline=_finished(student["config"])),
+            Job("logs and held-out games", logs_job, logs, inline=(p.pools / "summary.json").is_file()),
+            Job("teacher SFT", sft_job, teacher, after=data, inline=_finished(teacher["config"])),
             *(Job(ARMS[arm][0], evaluate_job, {"root": str(p.runs / arm), "config": arm_configs[arm], **common},
-                  after=("student SFT", "teacher SFT") if ARMS[arm][1] != "sft" else ("student SFT",),
+                  after=("teacher SFT",) if ARMS[arm][1] != "sft" else data,
                   inline=_finished(arm_configs[arm], evaluated=True))
               for arm in ("sapd", "opd_rule", "sft")),
-            Job(BEFORE, evaluate_job, {"root": str(p.models / "student"), **common}, after=("student SFT",),
-                inline=_finished(made["student"], evaluated=True)),
-            Job(TEACHER, evaluate_job, {"root": str(p.models / "teacher"), **common}, after=("teacher SFT",),
-                inline=_finished(made["teacher"], evaluated=True))]
-    log(f"[3/5] student ({cfg.student_epochs:g} SFT epochs on {cfg.pretrain_family}) and teacher "
-        f"({cfg.teacher_epochs:g} epochs, also the clean expert's training games), from random weights")
-    log(f"[4/5] from the student, on the noisy logs, no environment: "
-        f"{', '.join(ARMS[a][0] for a in ARMS)} ({cfg.rounds} rounds of {cfg.trajectories_per_round} "
-        f"trajectories, G = {cfg.group_size}); then every model on the held-out games and decisions "
-        f"({workers} jobs at a time)")
+            Job(BEFORE, evaluate_job, {"root": student["root"], **common}, after=data,
+                inline=_finished(student["config"], evaluated=True)),
+            Job(TEACHER, evaluate_job, {"root": teacher["root"], **common}, after=("teacher SFT",),
+                inline=_finished(teacher["config"], evaluated=True))]
+    log(f"[2/3] {workers} jobs at a time: the student's SFT ({cfg.student_epochs:g} epochs); the training and "
+        f"held-out games of {', '.join(cfg.families)} (the ε = {cfg.noise:g} noisy expert's logs, the clean "
+        f"expert's play for the teacher, held-out decisions); the teacher (the student after "
+        f"{cfg.teacher_epochs:g} more epochs on the clean play); from the student, on the noisy logs and with no "
+        f"environment, {', '.join(ARMS[a][0] for a in ARMS)} ({cfg.rounds} rounds of "
+        f"{cfg.trajectories_per_round} trajectories, G = {cfg.group_size}); every model on the held-out games "
+        "and decisions")
     results = run_jobs(jobs, workers=workers, log=log, bar=bar)
     timings.lap("models, arms and evaluation (parallel jobs)", not all(j.inline for j in jobs))
     for job in jobs:
         res = results[job.name]
-        if job.kwargs.get("config"):
-            timings.record(f"job {job.name}: training", res.get("train_seconds", res["seconds"]), not job.inline)
-        if "train_seconds" in res:
-            timings.record(f"job {job.name}: evaluation", res["seconds"], not job.inline)
+        if "seconds" in res:
+            timings.record(f"job {job.name}", res.get("train_seconds", 0.0) + res["seconds"], not job.inline)
+    pool_summary = results["logs and held-out games"]
 
-    # 5. report
-    log("[5/5] report")
+    # 3. report
+    log("[3/3] report")
     evals = {BEFORE: results[BEFORE], **{ARMS[a][0]: results[ARMS[a][0]] for a in ARMS}, TEACHER: results[TEACHER]}
     training_report = write_report(str(p.runs / "sapd"))
     checkpoints.export_model(str(p.runs / "sapd"), str(p.out / "sapd_student"), checkpoint=cfg.rounds)

@@ -30,13 +30,13 @@ def duration(seconds: float) -> str:
 class Progress:
     """A counter towards ``total`` that reports itself (see the module docstring). ``log`` prints a line
     (used when not on a terminal); ``bar`` False prints lines on a terminal too (None: a bar on a
-    terminal); ``enabled=False`` reports nothing."""
+    terminal); ``initial``: items already done before (reused); ``enabled=False`` reports nothing."""
 
     def __init__(self, desc: str, total: int, unit: str = "", *, log: Callable[[str], None] = print,
                  every: float = 10.0, stream: TextIO | None = None, enabled: bool = True, bar: bool | None = None,
-                 position: int | None = None) -> None:
+                 initial: int = 0) -> None:
         self.desc, self.total, self.unit, self.log, self.every = desc, total, unit, log, every
-        self.n = 0
+        self.n = self.initial = initial
         self.start = self.last = time.monotonic()
         self.enabled = enabled
         stream = stream or sys.stderr
@@ -44,7 +44,7 @@ class Progress:
         if enabled and (stream.isatty() if bar is None else bar):
             from tqdm import tqdm
             self._bar = tqdm(total=total, desc=desc, unit=f" {unit}" if unit else "it", file=stream,
-                             position=position, leave=True, dynamic_ncols=True)
+                             initial=initial, leave=True, dynamic_ncols=True)
         elif enabled:
             self.log(self.line())
 
@@ -56,8 +56,9 @@ class Progress:
         if self.total:
             text += f" ({100 * self.n / self.total:.0f} %)"
         text += f", {duration(elapsed)}"
-        if 0 < self.n < self.total:
-            text += f", ETA {duration(elapsed / self.n * (self.total - self.n))}"
+        done_here = self.n - self.initial  # the rate counts only what this run did
+        if done_here > 0 and self.n < self.total:
+            text += f", ETA {duration(elapsed / done_here * (self.total - self.n))}"
         return text
 
     def update(self, n: int = 1) -> None:
@@ -99,6 +100,8 @@ class Progress:
 
 
 def progress(desc: str, total: int, unit: str = "", *, log: Callable[[str], None] = print, every: float = 10.0,
-             enabled: bool = True, bar: bool | None = None, position: int | None = None) -> Progress:
-    """A :class:`Progress` bar (terminal) or line logger (elsewhere) for ``total`` items."""
-    return Progress(desc, total, unit, log=log, every=every, enabled=enabled, bar=bar, position=position)
+             enabled: bool = True, bar: bool | None = None, initial: int = 0) -> Progress:
+    """A :class:`Progress` bar (terminal) or line logger (elsewhere) for ``total`` items, ``initial`` of them
+    done already; nothing at all when none is left to do."""
+    return Progress(desc, total, unit, log=log, every=every, enabled=enabled and initial < total, bar=bar,
+                    initial=initial)

@@ -88,16 +88,19 @@ def run_jobs(jobs: list[Job], *, workers: int, log: Callable[[str], None] = prin
         while True:
             name, phase, done, total, unit = event
             key = (name, phase)
-            if key not in bars:
+            if name in results:  # a late event of a job already finished (and reported complete)
+                pass
+            elif key not in bars:
                 for (n, p), b in list(bars.items()):  # a job's earlier phase is over
                     if n == name:
+                        b.set(b.total)
                         b.close()
                         del bars[(n, p)]
-                bars[key] = progress(f"{name}: {phase}", total, unit, log=logged, bar=bar,
-                                     position=len(bars) if bar is not False else None)
-            b = bars[key]
-            b.total = total
-            b.set(done)
+                bars[key] = progress(f"{name}: {phase}", total, unit, log=logged, bar=bar, initial=done)
+            if key in bars:
+                b = bars[key]
+                b.total = total
+                b.set(done)
             try:
                 event = events.get_nowait()
             except queue.Empty:
@@ -134,7 +137,9 @@ def run_jobs(jobs: list[Job], *, workers: int, log: Callable[[str], None] = prin
                     job = running.pop(fut)
                     results[job.name] = fut.result()  # a job's error is raised here, with its traceback
                     for key in [k for k in bars if k[0] == job.name]:
-                        bars.pop(key).close()
+                        b = bars.pop(key)
+                        b.set(b.total)  # it returned, so its last phase is complete (its last event may lag)
+                        b.close()
                 if running and time.monotonic() - last_line >= heartbeat:
                     for (name, _), b in bars.items():
                         if any(j.name == name for j in running.values()):
