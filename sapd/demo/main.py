@@ -6,21 +6,24 @@ TextWorld coin route, offline logs of an ε-noisy expert on longer routes, and a
 expert there. Steps (each reused when its output is there, so a rerun finishes in seconds and an
 interrupted one continues):
 
-1. **games** — seeded, disjoint panels: pre-training games of ``coin_near``, training and held-out games of
-   ``coin_mid`` and ``coin`` (:func:`sapd.demo.games.generate_games`, in parallel).
-2. **logs** — the environment's expert plays them: clean on the pre-training games (the student's data) and
-   the training games (the teacher's), ε-noisy on the training games (the logs every arm learns from), clean
-   on the held-out games (held-out decisions); a byte-level BPE tokenizer trained on that text.
-3. **student and teacher** — two small Qwen2 models from random weights, each SFT'd by ``sapd run`` on a
-   config this step writes (``OUT/configs/student.yaml``, ``teacher.yaml``).
-4. **arms and evaluation** — from the student, on the noisy logs, with no environment: SFT on the logs,
-   OPD+Rule (the baseline the study compares against) and SAPD, each a ``sapd run`` config
-   (``OUT/configs/<arm>.yaml``, copy one to start your own); then every model — the student before, the three
-   arms, the teacher — on the same held-out games (``sapd evaluate``'s greedy episodes: task success) and
-   decisions (action match). Jobs run in parallel worker processes (:mod:`sapd.demo.workers`).
-5. **report** — ``OUT/REPORT.md`` (the table with 95 % intervals, paired differences, a plain reading, the
-   powered study's conclusion beside it), ``OUT/evaluation.json``, ``OUT/success.png``, ``sapd report``'s
-   training curves of the SAPD run and ``sapd export``'s copy of the SAPD student (``OUT/sapd_student``).
+1. **the student's data** — seeded ``coin_near`` games (:func:`sapd.demo.games.generate_games`, on every
+   core), the environment's expert playing them (:func:`sapd.demo.pools.expert_pool`), a byte-level BPE
+   tokenizer trained on that text.
+2. **jobs, in parallel worker processes** (:mod:`sapd.demo.workers`, one per core):
+
+   - the **student**: SFT from random weights by ``sapd run`` on ``OUT/configs/student.yaml``;
+   - beside it, the training and held-out games of the longer routes (``coin_mid``, ``coin``; disjoint
+     seeds): the ε-noisy expert's logs every arm learns from, the clean expert's play (the teacher's data)
+     and the clean expert on the held-out games (the held-out decisions);
+   - the **teacher**: the student further SFT'd on its own data and the clean play (``teacher.yaml``);
+   - the **arms**, from the student on the noisy logs with no environment: SFT on the logs, OPD+Rule (the
+     baseline the study compares against) and SAPD (``OUT/configs/<arm>.yaml``: copy one to start your own);
+   - **evaluation** of every model — the student before, the arms, the teacher — on the same held-out games
+     (``sapd evaluate``'s greedy episodes: task success) and decisions (action match), :mod:`sapd.demo.evaluation`.
+3. **report** — ``OUT/REPORT.md`` (the table with 95 % intervals, paired differences, a plain reading, the
+   powered study's conclusion beside it, the time of every step), ``OUT/evaluation.json``, ``OUT/success.png``,
+   ``sapd report``'s training curves of the SAPD run and ``sapd export``'s copy of the SAPD student
+   (``OUT/sapd_student``).
 
 **Why these sizes: the cost model** (single-threaded costs measured on the project's shared 2-core machine;
 upper bounds). A game takes ~1 s to generate (``tw-make``, one process per game, took 3.4 s), an expert
@@ -49,6 +52,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from transformers.utils import logging as hf_logging
 
 from sapd import checkpoints, layout, yamlio
 from sapd.config import apply_file_overlay, apply_overlay, load_config, read_yaml_mapping
@@ -114,6 +119,7 @@ class DemoConfig:
     rounds: int = 8  # every arm: rounds of trajectories_per_round trajectories of the logs
     trajectories_per_round: int = 4
     minibatch_prefixes: int = 8
+    # per arm: what the powered study's validation sweep chose for its 256×4 models (not re-tuned here)
     lrs: dict[str, float] = field(default_factory=lambda: {"sft": 3e-4, "opd_rule": 3e-4, "sapd": 1e-4})
     seed: int = 0  # the arms' training seed
     workers: int = 0  # parallel jobs (one thread each); 0: one per core, at most 4
@@ -200,7 +206,8 @@ def play_games(games: list[GameSpec], pools: dict[str, float], cfg: DemoConfig, 
     missing = missing_games(games, p.games)
     with counter(f"{what} games", len(games), "games", len(games) - len(missing)) as b:
         generate_games(missing, p.games, workers=workers, progress=b.update)
-    todo = {name: noise for name, noise in pools.items() if not p.pool(name).is_file()}
+    # a pool's summary is written after the pool: it marks the pool complete
+    todo = {name: noise for name, noise in pools.items() if not (p.pools / f"{name}.summary.json").is_file()}
     with counter(f"{what} games: expert episodes", len(games) * len(todo), "episodes") as b:
         for name, noise in todo.items():
             summary = expert_pool(games, p.games, p.pool(name), noise=noise, noise_seed=cfg.noise_seed,
@@ -389,6 +396,7 @@ def run_demo(out: str | Path, cfg: DemoConfig | None = None, *, log: Callable[[s
     """Run (or resume) the demo into ``out``; returns the summary also written to ``out/demo-summary.json``."""
     cfg = cfg or DemoConfig()
     t_start = time.perf_counter()
+    hf_logging.disable_progress_bar()  # the demo's own bars say what runs; transformers' would come between them
     p = Paths(Path(out))
     bar = None if show_progress else False
     workers = cfg.workers or min(cpu_count(), 4)

@@ -12,6 +12,7 @@ progress helper of the stages in one place.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, Callable, TextIO
@@ -25,6 +26,14 @@ def duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60} min {s % 60:02d} s"
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def _terminal(stream: TextIO) -> bool:
+    """A terminal a bar can be drawn on (a pseudo-terminal of width 0 cannot show one)."""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 class Progress:
@@ -41,7 +50,7 @@ class Progress:
         self.enabled = enabled
         stream = stream or sys.stderr
         self._bar: Any = None
-        if enabled and (stream.isatty() if bar is None else bar):
+        if enabled and (_terminal(stream) if bar is None else bar):
             from tqdm import tqdm
             self._bar = tqdm(total=total, desc=desc, unit=f" {unit}" if unit else "it", file=stream,
                              initial=initial, leave=True, dynamic_ncols=True)

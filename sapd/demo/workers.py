@@ -41,7 +41,12 @@ def _start_worker(events: Any, threads: int) -> None:
     global _events
     _events = events
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    # a worker shares the parent's terminal: only the parent draws bars (from the reports), so none of the
+    # libraries' own (transformers loading a model, …) lands between them
+    os.environ["TQDM_DISABLE"] = "1"
     import torch
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
     torch.set_num_threads(threads)
 
 
