@@ -42,7 +42,7 @@ test: setup system-deps .venv-vllm/.sapd-vllm-installed image-venvs lint
 	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
 
 lint: setup
-	$(BIN)/ruff check sapd jobs tests bench experiments
+	$(BIN)/ruff check sapd jobs tests bench research
 	$(BIN)/mypy
 
 .venv-vllm/.sapd-vllm-installed: scripts/setup_vllm_venv.sh docker/install.sh docker/constraints-gpu.txt

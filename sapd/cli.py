@@ -1,5 +1,5 @@
 """The ``sapd`` command line. Each subcommand parses its flags and calls one function of the library
-(a stage, an executor, a baseline or the study); errors and exit codes go through :mod:`sapd.entry`,
+(a stage, an executor, a baseline or the demo); errors and exit codes go through :mod:`sapd.entry`,
 which the ``jobs/*`` entry points share. Library imports are per command, so ``sapd --help`` is quick."""
 
 from __future__ import annotations
@@ -91,19 +91,13 @@ def cmd_show_prefixes(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The embedded default: the powered study's setting at demo size — games, noisy logs, student and
-    teacher, then SFT / OPD+Rule / SAPD from the student and a held-out evaluation (sapd.study.demo)."""
-    from sapd.config import ConfigError, read_yaml_mapping
-    from sapd.study.demo import demo_config, run_demo
-    overrides = None
-    if args.config:
-        overrides = read_yaml_mapping(args.config)  # the one YAML reader: `lr: 1e-3` is a number
-        try:
-            demo_config(overrides)  # checked before anything runs, so the error can name the file
-        except ConfigError as e:
-            raise ConfigError(f"{args.config}: {e}", e.path) from None
-    run_demo(Path(args.out), log=lambda s: print(s, flush=True), show_progress=not args.no_progress,
-             overrides=overrides)
+    """The embedded default: TextWorld games, noisy logs, student and teacher, then SFT / OPD+Rule / SAPD from
+    the student and a held-out evaluation, each model made by a `sapd run` config (sapd.demo.main)."""
+    from sapd.demo.main import demo_config, run_demo
+    cfg = demo_config(args.config)  # checked before anything runs
+    if args.workers is not None:
+        cfg.workers = args.workers
+    run_demo(Path(args.out), cfg, log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
     return 0
 
 
@@ -269,33 +263,6 @@ def cmd_teacher_pool(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_sequential(args: argparse.Namespace) -> int:
-    """Train stage after stage, evaluating every earlier task after each: the forgetting matrix."""
-    from sapd.study.sequential import forgetting_markdown, load_sequence, run_sequential
-    seq = load_sequence(args.spec)
-    root = args.root or seq["root"]
-    file_variant = seq["variant"] or seq["base"].get("variant", "sapd")
-    if args.variant and args.variant != file_variant and args.root is None:
-        raise ValueError(f"--variant {args.variant} differs from the file's variant {file_variant}: give --root too, "
-                         "so the two sequences do not share run roots")
-    res = run_sequential(seq["base"], seq["stages"], root, variant=args.variant or seq["variant"],
-                         horizon=seq["horizon"], max_new_tokens=seq["max_new_tokens"], device=args.device,
-                         env_timeout_s=seq["env_timeout_s"], log=lambda s: print(s, flush=True),
-                         show_progress=not args.no_progress)
-    print(forgetting_markdown(res), end="")
-    print(f"wrote {root}/sequential.json and {root}/forgetting.md")
-    return 0
-
-
-def cmd_study(args: argparse.Namespace) -> int:
-    """The reproduction study (sapd.study.run): Tables 1–3, Figure 2 and Appendix A.5 on TextWorld."""
-    from sapd.study.run import load_study_config, run_study
-    cfg = load_study_config(args.config)
-    run_study(cfg, args.out, args.results, worker=args.worker, workers=args.workers, report_only=args.report_only,
-              log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
-    return 0
-
-
 def cmd_report(args: argparse.Namespace) -> int:
     from sapd.run.report import write_report
     paths = write_report(args.run, args.out)
@@ -451,28 +418,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_teacher_pool)
 
-    p = sub.add_parser("sequential", help="train on task A, then B, then C …; evaluate every earlier task after "
-                                          "each stage (the forgetting matrix)")
-    p.add_argument("spec", help="the sequence file (YAML: root, base, stages; see sapd.study.sequential.load_sequence)")
-    p.add_argument("--variant", default=None, help="override the file's variant (e.g. sft), with --root")
-    p.add_argument("--root", default=None, help="override the file's root")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=cmd_sequential)
-
-    p = sub.add_parser("study", help="the reproduction study on TextWorld: Tables 1-3, Figure 2, Appendix A.5 "
-                                     "(hours on a CPU; resumable)")
-    p.add_argument("config", nargs="?", default=None, help="study YAML (e.g. experiments/study.yaml; every key "
-                                                            "is a field of sapd.study.run.StudyConfig)")
-    p.add_argument("--out", default="study-out", help="working folder: games, pools, models, runs (resumable)")
-    p.add_argument("--results", default="study-out/results", help="where STUDY.md, study.json and the PNGs go")
-    p.add_argument("--worker", type=int, default=0, help="with --workers N: this process's share of the runs")
-    p.add_argument("--workers", type=int, default=1,
-                   help="split the independent runs over N processes (then run once more with N = 1 to report)")
-    p.add_argument("--report-only", action="store_true", help="train nothing: report what is finished so far")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=cmd_study)
-
     # listed here for `sapd --help`; main() hands its arguments to sapd.envs.retriever unparsed
     sub.add_parser("retriever", help="serve a BM25 index over a JSONL corpus with the Search-R1 /retrieve API")
 
@@ -490,12 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("demo", help="the embedded default: TextWorld games → noisy expert logs → student and teacher → "
-                                    "SFT / OPD+Rule / SAPD → held-out evaluation, on this CPU")
-    p.add_argument("--out", default="demo-out", help="output folder (default ./demo-out); a rerun resumes")
-    p.add_argument("--config", help="YAML of demo setting fields to change (fields of "
-                                    "sapd.study.powered.PoweredConfig; sapd.study.demo.DEMO_CONFIG lists the demo's "
-                                    "values), e.g. 'test_games: 30'; an unknown field is an error")
-    p.add_argument("--no-progress", action="store_true")
+                                    "SFT / OPD+Rule / SAPD → held-out evaluation, on this CPU in minutes")
+    p.add_argument("--out", default="demo-out", help="output folder (default ./demo-out); a rerun reuses what is there")
+    p.add_argument("--config", help="YAML of demo setting fields to change (fields of sapd.demo.main.DemoConfig), "
+                                    "e.g. 'test_games: 30'; an unknown field is an error")
+    p.add_argument("--workers", type=int, default=None,
+                   help="jobs run at once, one thread each (default: one per core, at most 4)")
+    p.add_argument("--no-progress", action="store_true", help="progress as plain lines, not bars")
     p.set_defaults(func=cmd_demo)
     return parser
 

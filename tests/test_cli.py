@@ -77,12 +77,16 @@ def test_run_refuses_an_unknown_config_key(tmp_path):
 
 def test_demo_config_reads_numbers_as_yaml_1_2(tmp_path, monkeypatch):
     """`sapd demo --config` reads its file with the project's one YAML reader: `1e-3` is the number 0.001
-    (PyYAML alone reads it as the string '1e-3'), and the setting is checked before anything runs."""
+    (PyYAML alone reads it as the string '1e-3'), and the setting is checked before anything runs; a bad
+    field is refused naming the file and line."""
     from sapd.cli import main
     seen = {}
-    monkeypatch.setattr("sapd.study.demo.run_demo", lambda out, **kw: seen.update(kw))
+    monkeypatch.setattr("sapd.demo.main.run_demo", lambda out, cfg, **kw: seen.update(cfg=cfg))
     cfg = tmp_path / "demo.yaml"
-    cfg.write_text("pretrain_lr: 1e-3\ntest_games: 3\n")
+    cfg.write_text("student_lr: 1e-3\ntest_games: 3\n")
     assert main(["demo", "--out", str(tmp_path / "out"), "--config", str(cfg), "--no-progress"]) == 0
-    assert seen["overrides"] == {"pretrain_lr": 0.001, "test_games": 3}
-    assert isinstance(seen["overrides"]["pretrain_lr"], float)
+    assert seen["cfg"].student_lr == 0.001 and isinstance(seen["cfg"].student_lr, float)
+    assert seen["cfg"].test_games == 3
+    cfg.write_text("test_games: 3\nstudent_lr: fast\n")
+    res = run("demo", "--out", str(tmp_path / "out"), "--config", str(cfg))
+    assert res.returncode == 2 and f"{cfg}:2" in res.stderr and "student_lr" in res.stderr, res.stderr

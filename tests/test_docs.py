@@ -10,7 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = [*REPO.glob("sapd/**/*.py"), *REPO.glob("jobs/*.py"), *REPO.glob("charts/**/*.yaml"),
            *REPO.glob("charts/**/*.tpl"), *REPO.glob("charts/**/*.txt"), *REPO.glob("docs/*.md"),
-           *REPO.glob("bench/*.py"), *REPO.glob("experiments/*.py"), *REPO.glob("experiments/*.yaml"),
+           *REPO.glob("bench/*.py"), *REPO.glob("research/*.py"), *REPO.glob("experiments/*.py"), *REPO.glob("experiments/*.yaml"),
            REPO / "README.md", REPO / "Dockerfile", REPO / "Makefile", REPO / "pyproject.toml"]
 
 

@@ -8,8 +8,8 @@ the rule it breaks. The rules:
 - every module has a floor (:data:`FLOORS`, the table docs/DESIGN.md shows: the two are compared), and
   imports only from lower floors, or from inside its own package where the package rules allow it:
   a stage never imports another stage; no environment adapter knows the loop or the panels;
-- nothing under ``sapd/`` or ``jobs/`` imports ``research/`` (and, while it exists, only the command line
-  imports ``sapd/study``); no module imports ``tests/``;
+- nothing under ``sapd/`` or ``jobs/`` imports ``research/``; only the command line (and the scripts of
+  ``research/`` and ``bench/``) imports ``sapd/demo``; no module imports ``tests/``;
 - third-party packages per layer (:data:`THIRD_PARTY`): ``method`` is torch and the standard library,
   ``data`` never a model library; ``import yaml`` only in ``sapd/yamlio.py``; the heavy optional packages
   (:data:`LAZY`) only inside functions in ``sapd/`` and ``jobs/``;
@@ -54,7 +54,7 @@ FLOORS: dict[str, int] = {
     "sapd.stages": 7, "sapd.entry": 7, "sapd.panel_flags": 7,
     "sapd.run": 8,
     "sapd.baselines": 9,
-    "sapd.study": 10,  # the research harness, until it has moved out to research/ (issue #27)
+    "sapd.demo": 10,  # `sapd demo` and its kit (games, pools, models, parallel jobs); the research harness uses it
     "sapd.cli": 11, "jobs": 11,
     "research": 12, "bench": 12,
     "experiments": 13,
@@ -67,9 +67,8 @@ STAGE_HELPERS = {"sapd.stages", "sapd.stages.context", "sapd.stages.train_deepsp
 ALLOWED_BETWEEN_STAGES = {("sapd.stages.train", "sapd.stages.train_deepspeed")}
 ENVS_NOBODY_IMPORTS = {"sapd.envs.loop", "sapd.envs.panels"}
 LAZY_OK = {"sapd/cli.py"}  # the one production file whose sapd imports may sit inside functions
-# who may import the research harness while it is still sapd/study (the command line; research and its
-# experiments and benchmarks)
-STUDY_USERS = ("sapd.study", "sapd.cli", "research", "experiments", "bench")
+# who may import the demo and its kit: the command line, and the research harness and benchmarks above it
+DEMO_USERS = ("sapd.demo", "sapd.cli", "research", "experiments", "bench")
 
 ANY = None  # no allow-list: scripts (research, bench, experiments) may use what they install
 THIRD_PARTY: dict[str, set[str] | None] = {
@@ -90,15 +89,12 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "sapd.panel_flags": set(),
     "sapd.run": {"kubernetes", "urllib3", "matplotlib", "torch"},
     "sapd.baselines": {"torch", "tqdm"},
-    "sapd.study": {"torch", "pyarrow", "matplotlib"},
+    "sapd.demo": {"torch", "transformers", "textworld", "tqdm", "matplotlib"},
     "sapd.cli": set(),
     "jobs": {"kubernetes"},
     "research": ANY, "bench": ANY, "experiments": ANY,
 }
 YAML_READER = "sapd.yamlio"  # the one module that imports yaml (YAML 1.2 numbers, key lines for errors)
-# still reading YAML on its own: the research harness's powered study, which moves to research/ and onto
-# sapd.yamlio with issue #27; nothing else may join this list
-YAML_UNTIL_MOVED = {"sapd/study/powered.py"}
 # heavy or optional packages: only inside functions in sapd/ and jobs/, so every module is cheap to import
 LAZY = {"vllm", "deepspeed", "textworld", "scienceworld", "alfworld", "matplotlib", "bm25s", "Stemmer",
         "transformers", "tokenizers", "safetensors"}
@@ -282,8 +278,8 @@ def violations() -> list[str]:
             if theirs == "research" and production:
                 problems.append(f"{where}: {me} imports {target}; nothing under sapd/ or jobs/ imports research/")
                 continue
-            if target == "sapd.cli" or (theirs == "sapd.study" and not any(
-                    mine == u or mine.startswith(u + ".") for u in STUDY_USERS)):
+            if target == "sapd.cli" or (theirs == "sapd.demo" and not any(
+                    mine == u or mine.startswith(u + ".") for u in DEMO_USERS)):
                 problems.append(f"{where}: {me} imports {target}; only the command line may use it")
                 continue
             if mine == theirs:
@@ -306,7 +302,7 @@ def _third_party(where: str, me: str, mine: str, rel: str, imp: Import, std: set
         return []
     if _repo_folder(root):
         return [f"{where}: {me} imports {root}/, which is no part of the package (move what it needs into sapd/)"]
-    if root == "yaml" and me != YAML_READER and rel not in YAML_UNTIL_MOVED:
+    if root == "yaml" and me != YAML_READER:
         return [f"{where}: {me} imports yaml; read YAML through sapd.yamlio (YAML 1.2 numbers: 1e-3 is a float)"]
     out = []
     allowed = THIRD_PARTY.get(mine, set())
@@ -385,7 +381,7 @@ def cli_closure(command_function: str) -> set[str]:
 
 ENVS = ("sapd.envs",)
 FORMAT_PARSERS = ("sapd.data.loaders", "sapd.data.formats")
-RESEARCH = ("research", "sapd.study", "experiments", "bench")
+RESEARCH = ("research", "sapd.demo", "experiments", "bench")
 MODEL_CODE = ("sapd.models.generation", "sapd.models.scoring", "sapd.models.vllm_backend", "sapd.models.tiny",
               "sapd.models.gguf_import", "sapd.method.objective")
 # door → what its closure must not contain (a module, or a package and everything in it). The build-prefixes
@@ -486,10 +482,10 @@ PLANTED = {
     "sapd/envs/textworld_env.py": ("from sapd.envs import loop\n", "an environment does not know its loop"),
     "sapd/stages/evaluate.py": ("\n\nfrom .train import run\n", "imports its sibling sapd.stages.train"),
     "sapd/run/local.py": ("from experiments.powered import ARMS\n", "imports experiments.powered (floor 13)"),
-    "sapd/run/plan.py": ("import importlib\n\n\ndef f():\n    return importlib.import_module('sapd.study.run')\n",
-                         "imports sapd.study.run; only the command line"),
-    "sapd/study/a.py": ("from sapd.study import b\n", None),
-    "sapd/study/b.py": ("from sapd.study import a\n", None),
+    "sapd/run/plan.py": ("import importlib\n\n\ndef f():\n    return importlib.import_module('sapd.demo.main')\n",
+                         "imports sapd.demo.main; only the command line"),
+    "sapd/demo/a.py": ("from sapd.demo import b\n", None),
+    "sapd/demo/b.py": ("from sapd.demo import a\n", None),
     "sapd/method/objective.py": ("import torch\nimport transformers\n", "imports transformers, which its layer"),
     "sapd/helpers.py": ("X = 1\n", "module sapd.helpers has no floor"),
     "sapd/method/rules.py": ("from sapd import helpers\n", "imports sapd.helpers, which has no floor"),
@@ -505,12 +501,12 @@ PLANTED = {
     "sapd/envs/__init__.py": ("", None),
     "sapd/stages/__init__.py": ("", None),
     "sapd/run/__init__.py": ("", None),
-    "sapd/study/__init__.py": ("", None),
+    "sapd/demo/__init__.py": ("", None),
     "sapd/method/__init__.py": ("", None),
     "sapd/__init__.py": ("", None),
     "experiments/powered.py": ("ARMS = ()\n", None),
     "sapd/cli.py": ("def main():\n    pass\n", None),
-    "sapd/study/run.py": ("", None),
+    "sapd/demo/main.py": ("", None),
     "sapd/envs/loop.py": ("", None),
 }
 
@@ -534,7 +530,7 @@ def test_the_checker_catches_each_planted_violation(tmp_path, monkeypatch):
         line = int(mine[0].split(":")[1])
         assert 1 <= line <= max(lines[rel], 1), mine[0]
     assert any(p.startswith("sapd/stages/evaluate.py:3:") for p in problems)  # the line itself
-    assert ["sapd.study.a", "sapd.study.b", "sapd.study.a"] in cycles()
+    assert ["sapd.demo.a", "sapd.demo.b", "sapd.demo.a"] in cycles()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -568,7 +564,7 @@ def report() -> None:
     for label, start, within, without in (
             ("all imports, whole tree", None, ROOTS, ()),
             ("sapd/ and jobs/", None, PRODUCTION, ()),
-            ("the product: sapd/ and jobs/ without sapd/study", None, PRODUCTION, ("sapd.study",)),
+            ("the product: sapd/ and jobs/ without sapd/demo", None, PRODUCTION, ("sapd.demo",)),
             ("from jobs/", [m for m in g if m.startswith("jobs.")], PRODUCTION, ())):
         c = longest_chain(start, within=within, without=without)
         print(f"longest chain ({label}): {len(c)}: {' → '.join(c)}")

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from sapd.study.signals import probe_summary, summarize_decisions, with_action
-from sapd.study.stats import episodes_per_arm, mde, paired_bootstrap, pearson, units_for_mde, within_group_auc
+from research.signals import probe_summary, summarize_decisions, with_action
+from research.stats import episodes_per_arm, mde, paired_bootstrap, pearson, units_for_mde, within_group_auc
 
 
 @pytest.mark.parametrize("p,delta,n", [(0.05, 0.05, 432), (0.05, 0.10, 138), (0.2, 0.05, 1091), (0.3, 0.10, 354),
@@ -144,7 +144,7 @@ def test_heldout_decisions_teacher_equal_student_gives_tll_equal_to_the_expert_l
     """When the teacher is the student and the student's greedy action is the expert's, the teacher's
     log-likelihood of that action (after the recorded thought) is exactly the student's likelihood of the
     expert action; a wrong action is scored, a malformed response is not."""
-    from sapd.study.signals import heldout_decisions
+    from research.signals import heldout_decisions
     _, student, _, tok, rows = tiny_run
     texts = [f"<think>x</think>\n<action>{rows[0]['recorded_action']}</action>",
              "<think>x</think>\n<action>jump around</action>", "no action at all",
@@ -160,8 +160,8 @@ def test_heldout_decisions_teacher_equal_student_gives_tll_equal_to_the_expert_l
 
 
 def test_signal_probe_on_real_teacher_scores(tiny_run):
+    from research.signals import signal_probe
     from sapd.models.scoring import score_groups
-    from sapd.study.signals import signal_probe
     _, student, teacher, tok, rows = tiny_run
     rows = rows[:2]
 
@@ -185,7 +185,7 @@ def test_signal_probe_on_real_teacher_scores(tiny_run):
 
 
 def test_round_health_reads_step_logs_and_scored_rounds(tiny_run):
-    from sapd.study.signals import round_health
+    from research.signals import round_health
     root = tiny_run[0]
     health = round_health(root)
     assert [h["round"] for h in health] == [0, 1]
@@ -201,7 +201,7 @@ def test_round_health_reads_step_logs_and_scored_rounds(tiny_run):
 def test_the_committed_config_states_the_power_calculation_it_was_derived_from():
     from pathlib import Path
 
-    from sapd.study.powered import PoweredStudy, check_power, load_powered_config
+    from research.powered import PoweredStudy, check_power, load_powered_config
     repo = Path(__file__).resolve().parents[1]
     cfg = load_powered_config(repo / "experiments" / "powered.yaml")
     seeds = len(cfg.final_seeds)
@@ -230,7 +230,7 @@ def test_powered_study_is_resumable_in_units_and_rebuilds_its_cache_deterministi
     import time
     from pathlib import Path
 
-    from sapd.study.powered import PoweredStudy, load_powered_config, weights_hash
+    from research.powered import PoweredStudy, load_powered_config, weights_hash
     cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
     ledger, cache = tmp_path / "ledger", tmp_path / "cache"
     study = PoweredStudy(cfg, ledger, cache, log=lambda s: None, config_path=tmp_path / "not-committed.yaml")
@@ -260,8 +260,8 @@ def test_powered_study_is_resumable_in_units_and_rebuilds_its_cache_deterministi
 def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
     from pathlib import Path
 
-    from sapd.study.powered import PoweredStudy, load_powered_config
-    from sapd.study.powered_report import render_powered
+    from research.powered import PoweredStudy, load_powered_config
+    from research.powered_report import render_powered
     cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
     cfg.final_seeds = [1, 2]
     study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
@@ -326,7 +326,7 @@ def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
 
 
 def test_c1_and_default_readings_follow_the_plan():
-    from sapd.study.powered_report import c1_reading, default_reading
+    from research.powered_report import c1_reading, default_reading
 
     def c(m, t=(0.1, 0.05, 0.2), s=(0.0, -0.05, 0.05)):
         return {"match": dict(zip(("diff", "lo", "hi"), m)), "tll": dict(zip(("diff", "lo", "hi"), t)),
@@ -344,8 +344,8 @@ def test_c1_and_default_readings_follow_the_plan():
 def test_selection_lines_show_where_match_and_success_disagree(tmp_path):
     from pathlib import Path
 
-    from sapd.study.powered import PoweredStudy, load_powered_config
-    from sapd.study.powered_report import selection_lines
+    from research.powered import PoweredStudy, load_powered_config
+    from research.powered_report import selection_lines
     study = PoweredStudy(load_powered_config(Path(__file__).parent / "powered_smoke.yaml"), tmp_path / "l",
                          tmp_path / "c", log=lambda s: None)
 
@@ -361,7 +361,7 @@ def test_selection_lines_show_where_match_and_success_disagree(tmp_path):
 
 
 def test_claims_are_read_in_their_own_direction():
-    from sapd.study.powered_report import claim_reading
+    from research.powered_report import claim_reading
 
     def c(lo, hi):
         return {"match": {"diff": (lo + hi) / 2, "lo": lo, "hi": hi}}
@@ -372,7 +372,7 @@ def test_claims_are_read_in_their_own_direction():
 
 
 def test_wilson_interval_matches_the_textbook_values():
-    from sapd.study.powered import wilson_interval
+    from sapd.demo.intervals import wilson_interval
     lo, hi = wilson_interval(0.5, 100)
     assert abs(lo - 0.4038) < 5e-4 and abs(hi - 0.5962) < 5e-4  # 50 of 100: [0.404, 0.596]
     lo, hi = wilson_interval(0.0, 10)
@@ -387,7 +387,7 @@ def test_claims_split_units_between_processes_and_stale_claims_are_taken_over(tm
     import sys
     from pathlib import Path
 
-    from sapd.study.powered import PoweredStudy, load_powered_config
+    from research.powered import PoweredStudy, load_powered_config
     cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
     study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
     ran: list[str] = []
@@ -417,7 +417,7 @@ def test_final_runs_the_arms_in_the_order_asked_then_the_reference_rows(tmp_path
     teacher on the test panel (reference rows); an unknown arm is refused before anything runs."""
     from pathlib import Path
 
-    from sapd.study.powered import PoweredStudy, load_powered_config
+    from research.powered import PoweredStudy, load_powered_config
     cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
     cfg.final_seeds = [1, 2]
     study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
@@ -461,10 +461,10 @@ def test_tokenizer_and_teacher_data_keep_to_the_first_pretraining_games(tmp_path
     cache rebuilt from nothing makes the recorded tokenizer and models."""
     from pathlib import Path
 
+    from research import powered
+    from research.powered import PoweredStudy, load_powered_config
     from sapd.data.loaders import write_native_jsonl
     from sapd.data.schema import Trajectory, Turn
-    from sapd.study import powered
-    from sapd.study.powered import PoweredStudy, load_powered_config
     cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
     cfg.tokenizer_pretrain_games = 2
     study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
@@ -478,7 +478,7 @@ def test_tokenizer_and_teacher_data_keep_to_the_first_pretraining_games(tmp_path
     for n in ("train_clean", "train_noisy"):
         write_native_jsonl([traj(f"coin-{n}")], str(study.pool_path(n)))
     seen: list[str] = []
-    monkeypatch.setattr(powered, "build_tokenizer", lambda texts, out, vocab_size: seen.extend(texts))
+    monkeypatch.setattr(powered, "ensure_tokenizer", lambda out, texts, vocab_size: seen.extend(texts()))
     study.ensure_tokenizer()
     text = "\n".join(seen)
     assert "go coin_near-0" in text and "go coin_near-1" in text and "go coin_near-2" not in text

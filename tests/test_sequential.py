@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from research.sequential import Stage, forgetting_markdown, run_sequential
 from sapd import layout
-from sapd.study.sequential import Stage, forgetting_markdown, run_sequential
 from tests.pipeline_util import make_models, tiny_config
 
 QUIET = dict(log=lambda s: None, show_progress=False)

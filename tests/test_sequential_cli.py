@@ -1,5 +1,5 @@
-"""`sapd sequential` (a sequence file → stage runs and the forgetting matrix) and `sapd teacher-pool`
-(a teacher-generated pool), through the CLI: what a user types."""
+"""`python -m research sequential` (a sequence file → stage runs and the forgetting matrix) and `sapd teacher-pool`
+(a teacher-generated pool), through their command lines: what a user types."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from research.__main__ import main as research_main
+from research.sequential import load_sequence
 from sapd.cli import main
 from sapd.config import ConfigError
-from sapd.study.sequential import load_sequence
 from tests.pipeline_util import make_models, tiny_config
 
 
@@ -47,7 +48,7 @@ def test_sequence_file_is_checked_key_by_key(tmp_path):
 
 def test_cli_refuses_a_variant_override_into_the_same_root(tmp_path, capsys):
     spec = _write(tmp_path / "s.yaml", _spec(tmp_path, variant="sapd"))
-    assert main(["sequential", spec, "--variant", "sft"]) == 2
+    assert research_main(["sequential", spec, "--variant", "sft"]) == 2
     assert "give --root too" in capsys.readouterr().err
 
 
@@ -73,7 +74,7 @@ def test_sapd_sequence_and_teacher_pool_through_the_cli(tmp_path, capsys):
     root = tmp_path / "seq"
     spec = _write(tmp_path / "seq.yaml", {"root": str(root), "base": ["base.yaml"], "variant": "sapd", "horizon": 3,
                                           "max_new_tokens": 16, "env_timeout_s": 120, "stages": stages})
-    assert main(["sequential", spec, "--no-progress"]) == 0
+    assert research_main(["sequential", spec, "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "| after stage (sapd) | simple | coin |" in out and "| forgetting |" in out
     res = json.loads((root / "sequential.json").read_text())

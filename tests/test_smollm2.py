@@ -10,7 +10,7 @@ import pytest
 
 @pytest.mark.slow
 def test_smollm2_through_the_pipeline(tmp_path):
-    from experiments.smollm2 import render, run
+    from research.smollm2 import render, run
 
     res = run(tmp_path / "out", games=2, heldout=0, sapd_rounds=1, group_size=2, max_new_tokens=24,
               student_sft_rounds=1, teacher_sft_rounds=0, cache=tmp_path / "games", log=lambda s: None)

@@ -1,4 +1,4 @@
-"""The reproduction study (sapd study): its config, its A.5 checks on hand-made groups, its claim table,
+"""The reproduction study (python -m research study): its config, its A.5 checks on hand-made groups, its claim table,
 and — slow — the whole study at toy size through the CLI, resumed."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from sapd.config import ConfigError
-from sapd.study.a5 import (
+from research.a5 import (
     noise_sensitivity,
     offset_invariance,
     std_normalisation,
     swapped_ranking,
     token_offset_residual,
 )
-from sapd.study.run import Study, load_study_config
+from research.reproduction import Study, load_study_config
+from sapd.config import ConfigError
 
 SMOKE = Path(__file__).parent / "study_smoke.yaml"
 
@@ -101,7 +101,7 @@ def test_a5_checks_on_hand_made_groups():
 
 @pytest.mark.slow
 def test_the_whole_study_at_toy_size_and_resumed(tmp_path):
-    from sapd.cli import main
+    from research.__main__ import main
 
     out, results = tmp_path / "study", tmp_path / "results"
     args = ["study", str(SMOKE), "--out", str(out), "--results", str(results), "--no-progress"]
@@ -138,7 +138,7 @@ def test_the_whole_study_at_toy_size_and_resumed(tmp_path):
 def test_sft_models_train_in_runs_and_are_exported_to_models(tmp_path, monkeypatch):
     """A new study folder: runs/<name> is the run root, models/<name> a plain HF folder; a study folder
     from before keeps its run root in models/<name> (resumed, not retrained)."""
-    import sapd.study.run as study_run
+    import research.reproduction as study_run
     from sapd import checkpoints
     from sapd.models.loading import load_causal_lm, load_tokenizer
     from tests.pipeline_util import make_models
@@ -152,7 +152,7 @@ def test_sft_models_train_in_runs_and_are_exported_to_models(tmp_path, monkeypat
                 checkpoints.save_checkpoint(cfg.run_root, k, load_causal_lm(student), load_tokenizer(student), None)
         return {}
     monkeypatch.setattr(study_run, "run_pipeline", fake_pipeline)
-    monkeypatch.setattr(Study, "_count_trajectories", staticmethod(lambda data_input: 4))
+    monkeypatch.setattr(study_run, "count_trajectories", lambda data_input: 4)
     study = Study(load_study_config(str(SMOKE)), tmp_path / "new", log=lambda s: None)
     final = study._run_sft("student", student, "pool.jsonl", 1.0)
     assert trained == [str(tmp_path / "new" / "runs" / "student")] and "/runs/student/checkpoints/" in final

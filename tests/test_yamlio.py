@@ -96,7 +96,7 @@ def test_betas_tuple_of_floats(tmp_path):
 
 
 def test_every_study_config_float_field(tmp_path):
-    from sapd.study.run import StudyConfig, load_study_config
+    from research.reproduction import StudyConfig, load_study_config
     paths = float_fields(StudyConfig)
     assert {"pretrain_lr", "lr", "sft_lr", "student_epochs", "env_timeout_s"} <= set(paths)
     for dotted in paths:
@@ -107,8 +107,33 @@ def test_every_study_config_float_field(tmp_path):
             assert type(got) is float and got == want, (dotted, text, got)
 
 
+def test_every_powered_config_float_field(tmp_path):
+    """The powered study reads its file through sapd.yamlio too: `pretrain_lr: 1e-3` is the float 0.001 (it
+    was the string '1e-3' under PyYAML), in the nested power plan and the arms' learning rates as well."""
+    from research.powered import PoweredConfig, load_powered_config
+    paths = float_fields(PoweredConfig)
+    assert {"pretrain_lr", "noise", "temperature", "power.alpha", "power.match_mde"} <= set(paths)
+    for dotted in paths:
+        for text, want in SPELLINGS.items():
+            f = tmp_path / "powered.yaml"
+            f.write_text(nested_yaml(dotted, text))
+            got = get(load_powered_config(f), dotted)
+            assert type(got) is float and got == want, (dotted, text, got)
+    f = tmp_path / "powered.yaml"
+    f.write_text("pretrain_lr: 1e-3\narms:\n  sapd: {variant: sapd, lrs: [3e-5, 1e-4]}\n")
+    cfg = load_powered_config(f)
+    assert cfg.pretrain_lr == 1e-3 and cfg.arms["sapd"].lrs == [3e-5, 1e-4]
+    f.write_text("pretrain_lr: 1e-3\narms:\n  sapd:\n    variant: sapd\n    lrz: [1e-4]\n")
+    with pytest.raises(ConfigError, match=r"powered\.yaml:5: arms\.sapd\.lrz: unknown key \(did you mean "
+                                          r"'arms\.sapd\.lrs'\?\)"):
+        load_powered_config(f)
+    f.write_text("noise: 0.25\nnoize: 0.3\n")
+    with pytest.raises(ConfigError, match=r"powered\.yaml:2: noize: unknown key \(did you mean 'noise'\?\)"):
+        load_powered_config(f)
+
+
 def test_sequence_file_numbers(tmp_path):
-    from sapd.study.sequential import load_sequence
+    from research.sequential import load_sequence
     f = tmp_path / "seq.yaml"
     f.write_text("root: runs/seq\nenv_timeout_s: 1.5e2\nbase:\n  train: {lr: 1e-6}\n  sampling: {top_p: .5}\n"
                  "stages:\n  - name: a\n    data: {input: a.jsonl, format: native, benchmark: textworld}\n"

@@ -46,7 +46,7 @@ def default_cache_dir() -> Path:
 
 def model_folder(path_or_uri: str) -> str:
     """The model folder ``path_or_uri`` names: itself when it holds a ``config.json``; for a sapd run root
-    (what ``sapd run``, ``sapd demo`` and ``sapd study`` write, e.g. ``demo-out/models/teacher``) the
+    (what ``sapd run``, ``sapd demo`` and the research studies write, e.g. ``demo-out/models/teacher``) the
     model folder of its newest committed checkpoint, so what one command writes is what the next one takes;
     a run root without a committed checkpoint is an error saying so."""
     if storage.is_s3(path_or_uri) or Path(path_or_uri.removeprefix("file://")).is_dir():

@@ -161,7 +161,7 @@ def forgetting_markdown(result: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# a sequence described in YAML (`sapd sequential SPEC.yaml`)
+# a sequence described in YAML (`python -m research sequential SPEC.yaml`)
 
 _SPEC_KEYS = {"root", "base", "variant", "horizon", "max_new_tokens", "env_timeout_s", "stages"}
 _STAGE_KEYS = {"name", "data", "overlay", "eval"}

@@ -1,9 +1,9 @@
-"""The reproduction study on the embedded TextWorld environment (``sapd study``).
+"""The reproduction study on the embedded TextWorld environment (``python -m research study``).
 
 One command builds everything from nothing and writes the results under ``--results``
 (``docs/results/`` in the repository)::
 
-    .venv/bin/sapd study experiments/study.yaml --out study-out --results docs/results
+    python -m research study experiments/study.yaml --out study-out --results docs/results
 
 What it does, each piece committed in ``--out`` as it finishes, so an interrupted study resumes:
 
@@ -48,7 +48,6 @@ import re
 import shutil
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -57,35 +56,24 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from research.a5 import a5_experiments
+from research.reproduction_report import LABELS, TABLE1_METHODS, TABLE2_VARIANTS, TEACHERS, render_report
+from research.sequential import Stage, run_sequential
 from sapd import checkpoints, layout, storage
 from sapd.baselines.online import cycling_games, run_online
 from sapd.config import ConfigError, apply_file_overlay, apply_overlay, config_from_dict, dump_config, read_yaml_mapping
-from sapd.data.loaders import LoadOptions, load_trajectories, write_native_jsonl
+from sapd.data.loaders import write_native_jsonl
 from sapd.data.prefixes import PrefixOptions, build_prefixes, read_prefixes
-from sapd.data.prompts import render_messages
-from sapd.envs.base import EpisodeSpec
-from sapd.envs.loop import LoopOptions, collect_expert
+from sapd.demo.games import generate_games
+from sapd.demo.models import ModelShape, data_section, ensure_init_model, ensure_tokenizer, sft_run_config
+from sapd.demo.pools import count_trajectories, expert_pool, pool_texts, read_pool
+from sapd.demo.progress import Progress, progress
 from sapd.envs.panels import PanelSpec, textworld_specs
-from sapd.envs.textworld_env import default_panel, ensure_game, game_path, make_env
-from sapd.method.benchmarks import get_benchmark
-from sapd.models.byte_tokenizer import build_tokenizer
+from sapd.envs.textworld_env import default_panel
 from sapd.models.loading import load_causal_lm, load_tokenizer
-from sapd.models.tiny import build_tiny_model
 from sapd.run.local import run_pipeline
 from sapd.run.report import read_step_log, round_timings
 from sapd.stages.evaluate import evaluate_checkpoint, offline_eval
-from sapd.study.a5 import a5_experiments
-from sapd.study.report import LABELS, TABLE1_METHODS, TABLE2_VARIANTS, TEACHERS, render_report
-from sapd.study.sequential import Stage, run_sequential
-
-
-@dataclass
-class ModelShape:
-    hidden_size: int = 128
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate_size: int = 256
 
 
 @dataclass
@@ -144,24 +132,6 @@ def load_study_config(path: str | None, overrides: dict[str, Any] | None = None)
 # set-up: games, pools, tokenizer, models
 
 
-def read_pool(path: str | Path) -> list:
-    """A native JSONL pool's trajectories."""
-    return load_trajectories(str(path), "native", LoadOptions("textworld")).trajectories
-
-
-def pool_texts(trajectories, history_length: int | None = None) -> list[str]:
-    """The text the models will see, to train their tokenizer on: every step prompt of the pool (as the
-    prefix builder renders it) and every expert response."""
-
-    spec = get_benchmark("textworld")
-    texts: list[str] = []
-    for traj in trajectories:
-        for t, turn in enumerate(traj.turns):
-            texts.extend(m["content"] for m in render_messages(traj, t, spec, history_length or spec.history_length))
-            texts.append(turn.response)
-    return texts
-
-
 class Study:
     """Paths and steps of one study folder. Every step returns at once when its output is committed."""
 
@@ -173,6 +143,10 @@ class Study:
         self.models = self.out / "models"
         self.runs = self.out / "runs"
 
+    def progress(self, desc: str, total: int, unit: str) -> Progress:
+        """Progress of one set-up step: a bar on a terminal with progress shown, lines otherwise."""
+        return progress(desc, total, unit, log=self.log, bar=None if self.show_progress else False)
+
     # -- games and pools ------------------------------------------------------------------------------
 
     def panels(self) -> dict[str, list]:
@@ -182,21 +156,15 @@ class Study:
                 "heldout": default_panel(c.heldout_games, c.families, c.heldout_seed)}
 
     def ensure_games(self) -> None:
-        """Generate every panel's games, two ``tw-make`` processes at a time (each is a subprocess)."""
+        """Generate every panel's games, in two processes (:func:`sapd.demo.games.generate_games`)."""
         panels = self.panels()
         ids = {name: {g.game_id for g in p} for name, p in panels.items()}
         if ids["train"] & ids["heldout"] or ids["extra"] & (ids["train"] | ids["heldout"]):
             raise ValueError("the train, extra and held-out panels overlap: move train_seed, extra_seed or "
                              "heldout_seed")
-        todo = [g for p in panels.values() for g in p if not game_path(g, self.cache).is_file()]
-        if not todo:
-            return
-        self.log(f"generating {len(todo)} TextWorld games into {self.cache} (about 3-4 s each, two at a time)")
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(2) as pool:
-            for i, _ in enumerate(pool.map(lambda g: ensure_game(g, self.cache), todo)):
-                if (i + 1) % 25 == 0 or i + 1 == len(todo):
-                    self.log(f"  {i + 1}/{len(todo)} games ({time.perf_counter() - t0:.0f} s)")
+        games = [g for p in panels.values() for g in p]
+        with self.progress("TextWorld games", len(games), "game") as bar:
+            generate_games(games, self.cache, progress=bar.update)
 
     def pool_path(self, name: str) -> Path:
         return self.pools / f"{name}.jsonl"
@@ -216,13 +184,9 @@ class Study:
         for name, panel in self.panels().items():
             if not panel:
                 continue
-            specs = [EpisodeSpec(f"textworld/{g.game_id}", partial(make_env, g, self.cache), category=g.family)
-                     for g in panel]
-            episodes = collect_expert(specs, "textworld", LoopOptions(env_timeout_s=self.cfg.env_timeout_s))
-            won = [t for t in episodes if t.success]
-            write_native_jsonl(won, str(self.pool_path(name)))
-            summary[name] = {"games": len(panel), "won": len(won), "decisions": sum(len(t.turns) for t in won)}
-            self.log(f"expert pool '{name}': won {len(won)}/{len(panel)} games, {summary[name]['decisions']} decisions")
+            summary[name] = expert_pool(panel, self.cache, self.pool_path(name), env_timeout_s=self.cfg.env_timeout_s)
+            self.log(f"expert pool '{name}': won {summary[name]['won']}/{len(panel)} games, "
+                     f"{summary[name]['decisions']} decisions")
         train = read_pool(self.pool_path("train"))
         for fam in self.cfg.families:
             d = self.family_pool_dir(fam)
@@ -242,12 +206,11 @@ class Study:
         return self.models / "tokenizer"
 
     def ensure_tokenizer(self):
-        if (self.tokenizer_dir() / "tokenizer.json").is_file():
-            return load_tokenizer(str(self.tokenizer_dir()))
-        trajs = [t for name in ("train", "extra") if self.pool_path(name).is_file()
-                 for t in read_pool(self.pool_path(name))]
-        return build_tokenizer(pool_texts(trajs, self.cfg.history_length), self.tokenizer_dir(),
-                               vocab_size=self.cfg.tokenizer_vocab)
+        def texts() -> list[str]:
+            trajs = [t for name in ("train", "extra") if self.pool_path(name).is_file()
+                     for t in read_pool(self.pool_path(name))]
+            return pool_texts(trajs, self.cfg.history_length)
+        return ensure_tokenizer(self.tokenizer_dir(), texts, self.cfg.tokenizer_vocab)
 
     def _run_sft(self, name: str, init: str, data_input: str, epochs: float) -> str:
         """SFT ``init`` on ``data_input`` for ``epochs`` passes in the run root ``runs/<name>``, its final
@@ -256,14 +219,11 @@ class Study:
         c = self.cfg
         legacy = self.models / name
         root = legacy if (legacy / "config.yaml").is_file() else self.runs / name
-        n_traj = self._count_trajectories(data_input)
-        rounds = max(1, round(epochs * n_traj / c.sft_trajectories_per_round))
-        cfg = config_from_dict({
-            "run_root": str(root), "variant": "sft", "model": {"student": init},
-            "data": self._data(data_input),
-            "train": {"rounds": rounds, "trajectories_per_round": c.sft_trajectories_per_round,
-                      "minibatch_prefixes": 16, "micro_batch_prefixes": 16, "lr": c.pretrain_lr,
-                      "lr_schedule": "cosine", "warmup_steps": 20, "seed": 0}})
+        cfg = config_from_dict(sft_run_config(root, init, data_input, epochs=epochs,
+                                              trajectories=count_trajectories(data_input),
+                                              trajectories_per_round=c.sft_trajectories_per_round,
+                                              lr=c.pretrain_lr, history_length=c.history_length))
+        rounds = cfg.train.rounds
         if not checkpoints.is_committed(str(root), rounds):
             self.log(f"{name}: SFT {epochs:g} epoch(s) = {rounds} rounds of {c.sft_trajectories_per_round} "
                      f"trajectories from {Path(init).name}")
@@ -287,25 +247,16 @@ class Study:
                 self.log(f"{name}: {done}/{rounds} rounds")
         return log
 
-    @staticmethod
-    def _count_trajectories(data_input: str) -> int:
-        p = Path(data_input)
-        return sum(len(read_pool(f)) for f in (sorted(p.glob("*.jsonl")) if p.is_dir() else [p]))
-
     def _data(self, data_input: str) -> dict[str, Any]:
-        return {"input": data_input, "format": "native", "benchmark": "textworld", "val_fraction": 0.0,
-                "history_length": self.cfg.history_length, "max_prompt_tokens": None}
+        return data_section(data_input, self.cfg.history_length)
 
     def ensure_models(self, which: tuple[str, ...] = ("student", "sft_teacher", "strong_teacher")) -> dict[str, str]:
         """The model folders of ``which`` (student, sft_teacher, strong_teacher), trained when missing."""
         self.ensure_pools()
         tok = self.ensure_tokenizer()
-        inits = {}
-        for who, shape, seed in (("student", self.cfg.student_shape, 0), ("teacher", self.cfg.teacher_shape, 1)):
-            d = self.models / f"init-{who}"
-            if not (d / "config.json").is_file():
-                build_tiny_model(tok, d, seed=seed, **asdict(shape))
-            inits[who] = str(d)
+        inits = {who: ensure_init_model(tok, self.models / f"init-{who}", shape, seed)
+                 for who, shape, seed in (("student", self.cfg.student_shape, 0),
+                                          ("teacher", self.cfg.teacher_shape, 1))}
         pool = str(self.pool_path("train"))
         out = {"student": self._run_sft("student", inits["student"], pool, self.cfg.student_epochs)}
         out["sft_teacher"] = self._run_sft("sft_teacher", inits["teacher"], pool, self.cfg.teacher_epochs)

@@ -18,10 +18,10 @@ another live process.
 
 Run it piece by piece (each step does only what is not yet recorded)::
 
-    .venv/bin/python -m experiments.powered pilot        # games, pools, models, timings
-    .venv/bin/python -m experiments.powered gate probe   # student/teacher gates, round-0 signal probe
-    .venv/bin/python -m experiments.powered sweep --max-units 4
-    .venv/bin/python -m experiments.powered status       # what is recorded, what remains, CPU estimate
+    python -m research powered pilot        # games, pools, models, timings
+    python -m research powered gate probe   # student/teacher gates, round-0 signal probe
+    python -m research powered sweep --max-units 4
+    python -m research powered status       # what is recorded, what remains, CPU estimate
 
 ``final`` and ``test`` refuse to run until the config and the analysis plan are committed (git) and
 unmodified: the test panel is evaluated only under the pre-registered plan.
@@ -31,33 +31,37 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from sapd import checkpoints, layout, storage
-from sapd.config import ConfigError, apply_overlay, config_from_dict, dump_config
-from sapd.data.loaders import write_native_jsonl
+from research import stats
+from research.signals import heldout_decisions, round_health, signal_probe, summarize_decisions
+from sapd import checkpoints, layout, storage, yamlio
+from sapd.config import (
+    ConfigError,
+    apply_file_overlay,
+    apply_overlay,
+    config_from_dict,
+    dump_config,
+    read_yaml_mapping,
+)
 from sapd.data.prefixes import PrefixOptions, build_prefixes, read_prefixes
-from sapd.envs.base import EpisodeSpec
-from sapd.envs.loop import LoopOptions, collect_expert
+from sapd.demo.games import generate_games, panels
+from sapd.demo.intervals import wilson_interval
+from sapd.demo.models import ModelShape, data_section, ensure_init_model, ensure_tokenizer, sft_run_config
+from sapd.demo.pools import count_trajectories, expert_pool, pool_texts, read_pool
+from sapd.demo.progress import progress
 from sapd.envs.panels import PanelSpec
-from sapd.envs.textworld_env import GameSpec, default_panel, ensure_game, game_path, make_env
-from sapd.models.byte_tokenizer import build_tokenizer
+from sapd.envs.textworld_env import GameSpec
 from sapd.models.gguf_import import ensure_smollm2
 from sapd.models.loading import load_causal_lm, load_tokenizer
-from sapd.models.tiny import build_tiny_model
 from sapd.run.local import run_pipeline
 from sapd.stages.evaluate import evaluate_checkpoint
-from sapd.study import stats
-from sapd.study.run import ModelShape, pool_texts, read_pool
-from sapd.study.signals import heldout_decisions, round_health, signal_probe, summarize_decisions
 
 STEPS = ("pilot", "gate", "probe", "sweep", "final", "test")
 
@@ -144,21 +148,22 @@ class PoweredConfig:
 
 
 def load_powered_config(path: str | Path) -> PoweredConfig:
-    import yaml
-
-    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
+    """The study's config file through the project's YAML reader (:mod:`sapd.yamlio`: ``1e-3`` is a float);
+    an unknown or mistyped key is a ``ConfigError`` naming ``file:line``."""
+    data = read_yaml_mapping(path)
     arms = data.pop("arms", {}) or {}
+    if not isinstance(arms, dict):
+        raise ConfigError(f"{path}: arms: expected a mapping of arm name → arm")
     cfg = PoweredConfig()
-    try:
-        apply_overlay(cfg, data)
-        for name, spec in arms.items():
-            arm = Arm()
+    apply_file_overlay(cfg, str(path), data)
+    for name, spec in arms.items():
+        arm = Arm()
+        try:
             apply_overlay(arm, spec or {}, f"arms.{name}.")
-            cfg.arms[name] = arm
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        except ConfigError as e:
+            line = yamlio.line_of(arms, e.path.removeprefix("arms.")) if e.path else None
+            raise ConfigError(f"{path}:{line}: {e}" if line else f"{path}: {e}", e.path) from None
+        cfg.arms[name] = arm
     return cfg
 
 
@@ -273,38 +278,24 @@ class PoweredStudy:
 
     def panels(self) -> dict[str, list[GameSpec]]:
         c = self.cfg
-        out = {"pretrain": default_panel(c.pretrain_games, [c.pretrain_family], c.pretrain_seed),
-               "train": default_panel(c.train_games, c.families, c.train_seed),
-               "val": default_panel(c.val_games, c.families, c.val_seed),
-               "test": default_panel(c.test_games, c.families, c.test_seed)}
-        seen: dict[str, str] = {}
-        for name, games in out.items():
-            for g in games:
-                if g.game_id in seen:
-                    raise ConfigError(f"panels '{seen[g.game_id]}' and '{name}' share game {g.game_id}: move a seed")
-                seen[g.game_id] = name
-        return out
+        try:
+            return panels({"pretrain": (c.pretrain_games, [c.pretrain_family], c.pretrain_seed),
+                           "train": (c.train_games, c.families, c.train_seed),
+                           "val": (c.val_games, c.families, c.val_seed),
+                           "test": (c.test_games, c.families, c.test_seed)})
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def ensure_games(self) -> float:
-        todo = [g for p in self.panels().values() for g in p if not game_path(g, self.games_dir).is_file()]
+        """Every panel's games, generated in two processes (:func:`sapd.demo.games.generate_games`)."""
+        games = [g for p in self.panels().values() for g in p]
         t0 = time.perf_counter()
-        if todo:
-            self.log(f"generating {len(todo)} TextWorld games (two at a time)")
-            with ThreadPoolExecutor(2) as pool:
-                for i, _ in enumerate(pool.map(lambda g: ensure_game(g, self.games_dir), todo)):
-                    if (i + 1) % 25 == 0 or i + 1 == len(todo):
-                        self.log(f"  {i + 1}/{len(todo)} games ({time.perf_counter() - t0:.0f} s)")
+        with progress("TextWorld games", len(games), "game", log=self.log, bar=False) as bar:
+            generate_games(games, self.games_dir, progress=bar.update)
         return time.perf_counter() - t0
 
     def pool_path(self, name: str) -> Path:
         return self.pools / f"{name}.jsonl"
-
-    def _collect(self, games: list[GameSpec], noise: float) -> list:
-        specs = [EpisodeSpec(f"textworld/{g.game_id}", partial(make_env, g, self.games_dir), category=g.family)
-                 for g in games]
-        opts = LoopOptions(env_timeout_s=self.cfg.env_timeout_s, horizon=40)
-        return collect_expert(specs, "textworld", opts, thought=self.cfg.thought,  # type: ignore[arg-type]
-                              noise=noise, noise_seed=self.cfg.noise_seed)
 
     def ensure_pools(self) -> dict[str, Any]:
         """Clean expert pools (pretrain, train — the teacher's —, val, test) and the ε-noisy pool on the
@@ -318,15 +309,11 @@ class PoweredStudy:
         panels = self.panels()
         summary = {}
         for name, (panel, noise) in names.items():
-            t0 = time.perf_counter()
-            eps = self._collect(panels[panel], noise)
-            won = [t for t in eps if t.success]
-            write_native_jsonl(won, str(self.pool_path(name)))
-            turns = sum(len(t.turns) for t in won)
-            noisy = sum(len(t.metadata.get("noisy_turns", [])) for t in won)
-            summary[name] = {"games": len(panels[panel]), "won": len(won), "decisions": turns,
-                             "noisy_decisions": noisy, "seconds": time.perf_counter() - t0}
-            self.log(f"pool {name}: won {len(won)}/{len(panels[panel])}, {turns} decisions ({noisy} noisy)")
+            summary[name] = s = expert_pool(panels[panel], self.games_dir, self.pool_path(name), noise=noise,
+                                            noise_seed=self.cfg.noise_seed, thought=self.cfg.thought,  # type: ignore[arg-type]
+                                            horizon=40, env_timeout_s=self.cfg.env_timeout_s)
+            self.log(f"pool {name}: won {s['won']}/{s['games']}, {s['decisions']} decisions "
+                     f"({s['noisy_decisions']} noisy)")
         (self.pools / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         return summary
 
@@ -336,13 +323,12 @@ class PoweredStudy:
         return self.models / "tokenizer"
 
     def ensure_tokenizer(self):
-        if (self.tokenizer_dir() / "tokenizer.json").is_file():
-            return load_tokenizer(str(self.tokenizer_dir()))
-        first = self._first_pretrain_games(self.cfg.tokenizer_pretrain_games)
-        trajs = [t for n in ("pretrain", "train_clean", "train_noisy") for t in read_pool(self.pool_path(n))
-                 if n != "pretrain" or t.metadata["game"] in first]
-        return build_tokenizer(pool_texts(trajs, self.cfg.history_length), self.tokenizer_dir(),
-                               vocab_size=self.cfg.tokenizer_vocab)
+        def texts() -> list[str]:
+            first = self._first_pretrain_games(self.cfg.tokenizer_pretrain_games)
+            trajs = [t for n in ("pretrain", "train_clean", "train_noisy") for t in read_pool(self.pool_path(n))
+                     if n != "pretrain" or t.metadata["game"] in first]
+            return pool_texts(trajs, self.cfg.history_length)
+        return ensure_tokenizer(self.tokenizer_dir(), texts, self.cfg.tokenizer_vocab)
 
     def _first_pretrain_games(self, n: int | None) -> set[str]:
         """The ids of the first ``n`` pre-training games (consecutive seeds; None: all of them)."""
@@ -350,20 +336,16 @@ class PoweredStudy:
         return {f"{c.pretrain_family}-{c.pretrain_seed + i}" for i in range(c.pretrain_games if n is None else n)}
 
     def _data(self, data_input: str) -> dict[str, Any]:
-        return {"input": data_input, "format": "native", "benchmark": "textworld", "val_fraction": 0.0,
-                "history_length": self.cfg.history_length, "max_prompt_tokens": None}
+        return data_section(data_input, self.cfg.history_length)
 
     def _sft(self, name: str, init: str, data_input: str, epochs: float) -> str:
         c = self.cfg
         root = self.models / name
-        p = Path(data_input)
-        n_traj = sum(len(read_pool(f)) for f in (sorted(p.glob("*.jsonl")) if p.is_dir() else [p]))
-        rounds = max(1, round(epochs * n_traj / c.sft_trajectories_per_round))
-        cfg = config_from_dict({
-            "run_root": str(root), "variant": "sft", "model": {"student": init}, "data": self._data(data_input),
-            "train": {"rounds": rounds, "trajectories_per_round": c.sft_trajectories_per_round,
-                      "minibatch_prefixes": 16, "micro_batch_prefixes": 16, "lr": c.pretrain_lr,
-                      "lr_schedule": "cosine", "warmup_steps": 20, "seed": 0}})
+        cfg = config_from_dict(sft_run_config(root, init, data_input, epochs=epochs,
+                                              trajectories=count_trajectories(data_input),
+                                              trajectories_per_round=c.sft_trajectories_per_round,
+                                              lr=c.pretrain_lr, history_length=c.history_length))
+        rounds = cfg.train.rounds
         if not checkpoints.is_committed(str(root), rounds):
             self.log(f"{name}: SFT {epochs:g} epochs = {rounds} rounds")
         run_pipeline(cfg, log=lambda s: None, show_progress=False)
@@ -374,12 +356,9 @@ class PoweredStudy:
         the pre-training pool), built when missing."""
         self.ensure_pools()
         tok = self.ensure_tokenizer()
-        inits = {}
-        for who, shape, seed in (("student", self.cfg.student_shape, 0), ("teacher", self.cfg.teacher_shape, 1)):
-            d = self.models / f"init-{who}"
-            if not (d / "config.json").is_file():
-                build_tiny_model(tok, d, seed=seed, **asdict(shape))
-            inits[who] = str(d)
+        inits = {who: ensure_init_model(tok, self.models / f"init-{who}", shape, seed)
+                 for who, shape, seed in (("student", self.cfg.student_shape, 0),
+                                          ("teacher", self.cfg.teacher_shape, 1))}
         teacher_data = self.pools / "teacher_data"
         if not teacher_data.is_dir():
             teacher_data.mkdir(parents=True)
@@ -766,7 +745,7 @@ class PoweredStudy:
 
     def plan_is_committed(self) -> bool:
         """The config and docs/results/ANALYSIS_PLAN.md are committed and unmodified in git."""
-        repo = Path(__file__).resolve().parents[2]
+        repo = Path(__file__).resolve().parents[1]
         paths = ["docs/results/ANALYSIS_PLAN.md"] + ([str(self.config_path)] if self.config_path else [])
         try:
             for p in paths:
@@ -837,16 +816,6 @@ def _per_game_success(root: str, k: int) -> dict[str, int]:
 
 def _public(ev: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in ev.items() if k not in ("per_decision",)}
-
-
-def wilson_interval(p: float, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """The 95 % Wilson score interval of a proportion ``p`` measured on ``n`` trials."""
-    if n <= 0:
-        return (0.0, 1.0)
-    d = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / d
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def check_power(plan: PowerPlan, seeds: int) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The paper's Appendix A.5 predictions, tested on real scored groups (``sapd study``, item 7).
+"""The paper's Appendix A.5 predictions, tested on real scored groups (``python -m research study``, item 7).
 
 The groups are the SAPD run's scored rounds (teacher and sampler log-probs of the student's own
 samples, action masks), so the step scores rᵢ = Σ_{k∈Mᵢ} d_{i,k} are the ones SAPD trained on:

@@ -1,6 +1,7 @@
-"""Statistics of the powered study: the power calculation written in
-``experiments/powered.yaml``, paired-by-game bootstrap intervals, and the within-group AUC of a step
-score. Pure Python (no numpy), so the numbers a test recomputes are the numbers the study used.
+"""Statistics of the powered study: the power calculation written in ``experiments/powered.yaml``,
+paired-by-game bootstrap intervals (:func:`paired_bootstrap`, shared with the demo: it lives in
+:mod:`sapd.demo.intervals`), and the within-group AUC of a step score. Pure Python (no numpy), so the
+numbers a test recomputes are the numbers the study used.
 """
 
 from __future__ import annotations
@@ -8,7 +9,12 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
+
+from sapd.demo.intervals import paired_bootstrap, percentile_interval
+
+__all__ = ["episodes_per_arm", "mde", "paired_bootstrap", "pearson", "percentile_interval", "units_for_mde",
+           "within_group_auc", "z"]
 
 _N = statistics.NormalDist()
 
@@ -48,39 +54,6 @@ def units_for_mde(target: float, p: float, seeds: int, sigma_seed: float, rho: f
     return math.ceil(p * (1 - p) * (1 - rho) / (seeds * budget) - 1e-9)
 
 
-def _percentile_interval(reps: list[float], level: float) -> tuple[float, float]:
-    """The central ``level`` percentile interval of bootstrap replicates (sorts ``reps`` in place)."""
-    reps.sort()
-    n = len(reps)
-    return reps[int((1 - level) / 2 * n)], reps[min(n - 1, int((1 + level) / 2 * n))]
-
-
-def paired_bootstrap(a: Mapping[int, Mapping[str, float]], b: Mapping[int, Mapping[str, float]], *,
-                     n_boot: int = 4000, seed: int = 0, level: float = 0.95) -> dict[str, float]:
-    """Difference of means, arm a − arm b, with a two-level bootstrap interval: outcomes are
-    ``{seed: {unit: value}}`` (unit = game or held-out prefix, the same units in both arms). Each
-    replicate resamples each arm's seeds with replacement, then the units once for both arms (paired by
-    unit). → {"diff", "lo", "hi", "units", "seeds_a", "seeds_b"}."""
-    units = sorted(set.intersection(*(set(v) for v in [*a.values(), *b.values()])))
-    if not units or not a or not b:
-        raise ValueError("paired_bootstrap needs at least one seed per arm and shared units")
-    sa, sb = sorted(a), sorted(b)
-
-    def mean(arm: Mapping[int, Mapping[str, float]], seeds: Sequence[int], us: Sequence[str]) -> float:
-        return sum(arm[s][u] for s in seeds for u in us) / (len(seeds) * len(us))
-
-    diff = mean(a, sa, units) - mean(b, sb, units)
-    rng = random.Random(seed)
-    reps = []
-    for _ in range(n_boot):
-        us = [units[rng.randrange(len(units))] for _ in units]
-        ra = [sa[rng.randrange(len(sa))] for _ in sa]
-        rb = [sb[rng.randrange(len(sb))] for _ in sb]
-        reps.append(mean(a, ra, us) - mean(b, rb, us))
-    lo, hi = _percentile_interval(reps, level)
-    return {"diff": diff, "lo": lo, "hi": hi, "units": len(units), "seeds_a": len(sa), "seeds_b": len(sb)}
-
-
 def within_group_auc(groups: Sequence[Sequence[tuple[float, bool]]], *, n_boot: int = 4000, seed: int = 0,
                      level: float = 0.95) -> dict[str, Any]:
     """How well a score ranks correct responses above wrong ones *within* a group (SAPD compares
@@ -105,7 +78,7 @@ def within_group_auc(groups: Sequence[Sequence[tuple[float, bool]]], *, n_boot: 
     for _ in range(n_boot):
         draw = [per_group[rng.randrange(len(per_group))] for _ in per_group]
         reps.append(sum(w for w, _ in draw) / sum(n for _, n in draw))
-    ci = list(_percentile_interval(reps, level))
+    ci = list(percentile_interval(reps, level))
     return {"auc": sum(w for w, _ in per_group) / pairs, "pairs": pairs, "groups": len(per_group), "ci": ci}
 
 

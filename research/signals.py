@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
+from research.stats import pearson, within_group_auc
 from sapd import layout
 from sapd.data import shards
 from sapd.data.scored import read_scored
@@ -34,7 +35,6 @@ from sapd.method.rules import normalize_action
 from sapd.models.generation import HFGenerator, SamplingParams, stops_for
 from sapd.models.scoring import response_logprobs, score_groups
 from sapd.run.report import read_step_log
-from sapd.study.stats import pearson, within_group_auc
 
 BENCHMARK = "textworld"
 _THINK = re.compile(r"<think>(.*?)</think>", re.S)
