@@ -28,15 +28,14 @@ import pytest
 import torch
 
 from tests.conftest import debian_binary, free_port, get_url, wait_http
+from tests.journey_util import NS, journey_cluster, upload_models, user_s3
 from tests.k8s_harness import Cluster
 from tests.k8s_harness.prometheus import TargetWriter, prometheus_config
-from tests.pipeline_util import make_models
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "sapd"
 SMOKE = CHART / "values" / "smoke.yaml"
 TEXTWORLD = CHART / "values" / "textworld.yaml"
-NS = "sapd"
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TIMINGS: dict[str, float] = {}
 
@@ -51,15 +50,11 @@ class Inputs:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, s3_server):
     """The user's uploads: models and expert games in S3 (and the games themselves, for a warm cache)."""
-    from sapd import storage
     from sapd.data.loaders import write_native_jsonl
     from sapd.envs.loop import LoopOptions, collect_expert
     from sapd.envs.panels import PanelSpec, episode_specs
-    previous = storage.configure_s3(endpoint_url=s3_server.endpoint_url, access_key_id=s3_server.access_key,
-                                    secret_access_key=s3_server.secret_key, region="us-east-1")
     tmp = tmp_path_factory.mktemp("journey-inputs")
-    try:
-        student, teacher = make_models(tmp / "models")
+    with user_s3(s3_server):
         games = tmp / "games"
         # the smoke overlay's evaluation panel (simple + coin, one game each, seed 0): its expert games
         # are the training data too, so one generation serves both
@@ -69,13 +64,8 @@ def inputs(tmp_path_factory, s3_server):
         assert len(trajs) == 2
         prefix = f"s3://{s3_server.bucket}/journeys-{uuid.uuid4().hex[:8]}"
         write_native_jsonl(trajs, f"{prefix}/data/textworld.jsonl")
-        for name, folder in (("student", student), ("teacher", teacher)):
-            for f in sorted(Path(folder).rglob("*")):
-                if f.is_file():
-                    storage.write_bytes(f"{prefix}/models/{name}/{f.relative_to(folder)}", f.read_bytes())
+        upload_models(tmp / "models", prefix)
         yield Inputs(prefix, games, s3_server.endpoint_url)
-    finally:
-        storage.configure_s3(**dataclasses.asdict(previous))
 
 
 @dataclasses.dataclass
@@ -114,23 +104,15 @@ def monitoring(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, inputs, s3_server, monitoring):
-    c = Cluster(tmp_path_factory.mktemp("cluster"), namespace=NS, backoff_base_seconds=0.2, max_grace_seconds=3).start()
-    writer = TargetWriter(c, monitoring.targets)
-    writer.seen = TARGETS_SEEN
-    writer.start()
-    try:
-        # what the README has the user do first: the S3 credentials Secret in the release's namespace
-        c.create_secret("sapd-s3-credentials", {"AWS_ACCESS_KEY_ID": s3_server.access_key,
-                                                "AWS_SECRET_ACCESS_KEY": s3_server.secret_key})
-        # a node whose shared cache already holds the evaluation panel's games (modelCache: hostPath),
-        # prepared by the node's admin for the pods' user (a folder the kubelet would create is root's)
-        shutil.copytree(inputs.games, c.host_path("/var/cache/sapd") / "textworld")
-        c.host_path("/var/cache/sapd", owner=(1000, 1000))
-        yield c
-    finally:
-        writer.stop()
-        c.stop()
-    assert c.errors == [], c.errors[-1]
+    # a node whose shared cache already holds the evaluation panel's games (modelCache: hostPath)
+    with journey_cluster(tmp_path_factory.mktemp("cluster"), s3_server, textworld_cache=inputs.games) as c:
+        writer = TargetWriter(c, monitoring.targets)
+        writer.seen = TARGETS_SEEN
+        writer.start()
+        try:
+            yield c
+        finally:
+            writer.stop()
 
 
 def user_sets(inputs: Inputs, monitoring: Monitoring, release: str, *extra: str) -> list[str]:

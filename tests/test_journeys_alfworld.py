@@ -30,14 +30,13 @@ from pathlib import Path
 import pytest
 
 from tests.alfworld_util import generated_games
+from tests.journey_util import NS, journey_cluster, upload_models, user_s3
 from tests.k8s_harness import Cluster
-from tests.pipeline_util import make_models
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "sapd"
 SMOKE = CHART / "values" / "smoke.yaml"
 ALFWORLD = CHART / "values" / "alfworld.yaml"
-NS = "sapd"
 REL = "sapd-alf"
 SIX = {"Pick", "Look", "Clean", "Heat", "Cool", "Pick2"}
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -57,17 +56,10 @@ class Inputs:
 def inputs(tmp_path_factory, s3_server):
     """The user's uploads: a tiny student and teacher, and ALFWorld's expert played on generated train
     games, recorded by the README's command into S3."""
-    from sapd import storage
-    previous = storage.configure_s3(endpoint_url=s3_server.endpoint_url, access_key_id=s3_server.access_key,
-                                    secret_access_key=s3_server.secret_key, region="us-east-1")
     tmp = tmp_path_factory.mktemp("alfworld-inputs")
-    try:
+    with user_s3(s3_server):
         prefix = f"s3://{s3_server.bucket}/alfworld-journey-{uuid.uuid4().hex[:8]}"
-        student, teacher = make_models(tmp / "models")
-        for name, folder in (("student", student), ("teacher", teacher)):
-            for f in sorted(Path(folder).rglob("*")):
-                if f.is_file():
-                    storage.write_bytes(f"{prefix}/models/{name}/{f.relative_to(folder)}", f.read_bytes())
+        upload_models(tmp / "models", prefix)
         data = generated_games("train", per_type=1, seed=0)  # `sapd alfworld-games --split train --per-type 1`
         expert_log = f"{prefix}/data/alfworld_expert.jsonl"
         env = {**os.environ, "ALFWORLD_DATA": str(data), "SAPD_S3_ENDPOINT_URL": s3_server.endpoint_url,
@@ -78,20 +70,12 @@ def inputs(tmp_path_factory, s3_server):
                              capture_output=True, text=True, env=env, timeout=900, cwd=tmp)
         assert run.returncode == 0, run.stdout + run.stderr
         yield Inputs(prefix, s3_server.endpoint_url, expert_log, run.stdout)
-    finally:
-        storage.configure_s3(**dataclasses.asdict(previous))
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, inputs, s3_server):
-    c = Cluster(tmp_path_factory.mktemp("cluster"), namespace=NS, backoff_base_seconds=0.2, max_grace_seconds=3).start()
-    try:
-        c.create_secret("sapd-s3-credentials", {"AWS_ACCESS_KEY_ID": s3_server.access_key,
-                                                "AWS_SECRET_ACCESS_KEY": s3_server.secret_key})
+    with journey_cluster(tmp_path_factory.mktemp("cluster"), s3_server) as c:
         yield c
-    finally:
-        c.stop()
-    assert c.errors == [], c.errors[-1]
 
 
 def job_log(cluster: Cluster, job: str) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 import signal
 import time
 import uuid
@@ -32,13 +31,12 @@ import pytest
 import torch
 
 from tests.conftest import free_port
+from tests.journey_util import NS, journey_cluster, upload_models, user_s3
 from tests.k8s_harness import Cluster
-from tests.pipeline_util import make_models
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "sapd"
 SMOKE = CHART / "values" / "smoke.yaml"
-NS = "sapd"
 LR = ["config.train.lr=0.001"]
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -53,43 +51,25 @@ class Inputs:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, s3_server):
     """The user's uploads: models and expert games (the smoke panel's, which are its training data too)."""
-    from sapd import storage
     from sapd.data.loaders import write_native_jsonl
     from sapd.envs.loop import LoopOptions, collect_expert
     from sapd.envs.panels import PanelSpec, episode_specs
-    previous = storage.configure_s3(endpoint_url=s3_server.endpoint_url, access_key_id=s3_server.access_key,
-                                    secret_access_key=s3_server.secret_key, region="us-east-1")
     tmp = tmp_path_factory.mktemp("lifecycle-inputs")
-    try:
-        student, teacher = make_models(tmp / "models")
+    with user_s3(s3_server):
         specs = episode_specs(PanelSpec("textworld", families=("simple", "coin"), games_per_family=1, seed=0,
                                         cache_dir=str(tmp / "games")))
         trajs = collect_expert(specs, "textworld", successful_only=True, opts=LoopOptions(invalid_action="look"))
         prefix = f"s3://{s3_server.bucket}/lifecycle-{uuid.uuid4().hex[:8]}"
         write_native_jsonl(trajs, f"{prefix}/data/textworld.jsonl")
-        for name, folder in (("student", student), ("teacher", teacher)):
-            for f in sorted(Path(folder).rglob("*")):
-                if f.is_file():
-                    storage.write_bytes(f"{prefix}/models/{name}/{f.relative_to(folder)}", f.read_bytes())
+        upload_models(tmp / "models", prefix)
         yield Inputs(prefix, s3_server.endpoint_url, tmp / "games")
-    finally:
-        storage.configure_s3(**dataclasses.asdict(previous))
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, inputs, s3_server):
-    c = Cluster(tmp_path_factory.mktemp("cluster"), namespace=NS, backoff_base_seconds=0.2, max_grace_seconds=3).start()
-    try:
-        c.create_secret("sapd-s3-credentials", {"AWS_ACCESS_KEY_ID": s3_server.access_key,
-                                                "AWS_SECRET_ACCESS_KEY": s3_server.secret_key})
-        # a node whose shared cache already holds the evaluation panel's games (modelCache: hostPath),
-        # prepared by the node's admin for the pods' user (a folder the kubelet would create is root's)
-        shutil.copytree(inputs.games, c.host_path("/var/cache/sapd") / "textworld")
-        c.host_path("/var/cache/sapd", owner=(1000, 1000))
+    # a node whose shared cache already holds the evaluation panel's games (modelCache: hostPath)
+    with journey_cluster(tmp_path_factory.mktemp("cluster"), s3_server, textworld_cache=inputs.games) as c:
         yield c
-    finally:
-        c.stop()
-    assert c.errors == [], c.errors[-1]
 
 
 def user_sets(inputs: Inputs, release: str, *extra: str) -> list[str]:
@@ -293,17 +273,9 @@ TRAIN_DEADLINE = 45  # seconds: the train Job's activeDeadlineSeconds, shorter t
 def queue_cluster(tmp_path_factory, inputs, s3_server):
     """A cluster with Kueue-like admission: LocalQueue `sapd-queue`'s quota admits the driver and any one
     stage of the smoke overlay except training (2 CPUs), until its admin raises it."""
-    c = Cluster(tmp_path_factory.mktemp("queue-cluster"), namespace=NS, backoff_base_seconds=0.2, max_grace_seconds=3,
-                queues={QUEUE: {"cpu": "1.5", "memory": "16Gi", "ephemeral-storage": "16Gi"}}).start()
-    try:
-        c.create_secret("sapd-s3-credentials", {"AWS_ACCESS_KEY_ID": s3_server.access_key,
-                                                "AWS_SECRET_ACCESS_KEY": s3_server.secret_key})
-        shutil.copytree(inputs.games, c.host_path("/var/cache/sapd") / "textworld")
-        c.host_path("/var/cache/sapd", owner=(1000, 1000))
+    with journey_cluster(tmp_path_factory.mktemp("queue-cluster"), s3_server, textworld_cache=inputs.games,
+                         queues={QUEUE: {"cpu": "1.5", "memory": "16Gi", "ephemeral-storage": "16Gi"}}) as c:
         yield c
-    finally:
-        c.stop()
-    assert c.errors == [], c.errors[-1]
 
 
 def test_a_queued_stage_waits_for_admission_without_its_deadline_running(queue_cluster, inputs):

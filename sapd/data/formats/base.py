@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Literal
 from sapd.data.errors import InvalidRecordError, InvalidReport
 from sapd.data.fit import text_problem, turn_problem
 from sapd.data.schema import Trajectory, Turn
-from sapd.method.benchmarks import BenchmarkSpec
+from sapd.method.benchmarks import BenchmarkSpec, reword_alfworld_action
 
 ActionWording = Literal["recorded", "put", "move"]
 Records = Iterator[tuple[str, Any]]  # (location, record) pairs of one file (sapd.data.formats.records)
@@ -125,23 +125,16 @@ def one_per_record(parse: Callable[[Any, str, str, LoadOptions], Trajectory]
 # checks and helpers every parser uses
 
 TASK_LINE = re.compile(r"Your task is to:\s*(.+)")  # ALFWorld / TextWorld state their task on this line
-_PUT = re.compile(r"^put (.+?) (?:in/on|in|on) (.+)$")
-_MOVE = re.compile(r"^move (.+?) to (.+)$")
-
-
 def reword_action(action: str, wording: ActionWording) -> str:
-    """ALFWorld wording across versions: older data says "put X in/on Y", 0.4.x says "move X to Y".
+    """An ALFWorld placement as ``wording`` says ("recorded": as it is); older data says "put X in/on Y",
+    0.4.x says "move X to Y" (:func:`sapd.method.benchmarks.reword_alfworld_action`).
 
     >>> reword_action("move apple 1 to fridge 1", "put")
     'put apple 1 in/on fridge 1'
-    >>> reword_action("put apple 1 in/on fridge 1", "move")
+    >>> reword_action("move apple 1 to fridge 1", "recorded")
     'move apple 1 to fridge 1'
     """
-    if wording == "put" and (m := _MOVE.match(action)):
-        return f"put {m.group(1)} in/on {m.group(2)}"
-    if wording == "move" and (m := _PUT.match(action)):
-        return f"move {m.group(1)} to {m.group(2)}"
-    return action
+    return action if wording == "recorded" else reword_alfworld_action(action, wording)
 
 
 
