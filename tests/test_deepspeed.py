@@ -5,7 +5,6 @@ rank writing its own share of it), and a checkpoint that plain transformers load
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from sapd import checkpoints, layout, storage  # noqa: E402
 from sapd.config import config_from_dict  # noqa: E402
 from sapd.run.local import run_pipeline  # noqa: E402
 from sapd.run.report import read_step_log  # noqa: E402
+from tests.conftest import free_port
 from tests.pipeline_util import make_models, tiny_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,14 +32,8 @@ TRAIN = {"rounds": 2, "trajectories_per_round": 3, "minibatch_prefixes": 6, "mic
 METRICS = ("loss", "loss_tok", "loss_step", "loss_rule", "teacher_student_gap", "clip_fraction", "grad_norm", "lr")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train_round(cfg_path: Path, k: int) -> tuple[str, float]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                                           str(REPO / ".cache" / "torch_extensions"))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

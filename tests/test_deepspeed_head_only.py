@@ -4,13 +4,13 @@ positions only, through the engine's forward, with the loss, gradient norm and u
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
 from tests.pipeline_util import make_models
 
 pytest.importorskip("deepspeed")
@@ -18,17 +18,11 @@ pytest.importorskip("deepspeed")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_head_only_logits_under_zero_match_full_logits(tmp_path, zero_stage):
     student, teacher = make_models(tmp_path / "models")
-    port = str(_free_port())
+    port = str(free_port())
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": port, "PYTHONPATH": str(REPO),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}

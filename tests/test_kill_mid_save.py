@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ from sapd import checkpoints, layout
 from sapd.config import config_from_dict
 from sapd.run.local import run_pipeline
 from sapd.run.report import read_step_log
+from tests.conftest import free_port
 from tests.pipeline_util import make_models, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,12 +45,6 @@ HOOK = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train_round(cfg_path: Path, k: int, ranks: int, kill_rank: int | None = None, hook_dir: Path | None = None):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
            "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": os.environ.get(
@@ -64,7 +58,7 @@ def _train_round(cfg_path: Path, k: int, ranks: int, kill_rank: int | None = Non
     if ranks == 1:
         cmd = [sys.executable, *cli]
     else:
-        port = str(_free_port())
+        port = str(free_port())
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
                "127.0.0.1", "--master_port", port, *cli]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -4,28 +4,22 @@ every-rank-computes-everything path to ≤ 1e-6 (2 CPU processes, gloo)."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
 from tests.pipeline_util import make_models
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_old_logprobs_once_per_round_on_two_ranks(tmp_path):
     student, teacher = make_models(tmp_path / "models")
-    port = str(_free_port())
+    port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     out = tmp_path / "result"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from sapd import checkpoints, layout, storage
 from sapd.config import config_from_dict
 from sapd.models.loading import FetchStalled, fetch_once
 from sapd.run.local import run_pipeline
+from tests.conftest import free_port
 from tests.pipeline_util import make_models, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,12 +138,6 @@ def test_a_slow_downloader_making_progress_is_waited_for(model_on_s3, tmp_path):
 # S3 bytes read per round by a 2-process training pod
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _upload(local: Path, uri: str) -> None:
     for f in sorted(local.rglob("*")):
         if f.is_file():
@@ -166,7 +160,7 @@ def _pod_round(s3, cfg_path: Path, k: int, cache: Path, out: Path, per_rank_cach
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
     if per_rank_cache:
         env["SAPD_TEST_CACHE_PER_RANK"] = "1"
-    port = str(_free_port())
+    port = str(free_port())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", port, "tests/fetch_worker.py", "cli", str(out), "train-round", str(cfg_path), "--round",
            str(k), "--no-progress"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from sapd import checkpoints, layout, storage
 from sapd.models.loading import load_tokenizer
 from sapd.stages import train
 from tests import reshard_worker as rw
+from tests.conftest import free_port
 from tests.pipeline_util import make_models
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,15 +133,9 @@ def test_a_checkpoint_of_another_model_is_refused(student, tmp_path):
 # DeepSpeed ZeRO 1-3 and the torch engine, 2 ranks -> 1 and 1 -> 2 (gloo, CPU)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(jobs: list[dict], out: Path, ranks: int) -> list[list[dict]]:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-           "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
            "127.0.0.1", "--master_port", env["MASTER_PORT"], "tests/reshard_worker.py", json.dumps(jobs), str(out)]
