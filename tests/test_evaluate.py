@@ -13,6 +13,7 @@ from sapd import layout, storage
 from sapd.config import config_from_dict
 from sapd.data.loaders import LoadOptions, load_trajectories
 from sapd.envs.panels import PanelSpec, episode_specs
+from sapd.metrics import Metrics
 from sapd.run.local import run_pipeline
 from sapd.stages.evaluate import evaluate_checkpoint, latest_checkpoint
 from tests.pipeline_util import make_models, tiny_config
@@ -42,8 +43,13 @@ def test_evaluation_is_deterministic_per_category_and_skips_done_checkpoints(run
     assert first["overall"]["mean_steps"] <= 4  # the horizon holds
     episodes = storage.read_text(storage.join(layout.evals_dir(run_root, 1), "textworld.episodes.jsonl")).splitlines()
     assert len(episodes) == 2
-    again = evaluate_checkpoint(run_root, 1, panel, **kw)
+    metrics = Metrics(job="evaluate")  # a CronJob's run that finds the checkpoint evaluated …
+    again = evaluate_checkpoint(run_root, 1, panel, metrics=metrics, **kw)
     assert again == first  # skipped: the committed result is returned as it is
+    # … still states the success rates: its push replaces the job's Pushgateway group, which must keep them
+    for cat, value in [("all", first["overall"]["success"])] + [(c, v["success"]) for c, v in first["by_category"].items()]:
+        assert metrics.registry.get_sample_value("sapd_eval_success_ratio",
+                                                 {"benchmark": "textworld", "category": cat}) == value
     with pytest.raises(ValueError, match="evaluated on another panel"):
         evaluate_checkpoint(run_root, 1, dataclasses.replace(panel, seed=7), **kw)
     other = evaluate_checkpoint(run_root, 0, panel, **kw)  # same panel and seed, a fresh evaluation …

@@ -141,6 +141,8 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
             raise ValueError(f"{dest}: checkpoint {k} was evaluated on another panel ({differs}, as (then, now)); "
                              "delete that file to re-evaluate, or evaluate into another run root")
         log(f"checkpoint {k}: {benchmark} already evaluated ({dest})")
+        # the push that follows replaces this job's Pushgateway group: it must still carry the success rates
+        _record(metrics, benchmark, done)
         return done
     if not checkpoints.is_committed(root, k):
         raise FileNotFoundError(f"{root}: checkpoint {k} is not committed; nothing to evaluate there")
@@ -174,10 +176,15 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
         log(f"checkpoint {k}: {reworded} action(s) were in ALFWorld's other placement wording ('put X in/on Y' vs "
             "'move X to Y') than this engine's and were played translated (episodes' reworded_steps); the training "
             "data's wording differs from the engine's (data.action_wording rewrites it)")
+    _record(metrics, benchmark, result)
+    return result
+
+
+def _record(metrics: Metrics | None, benchmark: str, result: dict[str, Any]) -> None:
+    """The evaluation's success rates, overall and per category, into ``metrics`` (when given)."""
     if metrics is not None:
         metrics.record_eval(benchmark, result["overall"]["success"],
                             {c: v["success"] for c, v in result["by_category"].items()})
-    return result
 
 
 @dataclass
