@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.conftest import debian_binary, free_port, get_url, wait_http
-from tests.journey_util import NS, journey_cluster, upload_models, user_s3
+from tests.journey_util import NODE_CACHE, NS, journey_cluster, upload_models, user_s3
 from tests.k8s_harness import Cluster
 from tests.k8s_harness.prometheus import TargetWriter, prometheus_config
 
@@ -439,9 +439,9 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
     from sapd.data import shards
     t0 = time.monotonic()
     ext = REPO / ".cache" / "torch_extensions"  # a warm node: DeepSpeed's op already built (tests/test_deepspeed.py)
-    if ext.is_dir() and not (cluster.host_path("/var/cache/sapd") / "torch_extensions").exists():
-        shutil.copytree(ext, cluster.host_path("/var/cache/sapd") / "torch_extensions")
-        cluster.host_path("/var/cache/sapd", owner=(1000, 1000))
+    if ext.is_dir() and not (cluster.host_path(NODE_CACHE) / "torch_extensions").exists():
+        shutil.copytree(ext, cluster.host_path(NODE_CACHE) / "torch_extensions")
+        cluster.host_path(NODE_CACHE, owner=(1000, 1000))
     rel_name, cron = "sapd-tw", "sapd-tw-evaluate-cron"
     sets = user_sets(inputs, monitoring, rel_name, *CPU_TEXTWORLD, "mode=manual", "round=0", "manual.pollSeconds=1",
                      "buildPrefixes.enabled=false", "evaluate.enabled=false")

@@ -125,6 +125,8 @@ def one_per_record(parse: Callable[[Any, str, str, LoadOptions], Trajectory]
 # checks and helpers every parser uses
 
 TASK_LINE = re.compile(r"Your task is to:\s*(.+)")  # ALFWorld / TextWorld state their task on this line
+
+
 def reword_action(action: str, wording: ActionWording) -> str:
     """An ALFWorld placement as ``wording`` says ("recorded": as it is); older data says "put X in/on Y",
     0.4.x says "move X to Y" (:func:`sapd.method.benchmarks.reword_alfworld_action`).
@@ -135,7 +137,6 @@ def reword_action(action: str, wording: ActionWording) -> str:
     'move apple 1 to fridge 1'
     """
     return action if wording == "recorded" else reword_alfworld_action(action, wording)
-
 
 
 def reworded_response(response: str, span: tuple[int, int] | None, action: str, recorded: str) -> str:
