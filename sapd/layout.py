@@ -9,6 +9,8 @@ checkpoints/NNNNNN/model/              HF format (config, safetensors, tokenizer
 checkpoints/NNNNNN/state/              trainer state (optimizer, scheduler, RNG, cursor); _COMMITTED last
 logs/round-NNNNNN.jsonl                per-step training log of a round (written with its checkpoint)
 evals/NNNNNN/<benchmark>.json
+metrics/<group>/<step>.prom            what a stage that did its work pushed to the Pushgateway (its group:
+                                       the job, and a worker's index); a stage that skips restates it
 ```
 Checkpoint k is the policy that samples round k (π_old of round k); training round k writes k+1.
 """
@@ -52,6 +54,12 @@ def checkpoint_marker(root: str, k: int) -> str:
 
 def round_log_uri(root: str, k: int) -> str:
     return storage.join(root, "logs", f"round-{k:06d}.jsonl")
+
+
+def pushed_metrics_uri(root: str, group: str, step: str) -> str:
+    """The figures ``step`` (e.g. ``train-r3``) pushed to the Pushgateway group ``group`` (``train``,
+    ``teacher_scores-1``), in the Prometheus text format."""
+    return storage.join(root, "metrics", group, f"{step}.prom")
 
 
 def evals_dir(root: str, k: int) -> str:
