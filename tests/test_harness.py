@@ -299,6 +299,49 @@ def test_helm_upgrade_refuses_an_immutable_change_and_keeps_resource_policy_keep
     assert cluster.job("r-job")["metadata"]["annotations"]["meta.helm.sh/release-name"] == "r"
 
 
+def test_helm_upgrade_to_another_chart_and_uninstall_hooks(cluster, tmp_path):
+    """`helm upgrade r NEWCHART` renders the next revision from the other chart; `helm uninstall` runs the
+    pre-delete hooks while the release's objects exist, deletes them, then runs the post-delete hooks (which
+    find them gone), and removes hooks that succeeded (hook-delete-policy hook-succeeded)."""
+    cluster.host_path("/var/hooks", owner=(1000, 1000))
+
+    def chart(folder: str, version: str) -> Path:
+        c = tmp_path / folder
+        (c / "templates").mkdir(parents=True)
+        (c / "Chart.yaml").write_text(f"apiVersion: v2\nname: c\nversion: {version}\n")
+        (c / "templates" / "cm.yaml").write_text(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: settings, labels: {chart: '{{ .Chart.Version }}'}}\n"
+            "data: {said: hello}\n")
+        hooks = []
+        for event in ("pre-delete", "post-delete"):
+            script = (f"import os; p='/cfg/said'; open('/hooks/log', 'a').write('{event}: ' + "
+                      "(open(p).read() if os.path.exists(p) else 'gone') + chr(10))")
+            hooks.append(yaml.safe_dump({
+                "apiVersion": "batch/v1", "kind": "Job",
+                "metadata": {"name": event, "annotations": {"helm.sh/hook": event,
+                                                            "helm.sh/hook-delete-policy": "hook-succeeded"}},
+                "spec": {"template": {"spec": {
+                    "restartPolicy": "Never",
+                    "volumes": [{"name": "cfg", "configMap": {"name": "settings", "optional": True}},
+                                {"name": "hooks", "hostPath": {"path": "/var/hooks"}}],
+                    "containers": [{"name": "m", "image": IMAGE, "command": ["python", "-c", script],
+                                    "volumeMounts": [{"name": "cfg", "mountPath": "/cfg"},
+                                                     {"name": "hooks", "mountPath": "/hooks"}]}]}}}}))
+        if version != "0.1.0":
+            (c / "templates" / "hooks.yaml").write_text("---\n".join(hooks))
+        return c
+
+    cluster.helm.install("r", chart("v1", "0.1.0"))
+    assert cluster.store.get("ConfigMap", "sapd", "settings")["metadata"]["labels"]["chart"] == "0.1.0"
+    rel = cluster.helm.upgrade("r", chart("v2", "0.2.0"))
+    assert rel.revision == 2 and rel.chart == tmp_path / "v2"
+    assert cluster.store.get("ConfigMap", "sapd", "settings")["metadata"]["labels"]["chart"] == "0.2.0"
+    assert cluster.helm.uninstall("r") == [("pre-delete", "Complete"), ("post-delete", "Complete")]
+    assert (cluster.host_path("/var/hooks") / "log").read_text() == "pre-delete: hello\npost-delete: gone\n"
+    assert cluster.store.get("ConfigMap", "sapd", "settings") is None and "r" not in cluster.helm.releases
+    cluster.wait_for(lambda: not cluster.store.list("Job", "sapd"), 30, "the succeeded hooks to be deleted")
+
+
 def test_pods_run_as_their_user_with_a_nodes_volume_permissions(cluster):
     """runAsUser/runAsGroup/fsGroup as a kubelet applies them: emptyDir and a ReadWriteOnce claim are
     writable through fsGroup; a hostPath the kubelet creates (root's, 0755) and a ReadWriteMany claim
