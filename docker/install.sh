@@ -20,8 +20,8 @@
 # DS_BUILD_OPS=0 (no CUDA compiler: DeepSpeed's CUDA ops are not prebuilt; torch's AdamW is used).
 # cpu only: DeepSpeed is built first, from its source at its pin, with the one op its CPU training loads
 # (deepspeed_shm_comm: DS_ACCELERATOR=cpu joins the process group through it) compiled in, so the image
-# needs no compiler at run time (the Dockerfile removes them) and no pod JIT-compiles it; the op needs
-# libgomp1 at run time, which the Dockerfile keeps.
+# needs no compiler at run time (the Dockerfile removes them) and no pod JIT-compiles it (the op links
+# torch's own libraries and the C++ runtime of the base image).
 #
 # --python PY     the interpreter (a venv's python) that gets the packages; default: python
 # --venv DIR      create DIR as a fresh virtualenv of $IMAGE_PYTHON (default /usr/bin/python3.11, the

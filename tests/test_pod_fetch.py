@@ -108,6 +108,20 @@ def test_a_stalled_downloader_fails_the_waiters_after_a_deadline(model_on_s3, tm
         assert 1.0 <= time.monotonic() - t0 < 10 and e.value.exit_code == 75  # a retried failure, one line
 
 
+def download_by_hand(dest: Path, uri: str, files: dict[str, bytes], *, steps: int, pause: float) -> None:
+    """Another process's download into ``dest``, slow: a temp file growing for ``steps`` × ``pause``
+    seconds, then the files and the completion marker."""
+    with open(dest / ".part.sapd-tmp", "wb") as part:
+        for _ in range(steps):
+            part.write(b"x" * 1000)
+            part.flush()
+            time.sleep(pause)
+    (dest / ".part.sapd-tmp").unlink()
+    for name, data in files.items():
+        (dest / name).write_bytes(data)
+    (dest / ".sapd-sync-complete").write_text(uri)
+
+
 def test_a_slow_downloader_making_progress_is_waited_for(model_on_s3, tmp_path):
     uri, files = model_on_s3
     dest = tmp_path / "scratch" / "m"
@@ -115,15 +129,7 @@ def test_a_slow_downloader_making_progress_is_waited_for(model_on_s3, tmp_path):
 
     def slow_holder(lock) -> None:  # a download that takes 2.5 s, its bytes growing all the while
         try:
-            with open(dest / ".part.sapd-tmp", "wb") as part:
-                for _ in range(8):
-                    part.write(b"x" * 1000)
-                    part.flush()
-                    time.sleep(0.3)
-            (dest / ".part.sapd-tmp").unlink()
-            for name, data in files.items():
-                (dest / name).write_bytes(data)
-            (dest / ".sapd-sync-complete").write_text(uri)
+            download_by_hand(dest, uri, files, steps=8, pause=0.3)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -204,15 +210,7 @@ def test_a_live_holders_heartbeat_keeps_its_lock(model_on_s3, tmp_path, monkeypa
 
     def hold() -> None:
         try:
-            with open(dest / ".part.sapd-tmp", "wb") as part:
-                for _ in range(12):  # 1.2 s: three stale periods
-                    part.write(b"x" * 100)
-                    part.flush()
-                    time.sleep(0.1)
-            (dest / ".part.sapd-tmp").unlink()
-            for name, data in files.items():
-                (dest / name).write_bytes(data)
-            (dest / ".sapd-sync-complete").write_text(uri)
+            download_by_hand(dest, uri, files, steps=12, pause=0.1)  # 1.2 s: three stale periods
         finally:
             holder_lock.release()
             holder_lock.close()

@@ -98,17 +98,22 @@ class FetchStalled(RuntimeError):
     exit_code = 75
 
 
-def fetch_stall_seconds() -> float:
-    """How long a process waits on another's download that makes no progress (``SAPD_FETCH_STALL_S``,
-    default 600 s) before it gives up with :class:`FetchStalled`."""
-    raw = os.environ.get("SAPD_FETCH_STALL_S", "600")
+def _seconds_from_env(name: str, default: str) -> float:
+    """A positive number of seconds from the environment variable ``name``; a bad value is one line."""
+    raw = os.environ.get(name, default)
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"SAPD_FETCH_STALL_S={raw!r}: not a number of seconds") from None
+        raise ValueError(f"{name}={raw!r}: not a number of seconds") from None
     if value <= 0:
-        raise ValueError(f"SAPD_FETCH_STALL_S={raw!r}: must be > 0")
+        raise ValueError(f"{name}={raw!r}: must be > 0")
     return value
+
+
+def fetch_stall_seconds() -> float:
+    """How long a process waits on another's download that makes no progress (``SAPD_FETCH_STALL_S``,
+    default 600 s) before it gives up with :class:`FetchStalled`."""
+    return _seconds_from_env("SAPD_FETCH_STALL_S", "600")
 
 
 def _bytes_under(folder: Path) -> int:
@@ -127,14 +132,7 @@ def fetch_lock_stale_seconds() -> float:
     """How long a lock file without a heartbeat (the lock of a file system without ``flock``, see
     :class:`DownloadLock`) stands before a waiter takes it over (``SAPD_FETCH_LOCK_STALE_S``, default
     120 s: NFS clients may cache a file's times for up to a minute)."""
-    raw = os.environ.get("SAPD_FETCH_LOCK_STALE_S", "120")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"SAPD_FETCH_LOCK_STALE_S={raw!r}: not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"SAPD_FETCH_LOCK_STALE_S={raw!r}: must be > 0")
-    return value
+    return _seconds_from_env("SAPD_FETCH_LOCK_STALE_S", "120")
 
 
 class ModelCacheLockError(OSError):
