@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from sapd import layout, storage, yamlio
 from sapd.method.benchmarks import BENCHMARKS
-from sapd.method.objective import VARIANTS, LossConfig, loss_config_for
+from sapd.method.objective import VARIANTS, LossConfig, loss_config_for, objective_of
 
 
 @dataclass
@@ -319,7 +319,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.data.benchmark not in BENCHMARKS:
         raise ConfigError(f"data.benchmark: {cfg.data.benchmark!r} is not one of {sorted(BENCHMARKS)}",
                           "data.benchmark")
-    if cfg.sampling.group_size < 2 and cfg.loss_cfg.objective != "sft":
+    if cfg.sampling.group_size < 2 and objective_of(cfg.loss_cfg).data != "recorded":
         raise ConfigError("sampling.group_size: a group needs at least 2 responses (advantages are group-relative)",
                           "sampling.group_size")
     tc = cfg.train

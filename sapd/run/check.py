@@ -38,6 +38,7 @@ from sapd import layout, storage
 from sapd.config import ConfigError, RunConfig, committed_config, committed_config_problem, locate
 from sapd.data.loaders import LoadOptions, load_trajectories
 from sapd.entry import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USER_ERROR, exit_code
+from sapd.method.objective import objective_of
 from sapd.models.loading import check_same_tokenizer, load_tokenizer, read_model_config
 from sapd.models.memory import GIB, HEADROOM, Shape, estimate, shape_from_config
 from sapd.run.starter import PLACEHOLDER
@@ -274,7 +275,7 @@ def run_checks(cfg: RunConfig, *, stage: str | None = None, sample_records: int 
     wanted = STAGE_CHECKS.get(stage or "", None) if stage else None
     outcomes: list[Outcome] = []
     models: dict[str, tuple[Shape, Any] | None] = {}
-    sft = cfg.loss_cfg.objective == "sft"
+    sft = objective_of(cfg.loss_cfg).data == "recorded"  # trains on the recorded responses: no teacher
 
     def run(name: str, fn: Callable[[], str]) -> None:
         if wanted is not None and name not in wanted:
