@@ -19,9 +19,9 @@ registered function: its ``loss_*`` metrics reach the step log, Prometheus (``sa
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass, fields, replace
+from importlib.metadata import EntryPoint, entry_points
 from typing import Callable, Literal
 
 import torch
@@ -535,31 +535,26 @@ def objective_of(cfg: LossConfig) -> Objective:
     name = cfg.objective
     if name in OBJECTIVES:
         return OBJECTIVES[name]
+    # user code, outside sapd's layers: both forms are entry-point values, loaded as Python loads those
     if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"objective {name!r}: cannot load {attr!r} from module {module!r} ({e}); is it on "
-                             "PYTHONPATH, or installed in this environment?") from None
-        return _external(name, fn)
-    from importlib.metadata import entry_points
+        return _external(name, EntryPoint(name, name, ENTRY_POINT_GROUP), "")
     found = entry_points(group=ENTRY_POINT_GROUP, name=name)
     if found:
-        ep = next(iter(found))
-        try:
-            fn = ep.load()
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"objective {name!r}: entry point {ep.value!r} of group {ENTRY_POINT_GROUP!r} does "
-                             f"not load ({e})") from None
-        return _external(name, fn)
+        return _external(name, next(iter(found)), f"entry point of group {ENTRY_POINT_GROUP!r} ")
     raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, a package.module:function, or an entry point "
                      f"of group {ENTRY_POINT_GROUP!r}; not {name!r}")
 
 
-def _external(name: str, fn: object) -> Objective:
-    """An objective loaded by :func:`objective_of` under ``name``: the one ``fn`` was registered as, or ``fn``
-    registered now (what the function takes is checked as for :func:`register_objective`)."""
+def _external(name: str, ep: EntryPoint, what: str) -> Objective:
+    """The objective ``ep`` loads, under ``name``: the one its function was registered as (by the module's own
+    :func:`register_objective`), or the function registered now (checked as :func:`register_objective`
+    checks it)."""
+    module, _, attr = ep.value.partition(":")
+    try:
+        fn = ep.load()
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"objective {name!r}: {what}cannot load {attr!r} from module {module!r} ({e}); is it on "
+                         "PYTHONPATH, or installed in this environment?") from None
     for obj in OBJECTIVES.values():
         if obj.loss is fn:
             OBJECTIVES[name] = obj
