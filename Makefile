@@ -71,3 +71,8 @@ test-fast: setup
 
 clean:
 	rm -rf $(VENV) .venv-vllm $(IMAGES) demo-out .pytest_cache
+
+# the reference pages generated from the code (docs/reference/{config,cli,metrics,exit-codes}.md and
+# charts/sapd/README.md); tests/test_generated_refs.py fails when one is stale
+refs: setup
+	$(BIN)/python scripts/gen_refs.py

@@ -175,8 +175,9 @@ class LossConfig:
     reduction: Reduction = "seq_mean_token_mean"  # "token_mean" is SDAR/verl's default (not the paper's 1/Lᵢ)
     # SDAR's regularisers, which the paper's "hyperparameters follow SDAR" inherits but never states
     # (all off by default; variant sapd_sdar turns them on at SDAR's values)
-    kl_coef: float = 0.0  # KL to the initial policy (checkpoint 0); SDAR: 0.01 (the train stage computes
-    kl_type: KlType = "low_var_kl"  # reference log-probs only when kl_coef > 0)
+    # KL to the initial policy (checkpoint 0); the train stage computes its log-probs only when kl_coef > 0
+    kl_coef: float = 0.0  # SDAR: 0.01
+    kl_type: KlType = "low_var_kl"  # low_var_kl (k3) | kl (k1)
     entropy_coef: float = 0.0  # entropy bonus, subtracted from the loss; SDAR: 0.001
     dual_clip: float | None = None  # c of the dual-clip for A < 0; SDAR: 3.0
 
