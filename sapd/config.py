@@ -351,14 +351,14 @@ def dump_config(cfg: RunConfig) -> str:
     return yamlio.dump(plain(cfg.to_dict()))
 
 
-# may change between rounds of one run, or differ between the stages of one run (the scoring workers of a
-# round record their own count; the chart gives only the scoring stage its engines' tensor-parallel sizes)
+#: may change between rounds of one run, or differ between the stages of one run (the scoring workers of a
+#: round record their own count; the chart gives only the scoring stage its engines' tensor-parallel sizes)
 MAY_CHANGE = ("workers", "sampling.tensor_parallel_size", "sampling.teacher_tensor_parallel_size",
               "sampling.weight_sync_timeout_s")
-# may change between two invocations of one run (a `helm upgrade --set config.train.rounds=40`, a `sapd run`
-# with more rounds): the run continues from its newest committed checkpoint. Only under a constant
-# lr_schedule: a linear or cosine decay spans train.rounds, so another count would change the learning rate
-# of every round left, and an extended run would no longer be the run it claims to be.
+#: may change between two invocations of one run (a `helm upgrade --set config.train.rounds=40`, a `sapd run`
+#: with more rounds): the run continues from its newest committed checkpoint. Only under a constant
+#: lr_schedule: a linear or cosine decay spans train.rounds, so another count would change the learning rate
+#: of every round left, and an extended run would no longer be the run it claims to be.
 ROUNDS = "train.rounds"
 
 

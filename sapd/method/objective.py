@@ -133,7 +133,7 @@ def kl_penalty(new_logp_P_G_T: torch.Tensor, ref_logp_P_G_T: torch.Tensor, kind:
 
 
 def token_entropy(logits_B_T_V: torch.Tensor) -> torch.Tensor:
-    """H(π(·|context)) per position from aligned logits (differentiable) → entropy_B_T."""
+    """The entropy of π(·) given each position's context, from aligned logits (differentiable) → entropy_B_T."""
     logits = logits_B_T_V if logits_B_T_V.dtype == torch.float64 else logits_B_T_V.float()
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(-1)
@@ -200,6 +200,7 @@ def _check_no_action_step(value: object) -> None:
         raise ValueError(f"no_action_step must be one of {list(NO_ACTION_STEPS)}, not {value!r}")
 
 
+#: the paper's variants and sapd's own, by name: the LossConfig fields each sets over the defaults
 VARIANTS: dict[str, dict[str, object]] = {
     "sapd": {},
     "opd": {"lambda_step": 0.0, "lambda_rule": 0.0},

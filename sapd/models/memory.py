@@ -14,7 +14,7 @@ from sapd.method.objective import objective_of
 
 GIB = 1024 ** 3
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-HEADROOM = 1.2  # allocator, CUDA context, temporary buffers: an estimate needs this margin to say "fits"
+HEADROOM = 1.2  #: allocator, CUDA context, temporary buffers: an estimate needs this margin to say "fits"
 
 
 @dataclass(frozen=True)

@@ -250,11 +250,12 @@ def check_webshop(url: str | None = None, timeout: float = WEBSHOP_PROBE_SECONDS
             html = r.read(1_000_000).decode("utf-8", errors="replace")
     except urllib.error.HTTPError as e:
         raise ConfigError(f"{probe} answered HTTP {e.code}: not a WebShop server (run WebShop's own web_agent_site "
-                          f"server there, README 'Evaluation'), or fix {where}", "evaluate.webshop.url") from None
+                          f"server there: docs/kubernetes/operate.md 'Evaluation'), or fix {where}",
+                          "evaluate.webshop.url") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", None) or e
         raise ConnectionError(f"{url} is unreachable ({reason}) within {timeout:g}s: start your WebShop server "
-                              f"(README 'Evaluation') or fix {where}") from None
+                              f"(docs/kubernetes/operate.md 'Evaluation') or fix {where}") from None
     if "Instruction:" not in _TAG.sub(" ", html):
         raise ConfigError(f"{probe} answers, but not with WebShop's instruction page: is {where} another server's?",
                           "evaluate.webshop.url")
