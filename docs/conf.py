@@ -34,8 +34,9 @@ myst_heading_anchors = 4  # `page.md#a-heading` links resolve (and are checked)
 # API pages: one per module, generated at build time under reference/api/_generated (not committed)
 autosummary_generate = True
 autosummary_imported_members = False
-autosummary_ignore_module_all = False  # a module's __all__ is its page's members, as for autodoc
-autodoc_default_options = {"members": True, "undoc-members": True, "show-inheritance": True}
+# every public member, whatever a module's __all__ says (its page lists them all, as autosummary does)
+autodoc_default_options = {"members": True, "undoc-members": True, "show-inheritance": True,
+                           "ignore-module-all": True}
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_mock_imports = ["vllm", "deepspeed"]  # GPU-only packages; their modules import them lazily or guarded
@@ -92,10 +93,16 @@ def _moved_code_links(app, docname, source):  # noqa: ANN001 - Sphinx's event si
         source[0] = source[0].replace(old, new)
 
 
+def _reread_home_when_pages_come_or_go(app, env, added, changed, removed):  # noqa: ANN001, ANN201
+    """An incremental build re-reads the home page when a page was added or removed (its "More pages")."""
+    return [root_doc] if added or removed else []
+
+
 def setup(app):  # noqa: ANN001, ANN201
     app.connect("autodoc-process-docstring", _runbook_as_text)
     app.connect("source-read", _moved_code_links)
     app.connect("source-read", _place_new_pages)
+    app.connect("env-get-outdated", _reread_home_when_pages_come_or_go)
 
 html_theme = "furo"
 html_title = f"sapd {release}"
