@@ -107,7 +107,7 @@ def _field_rows(cls: type, prefix: str) -> tuple[list[str], list[tuple[str, type
         if not f.init:
             continue
         key = prefix + f.name
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         if dataclasses.is_dataclass(default):
             nested.append((key, type(default)))
             continue
@@ -248,11 +248,11 @@ def metrics_page() -> str:
     for metric in vars(m).values():
         if not isinstance(metric, MetricWrapperBase):
             continue
-        kind = metric._type  # type: ignore[attr-defined]
-        name = metric._name + ("_total" if kind == "counter" else "")  # type: ignore[attr-defined]
+        kind = str(metric._type)
+        name = metric._name + ("_total" if kind == "counter" else "")
         series = {"histogram": f"`{name}_bucket`, `{name}_sum`, `{name}_count`"}.get(kind, f"`{name}`")
-        labels = ", ".join(f"`{label}`" for label in metric._labelnames)  # type: ignore[attr-defined]
-        rows.append(f"| {series} | {kind} | {labels} | {_cell(metric._documentation)} |")  # type: ignore[attr-defined]
+        labels = ", ".join(f"`{label}`" for label in metric._labelnames)
+        rows.append(f"| {series} | {kind} | {labels} | {_cell(metric._documentation)} |")
     stats = ", ".join(f"`{v}`" for v in metrics_module._ADV_STATS.values())
     return "\n".join([
         BANNER.format(source="sapd/metrics.py (the metrics registry)"),

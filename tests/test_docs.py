@@ -186,6 +186,8 @@ def test_the_readme_is_a_door_that_opens_with_the_two_commands_ci_runs():
     assert re.search(r"^test: .*\bdocs\b", makefile, flags=re.M), "make test builds the docs site"
     for target in ("demo", "test", "test-fast", "docs", "refs", "lint"):
         assert re.search(rf"^{re.escape(target)}:", makefile, flags=re.M), target
+    for page in ("README.md", "tests/README.md"):  # the contributors' command is named where they look
+        assert "make test-fast" in (REPO / page).read_text(encoding="utf-8"), page
 
 
 @pytest.mark.parametrize("test_file", sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("tests/test_*.py"),

@@ -564,7 +564,7 @@ def _external(name: str, ep: EntryPoint, what: str) -> Objective:
     if not callable(fn):
         raise ValueError(f"objective {name!r} is not a function: {fn!r}")
     try:
-        register_objective(name)(fn)  # type: ignore[arg-type]
+        register_objective(name)(fn)
     except TypeError as e:
         raise ValueError(str(e)) from None
     return OBJECTIVES[name]
