@@ -290,12 +290,12 @@ def test_sdar_regularisers_in_a_real_round(tmp_path, models):
     assert cfg.loss_cfg.kl_coef == 0.5 and cfg.loss_cfg.no_action_step == "penalty"
     run_pipeline(cfg, **QUIET)
     steps = read_step_log(root)
-    assert steps[0]["kl"] == 0.0 and "ref_logp_seconds" in steps[0]
-    assert max(s["kl"] for s in steps[1:]) > 0.0
-    assert all(s["entropy"] > 0.0 and "dual_clip_fraction" in s and "all_no_action_groups" in s for s in steps)
+    assert steps[0]["loss_kl"] == 0.0 and "ref_logp_seconds" in steps[0]
+    assert max(s["loss_kl"] for s in steps[1:]) > 0.0
+    assert all(s["loss_entropy"] > 0.0 and "dual_clip_fraction" in s and "all_no_action_groups" in s for s in steps)
     plain = str(tmp_path / "plain")
     run_pipeline(config_from_dict(tiny_config(plain, *models, train={"rounds": 1})), **QUIET)
-    assert "kl" not in read_step_log(plain)[0] and "ref_logp_seconds" not in read_step_log(plain)[0]
+    assert "loss_kl" not in read_step_log(plain)[0] and "ref_logp_seconds" not in read_step_log(plain)[0]
 
 
 def test_sft_variant_lowers_the_loss(tmp_path, models):

@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sapd.method.objective import objective_of
+
 GIB = 1024 ** 3
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-HEADROOM = 1.2  # allocator, CUDA context, temporary buffers: an estimate needs this margin to say "fits"
+HEADROOM = 1.2  #: allocator, CUDA context, temporary buffers: an estimate needs this margin to say "fits"
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,8 @@ def estimate(cfg: Any, student: Shape, teacher: Shape | None, train_processes: i
         "student weights": student.params * b,
         "KV cache": kv_cache_bytes(student, rows * seq, b)},
         note=f"KV cache for {cfg.sampling.prompts_per_batch} prompts × G={G} × {seq} tokens")
-    if teacher is not None and cfg.loss_cfg.objective != "sft":
+    recorded = objective_of(cfg.loss_cfg).data == "recorded"  # one recorded response per prefix, no teacher
+    if teacher is not None and not recorded:
         # scoring: the prompt once (its KV cache), then the G responses' logits in float32
         ts.parts["teacher weights"] = teacher.params * b
         ts.parts["teacher KV + logits"] = (kv_cache_bytes(teacher, prompt + G * new, b)
@@ -114,13 +117,13 @@ def estimate(cfg: Any, student: Shape, teacher: Shape | None, train_processes: i
         optimizer /= train_processes if zero >= 1 else 1
         gradients /= train_processes if zero >= 2 else 1
         weights /= train_processes if zero >= 3 else 1
-    tokens = cfg.train.micro_batch_prefixes * (G if cfg.loss_cfg.objective != "sft" else 1) * seq
+    tokens = cfg.train.micro_batch_prefixes * (1 if recorded else G) * seq
     per_token_layer = (2 if cfg.train.gradient_checkpointing else 16) * student.hidden * b \
         + (0 if cfg.train.gradient_checkpointing else 2 * student.intermediate * b)
     out.append(StageEstimate("train", {
         "weights": weights, "gradients": gradients, "optimizer": optimizer,
         "activations": tokens * (student.layers * per_token_layer) + 3.0 * tokens * student.vocab * 4},
-        note=f"{cfg.train.micro_batch_prefixes} prefixes × {'G=' + str(G) if cfg.loss_cfg.objective != 'sft' else '1'} "
+        note=f"{cfg.train.micro_batch_prefixes} prefixes × {'1' if recorded else 'G=' + str(G)} "
              f"× {seq} tokens per forward" + (f"; ZeRO-{cfg.train.zero_stage} over {train_processes} processes"
                                              if cfg.train.engine == "deepspeed" else "")))
     out.append(StageEstimate("evaluate", {"weights": n * b, "KV cache": kv_cache_bytes(student, seq * 4, b)},

@@ -92,7 +92,7 @@ def shared_prefix_logits(base, head, lm, groups: Sequence[tuple[Sequence[int], S
     one batch, their keys/values repeated G times, then all responses as one batch over that cache —
     not G copies of each prompt. Differentiable: each prompt's activations receive the gradient of its G
     responses through the repeated cache, the sum the G separate sequences would give. Rows are
-    group-major; responses right-padded to the longest (:func:`_pad_right`)."""
+    group-major; responses right-padded to the longest (``_pad_right``)."""
     device = next(lm.parameters()).device
     P, G = len(groups), len(groups[0][1])
     lengths = [len(p) for p, _ in groups]

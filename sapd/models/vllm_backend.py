@@ -1,5 +1,6 @@
-"""vLLM backends: student generation (:class:`VLLMGenerator`) and teacher scoring (:class:`VLLMScorer`)
-behind the same interfaces as the HF ones, for GPU pools (and, slowly, vLLM's CPU build).
+"""vLLM backends: student generation (:class:`~sapd.models.vllm_backend.VLLMGenerator`) and teacher scoring
+(:class:`~sapd.models.vllm_backend.VLLMScorer`) behind the same interfaces as the HF ones, for GPU pools (and,
+slowly, vLLM's CPU build).
 
 vLLM features used, and why:
 
@@ -475,9 +476,9 @@ class VLLMScorer:
     :func:`sapd.models.scoring.score_groups`: for each group, log π_T(y_{i,k} | h, y_{i,<k}) of every
     response token.
 
-    One request per response (prompt + response as a single prompt, one dummy output token). vLLM
-    needs room for that output token, so prompt + response must fit in ``max_model_len − 1``; longer
-    ones raise :class:`TeacherScoringError` before anything is sent (vLLM would reject the whole batch,
+    One request per response (prompt + response as a single prompt, one dummy output token). vLLM needs room for
+    that output token, so prompt + response must fit in ``max_model_len − 1``; longer ones raise
+    :class:`~sapd.models.scoring.TeacherScoringError` before anything is sent (vLLM would reject the whole batch,
     and a truncated sequence would be scored wrongly). ``groups_per_call`` bounds one ``LLM.generate``.
     """
 

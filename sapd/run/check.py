@@ -38,6 +38,7 @@ from sapd import layout, storage
 from sapd.config import ConfigError, RunConfig, committed_config, committed_config_problem, locate
 from sapd.data.loaders import LoadOptions, load_trajectories
 from sapd.entry import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USER_ERROR, exit_code
+from sapd.method.objective import objective_of
 from sapd.models.loading import check_same_tokenizer, load_tokenizer, read_model_config
 from sapd.models.memory import GIB, HEADROOM, Shape, estimate, shape_from_config
 from sapd.run.starter import PLACEHOLDER
@@ -249,11 +250,12 @@ def check_webshop(url: str | None = None, timeout: float = WEBSHOP_PROBE_SECONDS
             html = r.read(1_000_000).decode("utf-8", errors="replace")
     except urllib.error.HTTPError as e:
         raise ConfigError(f"{probe} answered HTTP {e.code}: not a WebShop server (run WebShop's own web_agent_site "
-                          f"server there, README 'Evaluation'), or fix {where}", "evaluate.webshop.url") from None
+                          f"server there: docs/kubernetes/operate.md 'Evaluation'), or fix {where}",
+                          "evaluate.webshop.url") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", None) or e
         raise ConnectionError(f"{url} is unreachable ({reason}) within {timeout:g}s: start your WebShop server "
-                              f"(README 'Evaluation') or fix {where}") from None
+                              f"(docs/kubernetes/operate.md 'Evaluation') or fix {where}") from None
     if "Instruction:" not in _TAG.sub(" ", html):
         raise ConfigError(f"{probe} answers, but not with WebShop's instruction page: is {where} another server's?",
                           "evaluate.webshop.url")
@@ -274,7 +276,7 @@ def run_checks(cfg: RunConfig, *, stage: str | None = None, sample_records: int 
     wanted = STAGE_CHECKS.get(stage or "", None) if stage else None
     outcomes: list[Outcome] = []
     models: dict[str, tuple[Shape, Any] | None] = {}
-    sft = cfg.loss_cfg.objective == "sft"
+    sft = objective_of(cfg.loss_cfg).data == "recorded"  # trains on the recorded responses: no teacher
 
     def run(name: str, fn: Callable[[], str]) -> None:
         if wanted is not None and name not in wanted:

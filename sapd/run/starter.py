@@ -90,5 +90,5 @@ train:
   lr: 1e-6
   # micro_batch_prefixes: 4  # lower it if `sapd check` says the train stage does not fit
   # gradient_checkpointing: true
-  # engine: deepspeed        # several GPUs: torchrun (see the README)
+  # engine: deepspeed        # several GPUs: torchrun (docs/guides/scaling.md)
 """
