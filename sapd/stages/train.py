@@ -40,10 +40,11 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 import torch
 
 from sapd import checkpoints, layout, storage
-from sapd.config import RunConfig
+from sapd.config import ConfigError, RunConfig, micro_batch_problem
 from sapd.data.batches import round_batch
 from sapd.data.scored import ScoredPrefix, read_scored, scored_prefixes
 from sapd.method.objective import LossInputs, loss_for, objective_of, required_inputs
+from sapd.models.devices import bind_rank_device, rank_device
 from sapd.models.loading import load_tokenizer
 from sapd.models.scoring import response_logprobs, response_logprobs_and_entropy
 from sapd.progress import QUIET, Progress
@@ -270,7 +271,7 @@ def compute_reference_logprobs(cfg: RunConfig, prefixes: list[ScoredPrefix], pad
     """The initial policy's (checkpoint 0's) log-probs of every sampled token, for ``loss.kl_coef`` > 0
     (SDAR's KL to the initial policy). Loads checkpoint 0 for the purpose and frees it; returns seconds."""
     t0 = time.perf_counter()
-    ref = checkpoints.load_checkpoint_model(cfg.run_root, 0, cfg.model.dtype, cfg.model.device)
+    ref = checkpoints.load_checkpoint_model(cfg.run_root, 0, cfg.model.dtype, rank_device(cfg.model.device))
     ref.eval()
     recompute_old_logprobs(ref, prefixes, pad_id, cfg.train.micro_batch_prefixes, field="ref_logp_G_T", engine=engine,
                            shared_prompt=cfg.train.shared_prompt, train_engine=cfg.train.engine,
@@ -482,13 +483,17 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
     if checkpoints.is_committed(root, k + 1):
         log(f"round {k}: checkpoint {k + 1} already committed")
         return checkpoints.read_marker(root, k + 1)
+    if (problem := micro_batch_problem(cfg, int(os.environ.get("WORLD_SIZE", "1")))) is not None:
+        raise ConfigError(problem, "train.micro_batch_prefixes")
+    # this rank's own GPU (cuda:LOCAL_RANK) is its current device before any byte is allocated
+    device = bind_rank_device(cfg.model.device)
     ckpt_path = checkpoints.checkpoint_model_path(root, k)
     tokenizer = load_tokenizer(str(ckpt_path))
     if cfg.train.engine == "deepspeed" and cfg.train.zero_stage == 3 and engine_factory is None:
         model = load_partitioned(str(ckpt_path), cfg)  # each rank builds and loads only its partitions
     else:
-        model = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, cfg.model.device, trainable=True)
-    if cfg.train.gradient_checkpointing:
+        model = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, device, trainable=True)
+    if cfg.checkpointing_on():
         # transformers ≥ 5.x names it activation checkpointing (the old name warns, then goes in v6)
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     engine = (engine_factory or engine_factory_for(cfg))(model, cfg)
