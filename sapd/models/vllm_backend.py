@@ -498,6 +498,7 @@ class VLLMScorer:
 
     llm: LLM
     groups_per_call: int = 16
+    share_prompt: bool = True  # False: every response recomputes its prompt (vLLM's default; the benchmark's reference)
     stats: ScoringStats = field(default_factory=ScoringStats)
     _asleep: bool = field(default=False, init=False, repr=False)
 
@@ -572,7 +573,7 @@ class VLLMScorer:
         from vllm.inputs import TokensPrompt
 
         self._wake()
-        shared = self._scoring_params(read_cache=True)
+        shared = self._scoring_params(read_cache=True) if self.share_prompt else None
         whole = self._scoring_params(read_cache=False)
         warm_params = vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         out: list[list[list[float]]] = []

@@ -331,6 +331,35 @@ def _rng_state() -> dict[str, Any]:
     return {"python": random.getstate(), "torch": torch.get_rng_state()}
 
 
+def micro_batches(minibatch: list, micro: int) -> list[list]:
+    """A minibatch cut into micro-batches of ``micro`` prefixes (the last one shorter)."""
+    return [minibatch[s:s + micro] for s in range(0, len(minibatch), micro)]
+
+
+@dataclass
+class _Rank:
+    rank: int
+    world_size: int
+
+
+def round_passes(n_prefixes: int, cfg: RunConfig, world_size: int) -> tuple[int, int]:
+    """(forward/backward passes that carry weight, all passes) of one epoch over ``n_prefixes`` on
+    ``world_size`` ranks: the minibatches and micro-batches :func:`optimizer_steps` cuts, shared by
+    :func:`micro_batch_share`. 16 ranks, minibatch 16 of 143 prefixes: 36 of 144 with micro-batches of 4,
+    143 of 144 with one prefix each."""
+    tc = cfg.train
+    items = list(range(n_prefixes))
+    weighted = total = 0
+    for start in range(0, n_prefixes, tc.minibatch_prefixes):
+        mb = items[start:start + tc.minibatch_prefixes]
+        chunks = micro_batches(mb, tc.micro_batch_prefixes)
+        for r in range(world_size):
+            for _, weight, _ in micro_batch_share(chunks, len(mb), _Rank(r, world_size)):  # type: ignore[arg-type]
+                total += 1
+                weighted += weight > 0
+    return weighted, total
+
+
 def micro_batch_share(chunks: list, n: int, engine: Engine) -> list[tuple[Any, float, float]]:
     """This rank's micro-batches of a minibatch of ``n`` prefixes: (chunk, loss weight, metric weight).
 
@@ -378,7 +407,7 @@ def optimizer_steps(cfg: RunConfig, k: int, engine: Engine, items: list, micro_l
         for mb_start in range(0, len(order), tc.minibatch_prefixes):
             t_step = time.perf_counter()
             mb = [items[i] for i in order[mb_start:mb_start + tc.minibatch_prefixes]]
-            chunks = [mb[s:s + tc.micro_batch_prefixes] for s in range(0, len(mb), tc.micro_batch_prefixes)]
+            chunks = micro_batches(mb, tc.micro_batch_prefixes)
             parts = []
             for chunk, weight, metric_weight in micro_batch_share(chunks, len(mb), engine):
                 loss, metrics = micro_loss(chunk)
@@ -438,6 +467,10 @@ def train_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, prefixes: lis
     if "ref_logp_P_G_T" in need:
         extra["ref_logp_seconds"] = compute_reference_logprobs(cfg, prefixes, pad, engine)
     model.train()
+    if engine.world_size > 1:
+        weighted, total = round_passes(len(prefixes), cfg, engine.world_size)
+        log(f"round {k}: {engine.world_size} ranks, {weighted} of {total} forward/backward passes per epoch carry "
+            f"weight ({weighted / total:.0%})")
     label = "sft" if objective_of(cfg.loss_cfg).data == "recorded" else "training"
     records, global_step = optimizer_steps(
         cfg, k, engine, prefixes, lambda chunk: _micro_loss(model, cfg, chunk, pad),
