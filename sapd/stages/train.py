@@ -43,6 +43,7 @@ from sapd import checkpoints, layout, storage
 from sapd.config import ConfigError, RunConfig, micro_batch_problem
 from sapd.data.batches import round_batch
 from sapd.data.scored import ScoredPrefix, read_scored, scored_prefixes
+from sapd.data.scored import committed_manifest as scored_manifest
 from sapd.method.objective import LossInputs, loss_for, objective_of, required_inputs
 from sapd.models.devices import bind_rank_device, rank_device
 from sapd.models.loading import load_tokenizer
@@ -543,7 +544,11 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
     # several ranks: rank 0 writes the log and checkpoint k+1, once every rank is done reading round k
     engine.barrier()
     if engine.is_main:
-        write_round_log(root, k, records, {"variant": cfg.variant})
+        extra: dict[str, Any] = {"variant": cfg.variant}
+        manifest = scored_manifest(root, k)
+        if manifest is not None and manifest.get("responses"):  # the round's share cut at max_new_tokens
+            extra["truncated_share"] = manifest["truncated_responses"] / manifest["responses"]
+        write_round_log(root, k, records, extra)
     # every rank takes part (ZeRO-3 gathers one shard's parameters at a time) and writes its own share of
     # the optimizer state; rank 0 writes the rest and commits
     checkpoints.save_checkpoint(root, k + 1, engine.module, tokenizer, new_state, {"round": k, "steps": len(records)},
