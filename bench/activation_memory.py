@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
 
 from sapd.models.memory import SAVED_PER_TOKEN_LAYER
 
@@ -56,7 +54,7 @@ def saved_per_token_layer(width: str, dtype: str, rows: int = 2, tokens: int = 5
         model.train()
         seen: dict[int, int] = {}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
             st = t.untyped_storage()
             seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
             return t

@@ -894,11 +894,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in ranks:
             want = "cpu" if dry else f"cuda:{r['local_rank']}"
             if r["load_device"] != want or r["params_device"] != want:
-                problems.append(f"rank {r['rank']} loaded onto {r['load_device']} (parameters on {r['params_device']}), "
-                                f"not {want}")
+                problems.append(f"rank {r['rank']} loaded onto {r['load_device']} (parameters on "
+                                f"{r['params_device']}), not {want}")
             if not dry:
                 if r.get("current_device_at_load") != r["local_rank"]:
-                    problems.append(f"rank {r['rank']}: current CUDA device {r.get('current_device_at_load')} at the load")
+                    problems.append(f"rank {r['rank']}: current CUDA device {r.get('current_device_at_load')} "
+                                    "at the load")
                 elsewhere = [i for i, b in enumerate(r["allocated_after_load_by_gpu"]) if i != r["local_rank"] and b]
                 if elsewhere:
                     problems.append(f"rank {r['rank']} allocated memory on GPU {elsewhere} at the load")

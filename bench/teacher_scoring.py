@@ -88,7 +88,7 @@ def run_vllm(args: argparse.Namespace, model_dir: str, vocab: int) -> dict[str, 
     VLLMScorer(llm).score_groups(groups[:1])  # warm-up (kernels, allocator)
     times: dict[str, float] = {}
     out: dict[str, list] = {}
-    for rep in range(args.repeats):
+    for _ in range(args.repeats):
         for name, scorer in (("shared", shared), ("naive", whole)):
             llm.reset_prefix_cache()
             scorer.stats = type(scorer.stats)()
@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=["hf", "vllm"], default="hf")
     ap.add_argument("--model", default=None, help="an HF model folder (default: a small random Qwen2 built here)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--prompt-tokens", type=int, default=1500, help="P (ALFWorld: ~264 Qwen2.5 tokens; search QA ~1500)")
+    ap.add_argument("--prompt-tokens", type=int, default=1500,
+                    help="P (ALFWorld: ~264 Qwen2.5 tokens; search QA ~1500)")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--response-tokens", type=int, default=100, help="R (mean)")
     ap.add_argument("--groups", type=int, default=3)

@@ -354,9 +354,9 @@ def validate(cfg: RunConfig) -> None:
 def micro_batch_problem(cfg: RunConfig, world_size: int) -> str | None:
     """Why ``world_size`` ranks would idle under the config's batch sizes, else None: a full minibatch
     of ``minibatch_prefixes`` is cut into micro-batches of ``micro_batch_prefixes`` shared round-robin by
-    the ranks (:func:`sapd.stages.train.micro_batch_share`), so unless their count is a multiple of the ranks some ranks run
-    a pass at weight 0 in every step (16 ranks, 16 / 4: 12 of 16). verl and DeepSpeed refuse such a batch
-    too (train_batch_size = micro × accumulation × world size).
+    the ranks (:func:`sapd.stages.train.micro_batch_share`), so unless their count is a multiple of the
+    ranks some ranks run a pass at weight 0 in every step (16 ranks, 16 / 4: 12 of 16). verl and DeepSpeed
+    refuse such a batch too (train_batch_size = micro × accumulation × world size).
 
     >>> from sapd.config import config_from_dict
     >>> micro_batch_problem(config_from_dict({"train": {"minibatch_prefixes": 16, "micro_batch_prefixes": 1}}), 16)

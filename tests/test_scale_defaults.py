@@ -166,4 +166,4 @@ def test_a_train_pod_checks_its_own_gpu_before_loading(gib, fits, qwen, tmp_path
         assert code == EXIT_USER_ERROR
         (line,) = [x for x in out.splitlines() if x.startswith("check memory: FAILED")]
         assert "train needs about" in line and "cuda:1 (NVIDIA H100 80GB HBM3)" in line
-        assert "lower sampling.max_new_tokens or data.max_prompt_tokens" in line or "set train." in line
+        assert "lower sampling.max_new_tokens (now 512) or data.max_prompt_tokens" in line

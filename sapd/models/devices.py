@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
+from sapd.config import ConfigError
+
 
 def rank_device(device: str, env: Mapping[str, str] | None = None) -> str:
     """The device this process uses for ``model.device``: ``cuda`` becomes ``cuda:<LOCAL_RANK>`` when
@@ -30,7 +32,6 @@ def rank_device(device: str, env: Mapping[str, str] | None = None) -> str:
         return f"cuda:{int(local)}"
     index = device.split(":", 1)[1]
     if int(env.get("LOCAL_WORLD_SIZE", "1") or 1) > 1 and index != local:
-        from sapd.config import ConfigError
         raise ConfigError(f"model.device: {device} under torchrun would put every rank on GPU {index}; set "
                           "model.device: cuda (each rank takes cuda:LOCAL_RANK)", "model.device")
     return device

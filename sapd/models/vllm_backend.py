@@ -549,7 +549,8 @@ class VLLMScorer:
                                       f"(max_model_len {self.max_model_len} − 1); it would be truncated — filter "
                                       "prefixes with --max-prompt-tokens")
 
-    def __call__(self, groups: Sequence[Group], progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
+    def __call__(self, groups: Sequence[Group],
+                 progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
         return self.score_groups(groups, progress)
 
     @staticmethod

@@ -177,9 +177,9 @@ def _device_memory(device: str) -> tuple[float | None, str]:
             if torch.cuda.is_available():
                 index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
                 props = torch.cuda.get_device_properties(index)
-                free, total = torch.cuda.mem_get_info(index)
+                free, size = torch.cuda.mem_get_info(index)
                 return float(free), (f"cuda:{index} ({props.name}) {free / GIB:.1f} GiB free of "
-                                     f"{total / GIB:.1f} GiB")
+                                     f"{size / GIB:.1f} GiB")
         except (ImportError, RuntimeError, AssertionError):
             pass
         return None, f"{device}, not visible from here"
@@ -220,7 +220,7 @@ def _remedies(cfg: RunConfig, student: Shape, teacher: Shape | None, prompt: int
     import dataclasses
 
     tc = cfg.train
-    tries = []
+    tries: list[tuple[str, dict[str, Any]]] = []
     if tc.micro_batch_prefixes > 1:
         tries.append(("set train.micro_batch_prefixes: 1", {"micro_batch_prefixes": 1}))
     if not cfg.checkpointing_on():
@@ -233,8 +233,11 @@ def _remedies(cfg: RunConfig, student: Shape, teacher: Shape | None, prompt: int
         need = {e.stage: e for e in estimate(alt, student, teacher, train_processes(), prompt)}["train"].total
         if need * HEADROOM <= limit:
             return f"{text} (about {need / GIB:.1f} GiB)"
-    return ("lower sampling.max_new_tokens or data.max_prompt_tokens, shard over more training ranks "
-            "(train.engine: deepspeed, a higher train.zero_stage), or use a larger GPU")
+    steps = [f"lower train.micro_batch_prefixes (now {tc.micro_batch_prefixes})"] if tc.micro_batch_prefixes > 1 else []
+    steps += [] if cfg.checkpointing_on() else ["set train.gradient_checkpointing: true"]
+    return ", ".join(steps + [f"lower sampling.max_new_tokens (now {cfg.sampling.max_new_tokens}) or "
+                              "data.max_prompt_tokens, shard over more training ranks (train.engine: deepspeed, a "
+                              "higher train.zero_stage), or use a larger device"])
 
 
 def check_memory(cfg: RunConfig, student: Shape, teacher: Shape | None, stages: tuple[str, ...] | None,
@@ -254,7 +257,9 @@ def check_memory(cfg: RunConfig, student: Shape, teacher: Shape | None, stages: 
     lines = [e.line() for e in estimates]
     if total is None:
         return f"device {where}: not compared (give --device-memory-gib)", lines
-    too_big: list[StageEstimate] = [e for e in estimates if e.total * HEADROOM > total]
+    # the train stage first: its remedies are the ones a user can act on most precisely
+    too_big: list[StageEstimate] = sorted((e for e in estimates if e.total * HEADROOM > total),
+                                          key=lambda e: e.stage != "train")
     if too_big:
         e = too_big[0]
         if e.stage == "train":

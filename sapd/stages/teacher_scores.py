@@ -256,9 +256,9 @@ def run(ctx: StageContext, step: Step) -> Outcome:
         release_teacher(ctx.engines.teacher)
     else:
         ctx.engines.student = ctx.engines.teacher = None
-    manifest = scored.committed_manifest(cfg.run_root, k)
-    if manifest is not None and manifest.get("responses"):  # the whole round's share, once committed
-        ctx.metrics.truncated.set(manifest["truncated_responses"] / manifest["responses"])
+    round_manifest = scored.committed_manifest(cfg.run_root, k)
+    if round_manifest is not None and round_manifest.get("responses"):  # the whole round's share, once committed
+        ctx.metrics.truncated.set(round_manifest["truncated_responses"] / round_manifest["responses"])
     who = f"worker {workers[0]}/{cfg.workers}" if len(workers) == 1 else f"{len(workers)} workers"
     done = "already done" if all(r.skipped for r in results) else "done"
     committed = ", round committed" if any(r.committed for r in results) else ""
