@@ -94,6 +94,7 @@ def qwen(tmp_path_factory):
     return qwen_tokenizer(tmp_path_factory.mktemp("qwen"))
 
 
+@pytest.mark.slow  # loading the real Qwen2.5 tokenizer (151,936 entries) takes seconds
 @pytest.mark.parametrize("text,pieces", [
     # Qwen2.5's BPE makes ' </' of the space before the closing tag: not in the mask
     ("<think>ok</think>\n<action> put apple 1 in/on fridge 1 </action>",

@@ -22,6 +22,7 @@ from tests.pipeline_util import make_models, tiny_config
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_two_ranks_each_load_onto_their_own_gpu(tmp_path):
     from sapd.stages.build_prefixes import ensure_initial_checkpoint
     student, teacher = make_models(tmp_path / "models")

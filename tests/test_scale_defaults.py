@@ -53,6 +53,7 @@ def qwen(tmp_path_factory):
     return qwen_tokenizer(tmp_path_factory.mktemp("qwen"))
 
 
+@pytest.mark.slow  # the real Qwen2.5 tokenizer and four prefix builds
 @pytest.mark.parametrize("name", list(SAMPLES))
 def test_the_train_stage_fits_an_80gb_gpu_at_the_papers_shapes(name, qwen, tmp_path):
     from sapd.stages.build_prefixes import ensure_prefixes
@@ -130,6 +131,7 @@ def _paper_model(folder: Path, config: dict, qwen) -> str:
     return str(folder)
 
 
+@pytest.mark.slow  # the real Qwen2.5 tokenizer
 @pytest.mark.parametrize("gib,fits", [(80, True), (24, False)])
 def test_a_train_pod_checks_its_own_gpu_before_loading(gib, fits, qwen, tmp_path, monkeypatch, capsys):
     """The train job's preflight against the GPU of its rank (LOCAL_RANK 1 → cuda:1), its free memory:
