@@ -169,3 +169,28 @@ def test_a_train_pod_checks_its_own_gpu_before_loading(gib, fits, qwen, tmp_path
         (line,) = [x for x in out.splitlines() if x.startswith("check memory: FAILED")]
         assert "train needs about" in line and "cuda:1 (NVIDIA H100 80GB HBM3)" in line
         assert "lower sampling.max_new_tokens (now 512) or data.max_prompt_tokens" in line
+
+
+@pytest.mark.slow
+def test_the_memory_figures_are_measured(tmp_path):
+    """bench/activation_memory.py --quick: what a Qwen2 layer at the 1.5B width keeps per token for backward
+    (saved-tensor hooks, bf16) is the figure the estimate uses (107 KiB; it assumed 83 before), and one
+    micro-batch of the real training step, measured by PyTorch's MemTracker, stays under the estimate, with
+    and without gradient checkpointing."""
+    import subprocess
+    import sys
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "bench/activation_memory.py", "--quick", "--out", str(tmp_path)],
+                          cwd=repo, capture_output=True, text=True, timeout=900,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "activation_memory-quick.json").read_text())
+    from sapd.models.memory import SAVED_PER_TOKEN_LAYER
+    a, c = SAVED_PER_TOKEN_LAYER["bfloat16"]
+    measured = res["per_token_layer"]["1.5b-bfloat16"]
+    assert measured / 1024 == pytest.approx(107.1, abs=0.5) and a * 1536 + c * 8960 == pytest.approx(measured, rel=0.02)
+    steps = res["train_step"]
+    assert [s["checkpointing"] for s in steps] == [False, True]
+    for s in steps:
+        assert 1.0 <= s["estimate_over_measured"] <= 1.8, s
+    assert steps[1]["measured_bytes"] < steps[0]["measured_bytes"]  # checkpointing keeps less

@@ -30,6 +30,7 @@ user error (fix the config, the input, the credentials), 75 a service was unreac
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import urllib.error
@@ -217,8 +218,6 @@ class DoesNotFit(ConfigError):
 def _remedies(cfg: RunConfig, student: Shape, teacher: Shape | None, prompt: int | None, limit: float) -> str:
     """What to change so that the train stage fits ``limit`` bytes: the first of the usual knobs (one
     prefix per micro-batch, gradient checkpointing, both) whose estimate fits, else the general list."""
-    import dataclasses
-
     tc = cfg.train
     tries: list[tuple[str, dict[str, Any]]] = []
     if tc.micro_batch_prefixes > 1:

@@ -207,13 +207,23 @@ def test_scorer_matches_hf(llm, generator, hf_model, tokenizer, prompts) -> None
     assert worst_shared <= TOLERANCE
 
 
-def test_scorer_computes_each_prompt_once(model_dir, hf_model) -> None:
+@pytest.fixture(scope="module")
+def long_scorer(model_dir: Path):
+    """A teacher engine with a longer context than the module's (prompts past two KV blocks), built by
+    :meth:`VLLMScorer.from_path` (prefix caching on). Kept until the module ends: tearing an in-process
+    engine down takes vLLM's process-wide parallel groups with it, and the module's engine is still used."""
+    scorer = VLLMScorer.from_path(model_dir, dtype="float32", max_model_len=640, kv_cache_memory_bytes=256 * 2**20)
+    yield scorer
+    del scorer
+
+
+def test_scorer_computes_each_prompt_once(long_scorer, hf_model) -> None:
     """Each group's prompt is prefilled once and read from vLLM's prefix cache by its G scoring requests:
     the tokens computed (from vLLM's own count of cache hits) fall from G·(P + R) towards P + G·R, and the
     scores equal scoring every response whole (the HF reference). Two responses sharing their first 40
     tokens, scheduled in one step, can hit each other's blocks past the prompt: those rows were never
     computed, so they are scored again without the cache. The CPU build's KV blocks are 128 tokens."""
-    scorer = VLLMScorer.from_path(model_dir, dtype="float32", max_model_len=640, kv_cache_memory_bytes=256 * 2**20)
+    scorer = long_scorer
     assert scorer.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching and not scorer.sleeps
     scorer.release()  # the CPU backend has no sleep mode: the engine stays as it is
     g = torch.Generator().manual_seed(0)
