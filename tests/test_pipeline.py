@@ -158,15 +158,29 @@ def test_one_student_engine_across_rounds_samples_like_fresh_engines(tmp_path, m
     """The local pipeline builds its student sampler once and loads each round's checkpoint into it in
     place; round 1's scored shard equals that of a run which builds a fresh engine every round."""
     from sapd.models.generation import HFGenerator
-    from sapd.stages import teacher_scores
+    from sapd.models.scoring import HFScorer
+    from sapd.stages import teacher_scores, train
 
     built, reloaded = [], []
     real_init, real_load = HFGenerator.__post_init__, HFGenerator.load_weights
     monkeypatch.setattr(HFGenerator, "__post_init__", lambda self: (built.append(self), real_init(self))[1])
     monkeypatch.setattr(HFGenerator, "load_weights", lambda self, d: (reloaded.append(str(d)), real_load(self, d))[1])
+    # both kept engines give the device back before each training stage (on a GPU: vLLM sleeps, an HF
+    # model moves to host memory; on this CPU the calls change nothing), and the teacher serves again after
+    events: list[str] = []
+    for cls, name in ((HFGenerator, "student"), (HFScorer, "teacher")):
+        real_release = cls.release
+        monkeypatch.setattr(cls, "release", lambda self, f=real_release, n=name: (events.append(f"release {n}"),
+                                                                                   f(self))[1])
+    real_call, real_train = HFScorer.__call__, train.run_train_stage
+    monkeypatch.setattr(HFScorer, "__call__", lambda self, *a, **k: (events.append("score"), real_call(self, *a, **k))[1])
+    monkeypatch.setattr(train, "run_train_stage", lambda cfg, k, **kw: (events.append(f"train {k}"),
+                                                                        real_train(cfg, k, **kw))[1])
     reuse_root = str(tmp_path / "reuse")
     run_pipeline(config_from_dict(tiny_config(reuse_root, *models)), **QUIET)
     assert len(built) == 1 and len(reloaded) == 1  # rounds 0 and 1: one engine, checkpoint 1 loaded in place
+    assert events == ["score", "release student", "release teacher", "train 0",
+                      "score", "release student", "release teacher", "train 1"], events
     assert reloaded[0] == str(checkpoints.checkpoint_model_path(reuse_root, 1))
 
     real_student = teacher_scores.student_generator
