@@ -52,7 +52,7 @@ class SamplingConfig:
     group_size: int = 8  # G responses per prefix (paper: 8)
     temperature: float = 1.0  # of the student samples (paper: 1.0)
     top_p: float = 1.0  # nucleus sampling of the student samples; 1.0 = off
-    max_new_tokens: int = 256  # response budget of each sample
+    max_new_tokens: int = 512  # response budget of each sample (the verl-agent scripts SDAR builds on); each round logs the share cut at it
     prompts_per_batch: int = 4  # HF: prompts prefilled together (each becomes G decode rows)
     gpu_memory_utilization: float = 0.4  # vLLM: share of GPU memory for each engine (student sampler, teacher)
     tensor_parallel_size: int = 1  # vLLM: GPUs the student sampler's engine spans
@@ -73,14 +73,19 @@ class TrainConfig:
     trajectories_per_round: int = 16  # every prefix of this many trajectories per round (paper: 16; search QA 128)
     epochs_per_round: int = 1  # passes over a round's scored data
     minibatch_prefixes: int = 16  # prefixes (× G responses) per optimizer step
-    micro_batch_prefixes: int = 4  # prefixes per forward/backward (gradient accumulation inside a minibatch)
+    # prefixes per forward/backward (× G rows; gradient accumulation inside a minibatch). One keeps a 1.5B
+    # student's step within an 80 GB GPU at long prompts, and divides every minibatch evenly over the ranks
+    # (docs/SCALING.md); several ranks need minibatch_prefixes a multiple of this × the ranks
+    micro_batch_prefixes: int = 1
     lr: float = 1e-6  # paper: 1e-6
     weight_decay: float = 0.0  # AdamW
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up; linear, cosine: over the rounds
     warmup_steps: int = 0  # linear warm-up, in optimizer steps
     max_grad_norm: float = 1.0  # gradient clipping
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30 % more time
+    # recompute activations in backward: less memory, ~30 % more time. "auto": on for a CUDA model.device
+    # (as verl-agent's runs do), off on a CPU (it turns off train.shared_prompt's KV cache, the CPU's gain)
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     # training and π_old run each prefix's prompt once over its repeated KV cache ("on"), or G full
     # prompt+response sequences in one batch ("off"). "auto": on for the torch engine on a CPU model —
     # measured (docs/results/EFFICIENCY.md): 0.22× the time on 2 CPU cores; no clear gain on an H200 at 0.5B
@@ -110,6 +115,11 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self.loss_cfg = _resolve_loss(self.variant, self.loss)
+
+    def checkpointing_on(self) -> bool:
+        """``train.gradient_checkpointing`` resolved: "auto" is on for a CUDA ``model.device``."""
+        ckpt = self.train.gradient_checkpointing
+        return self.model.device.startswith("cuda") if ckpt == "auto" else bool(ckpt)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -339,6 +349,35 @@ def validate(cfg: RunConfig) -> None:
                           "sampling.weight_sync_timeout_s")
     if cfg.data.reopd_kappa is not None and cfg.data.reopd_kappa <= 0:
         raise ConfigError("data.reopd_kappa: must be positive", "data.reopd_kappa")
+
+
+def micro_batch_problem(cfg: RunConfig, world_size: int) -> str | None:
+    """Why ``world_size`` ranks would idle under the config's batch sizes, else None: a full minibatch
+    of ``minibatch_prefixes`` is cut into micro-batches of ``micro_batch_prefixes`` shared round-robin by
+    the ranks (:func:`sapd.stages.train.micro_batch_share`), so unless their count is a multiple of the
+    ranks some ranks run a pass at weight 0 in every step (16 ranks, 16 / 4: 12 of 16). verl and DeepSpeed
+    refuse such a batch too (train_batch_size = micro × accumulation × world size).
+
+    >>> from sapd.config import config_from_dict
+    >>> micro_batch_problem(config_from_dict({"train": {"minibatch_prefixes": 16, "micro_batch_prefixes": 1}}), 16)
+    >>> print(micro_batch_problem(config_from_dict({"train": {"micro_batch_prefixes": 4}}), 16))
+    train.minibatch_prefixes 16 / train.micro_batch_prefixes 4 = 4 micro-batches per optimizer step for 16 \
+training ranks: 12 ranks would run a pass at weight 0 in every step; set train.micro_batch_prefixes to a divisor \
+of 16 / 16 ranks (1), or train.minibatch_prefixes to a multiple of 4 × 16 = 64
+    """
+    tc, W = cfg.train, world_size
+    micro_batches = tc.minibatch_prefixes // tc.micro_batch_prefixes
+    if W <= 1 or micro_batches % W == 0:
+        return None
+    idle = W - micro_batches % W
+    per_rank = tc.minibatch_prefixes // W if tc.minibatch_prefixes % W == 0 else 0
+    divisors = [d for d in range(per_rank, 0, -1) if per_rank % d == 0]
+    fix = (f"set train.micro_batch_prefixes to a divisor of {tc.minibatch_prefixes} / {W} ranks "
+           f"({', '.join(map(str, divisors[:3]))}), or " if divisors else "")
+    return (f"train.minibatch_prefixes {tc.minibatch_prefixes} / train.micro_batch_prefixes {tc.micro_batch_prefixes} "
+            f"= {micro_batches} micro-batches per optimizer step for {W} training ranks: {idle} ranks would run a pass "
+            f"at weight 0 in every step; {fix}train.minibatch_prefixes to a multiple of "
+            f"{tc.micro_batch_prefixes} × {W} = {tc.micro_batch_prefixes * W}")
 
 
 def dump_config(cfg: RunConfig) -> str:

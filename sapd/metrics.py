@@ -65,6 +65,9 @@ class Metrics:
         self.clip_fraction = Gauge("sapd_clip_ratio", "Share (0-1) of response tokens whose ratio was clipped",
                                    registry=r)
         self.round = Gauge("sapd_round", "Round being (or last) processed", registry=r)
+        self.truncated = Gauge("sapd_response_truncated_ratio",
+                               "Share (0-1) of the round's sampled responses cut at sampling.max_new_tokens",
+                               registry=r)
         self.optimizer_steps = Counter("sapd_optimizer_steps_total", "Optimizer steps taken", registry=r)
         self.eval_success = Gauge("sapd_eval_success_ratio", "Task success (or exact match) of the newest evaluation",
                                   ["benchmark", "category"], registry=r)
