@@ -52,7 +52,9 @@ class SamplingConfig:
     group_size: int = 8  # G responses per prefix (paper: 8)
     temperature: float = 1.0  # of the student samples (paper: 1.0)
     top_p: float = 1.0  # nucleus sampling of the student samples; 1.0 = off
-    max_new_tokens: int = 512  # response budget of each sample (the verl-agent scripts SDAR builds on); each round logs the share cut at it
+    # response budget of each sample: 512 as in the verl-agent scripts SDAR builds on; each round logs the
+    # share cut at it
+    max_new_tokens: int = 512
     prompts_per_batch: int = 4  # HF: prompts prefilled together (each becomes G decode rows)
     gpu_memory_utilization: float = 0.4  # vLLM: share of GPU memory for each engine (student sampler, teacher)
     tensor_parallel_size: int = 1  # vLLM: GPUs the student sampler's engine spans
