@@ -40,7 +40,7 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 import torch
 
 from sapd import checkpoints, layout, storage
-from sapd.config import ConfigError, RunConfig
+from sapd.config import FLOAT16_NOT_TRAINED, ConfigError, RunConfig
 from sapd.data.batches import round_batch
 from sapd.data.scored import ScoredPrefix, read_scored, scored_prefixes
 from sapd.method.objective import LossInputs, loss_for, objective_of, required_inputs
@@ -187,16 +187,12 @@ class TorchEngine:
         return nullcontext()
 
 
-FLOAT16_REFUSED = ("model.dtype: float16 is not trained: its gradients need dynamic loss scaling, which sapd does "
-                   "not do; use bfloat16 (the same memory, an fp32 master of the weights is kept) or float32")
-
-
 def make_torch_engine(model, cfg: RunConfig) -> TorchEngine:
     """AdamW over ``model``'s weights, or over an fp32 master of them when the model is in bfloat16."""
     tc = cfg.train
     params = list(model.parameters())
     if any(p.dtype == torch.float16 for p in params):
-        raise ConfigError(FLOAT16_REFUSED, "model.dtype")
+        raise ConfigError(FLOAT16_NOT_TRAINED, "model.dtype")
     masters = None
     if any(p.dtype == torch.bfloat16 for p in params):
         masters = [p.detach().to(torch.float32, copy=True) for p in params]

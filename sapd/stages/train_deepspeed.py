@@ -50,7 +50,7 @@ from typing import Any, ContextManager
 import torch
 
 from sapd.checkpoints import HYPER_KEYS, MASTER_KEY, STATE_KEYS, OptimizerShard
-from sapd.config import ConfigError, RunConfig
+from sapd.config import FLOAT16_NOT_TRAINED, ConfigError, RunConfig
 from sapd.models.loading import load_causal_lm
 from sapd.models.scoring import HeadOnlyLM, decoder_and_head
 
@@ -61,8 +61,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage: {t.zero_stage} is not one of 0, 1, 2, 3")
     if cfg.model.dtype == "float16":
-        raise ConfigError("model.dtype: float16 needs loss scaling, which the deepspeed engine does not set up; "
-                          "use bfloat16 or float32")
+        raise ConfigError(FLOAT16_NOT_TRAINED, "model.dtype")
     return {
         # the loop feeds micro-batches of `micro_batch_prefixes` prefixes and owns the accumulation
         "train_micro_batch_size_per_gpu": t.micro_batch_prefixes,
