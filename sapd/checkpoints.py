@@ -312,7 +312,9 @@ def prepare_torch_optimizer_shard(optimizer: torch.optim.Optimizer, step: float 
         for key in HYPER_KEYS:
             if key in hyper and key in group:
                 group[key] = tuple(hyper[key]) if key == "betas" else hyper[key]
-        for p in group["params"] if step is not None else ():
+        if step is None:
+            continue
+        for p in group["params"]:
             optimizer.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32),
                                   "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                                   "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}

@@ -17,12 +17,8 @@ weights changed over 34 steps, against 14.9 % for float32 rounded to bf16).
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,8 +30,7 @@ from sapd.run.local import run_pipeline
 from sapd.run.report import read_step_log
 from sapd.stages import train
 from tests.bf16_worker import restore_and_compare, write_as_before_master
-from tests.conftest import free_port
-from tests.pipeline_util import make_models, tiny_config
+from tests.pipeline_util import make_models, run_rank_worker, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 LR = 1e-6
@@ -216,19 +211,7 @@ def test_a_round_that_loses_its_update_warns(models, tmp_path):
 
 
 def _worker(jobs: list[dict], out: Path, ranks: int) -> list[list[dict]]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-           "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": os.environ.get(
-               "TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
-    script = [str(REPO / "tests" / "bf16_worker.py"), json.dumps(jobs), str(out)]
-    if ranks == 1:
-        cmd = [sys.executable, *script]
-    else:
-        port = str(free_port())
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
-               "127.0.0.1", "--master_port", port, *script]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(ranks)]
+    return run_rank_worker("bf16_worker.py", jobs, out, ranks)
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,8 +23,7 @@ from sapd.config import config_from_dict
 from sapd.run.local import run_pipeline
 from sapd.run.report import read_step_log
 from sapd.stages.build_prefixes import ensure_initial_checkpoint
-from tests.conftest import free_port
-from tests.pipeline_util import make_models, tiny_config
+from tests.pipeline_util import cpu_ranks_env, make_models, ranks_command, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = {"rounds": 2, "trajectories_per_round": 3, "minibatch_prefixes": 4, "micro_batch_prefixes": 2,
@@ -48,21 +46,13 @@ HOOK = textwrap.dedent('''
 
 
 def _train_round(cfg_path: Path, k: int, ranks: int, kill_rank: int | None = None, hook_dir: Path | None = None):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-           "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": os.environ.get(
-               "TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
+    env = cpu_ranks_env()
     env.pop("SAPD_TEST_KILL_RANK", None)
     if kill_rank is not None:
         assert hook_dir is not None
         env["PYTHONPATH"] = f"{hook_dir}{os.pathsep}{REPO}"
         env["SAPD_TEST_KILL_RANK"] = str(kill_rank)
-    cli = ["-m", "sapd.cli", "train-round", str(cfg_path), "--round", str(k), "--no-progress"]
-    if ranks == 1:
-        cmd = [sys.executable, *cli]
-    else:
-        port = str(free_port())
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
-               "127.0.0.1", "--master_port", port, *cli]
+    cmd = ranks_command(["-m", "sapd.cli", "train-round", str(cfg_path), "--round", str(k), "--no-progress"], ranks)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
