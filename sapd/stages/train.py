@@ -1,7 +1,8 @@
 """The train stage of round k (``jobs.train``, the chart's ``train`` block), top to bottom: checkpoint k +
 round k's scored shards → checkpoint k+1.
 
-1. Load the student from checkpoint k (it sampled round k, so it *is* π_old) and its trainer state.
+1. Load the student from checkpoint k (it sampled round k, so it *is* π_old) and its trainer state; in
+   bf16 the optimizer updates the fp32 master stored with it, and the bf16 weights are its rounding.
 2. Recompute π_old log-probs of every sampled token with these training weights, once, before any
    update (sampler log-probs from another engine may differ numerically; ratios must start at 1).
    Once in total: on W ranks each computes a 1/W share and the ranks exchange the results.
@@ -10,7 +11,8 @@ round k's scored shards → checkpoint k+1.
    over micro-batches of ``micro_batch_prefixes``; gradient clipping; learning-rate schedule.
    On W ranks (``train.engine: deepspeed`` under torchrun) rank r takes micro-batches r, r+W, … of
    each minibatch, weighted so that the rank-averaged gradient is the one-process minibatch gradient.
-4. Write the per-step log, then checkpoint k+1 (HF model + optimizer/RNG/cursor), committed last
+4. Write the per-step log (each step's and the round's update of the weights the optimizer keeps:
+   :class:`UpdateProbe`), then checkpoint k+1 (HF model + optimizer/RNG/cursor), committed last
    (by rank 0).
 
 The SFT baseline (:func:`sft_round`) uses the same data path, engine and checkpoint format with
