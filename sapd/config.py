@@ -38,11 +38,17 @@ class DataConfig:
     reopd_kappa: float | None = None
 
 
+FLOAT16_NOT_TRAINED = ("model.dtype: float16 is not trained: its gradients need dynamic loss scaling, which sapd "
+                       "does not do; use bfloat16 (the same memory; an fp32 master of the weights is kept) or float32")
+
+
 @dataclass
 class ModelConfig:
     student: str = ""  # HF folder or s3:// prefix: the initial student (checkpoint 0)
     teacher: str = ""  # HF folder or s3:// prefix: the frozen teacher (must share the student's tokenizer)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights of every stage (bfloat16 at scale)
+    # bfloat16: checkpoints, sampling and scoring in bf16, training on an fp32 master kept in the optimizer
+    # state (docs/DESIGN.md); float16 is refused by training (FLOAT16_NOT_TRAINED)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"  # cpu | cuda | cuda:N
 
 

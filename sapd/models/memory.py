@@ -154,10 +154,10 @@ def estimate(cfg: Any, student: Shape, teacher: Shape | None, train_processes: i
     if cfg.sampling.backend == "vllm":
         ts.note += f"; vLLM reserves sampling.gpu_memory_utilization={cfg.sampling.gpu_memory_utilization} per engine"
     out.append(ts)
-    # training: weights, gradients, AdamW's two float32 moments (plus float32 master weights under
-    # DeepSpeed with half precision), activations of micro_batch_prefixes × G sequences
+    # training: weights, gradients, AdamW's two float32 moments (plus the float32 master weights every engine
+    # keeps with half precision), activations of micro_batch_prefixes × G sequences
     n = student.params
-    optimizer = 8.0 * n + (4.0 * n if cfg.train.engine == "deepspeed" and b == 2 else 0.0)
+    optimizer = 8.0 * n + (4.0 * n if b == 2 else 0.0)
     weights, gradients = float(n * b), float(n * b)
     if cfg.train.engine == "deepspeed" and train_processes > 1:
         zero = cfg.train.zero_stage
