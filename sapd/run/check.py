@@ -45,8 +45,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sapd import layout, storage
-from sapd.config import (FLOAT16_NOT_TRAINED, ConfigError, RunConfig, committed_config, committed_config_problem,
-                         locate, micro_batch_problem)
+from sapd.config import (
+    FLOAT16_NOT_TRAINED,
+    ConfigError,
+    RunConfig,
+    committed_config,
+    committed_config_problem,
+    locate,
+    micro_batch_problem,
+)
 from sapd.data.loaders import LoadOptions, load_trajectories
 from sapd.data.prefix_table import longest_prompt
 from sapd.entry import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USER_ERROR, exit_code
