@@ -76,7 +76,8 @@ def test_memory_that_does_not_fit_names_what_to_lower(tmp_path, models):
     # it seems); checkpointing, smaller micro-batches and a larger device come first
     (line,) = [x for x in lines if x.startswith("check memory: FAILED")]
     remedies = line.split("GiB (")[-1]
-    assert "half-precision" not in line and remedies.index("gradient_checkpointing") < remedies.index("bfloat16")
+    assert "half-precision" not in line and "gradient_checkpointing" in remedies
+    assert "bfloat16" not in remedies or remedies.index("gradient_checkpointing") < remedies.index("bfloat16")
 
 
 @pytest.mark.parametrize("dtype,lr,status,says", [

@@ -3,7 +3,7 @@ loading a weight (``sapd check``, and each train pod against its own GPU before 
 Parameters are counted from the shapes of a Llama/Qwen2-style decoder (embeddings, attention with
 grouped KV heads, gated MLP, norms). The training activations use measured figures
 (``bench/activation_memory.py``, results in ``bench/results/activation_memory.txt``): what one decoder
-layer keeps per token for backward (:data:`SAVED_PER_TOKEN_LAYER`), the layer inputs alone under gradient
+layer keeps per token for backward (``SAVED_PER_TOKEN_LAYER``), the layer inputs alone under gradient
 checkpointing plus one layer recomputed at a time, and the logits at the response positions only (the
 training forward projects to the vocabulary there: :class:`sapd.models.scoring.HeadOnlyLM`). Prompts are
 taken at the longest one the prefix build kept, when a build is committed. The allocator's overhead and
@@ -103,7 +103,7 @@ def kv_cache_bytes(shape: Shape, tokens: int, dtype_bytes: int) -> float:
 
 
 def saved_per_token_layer(shape: Shape, dtype: str) -> float:
-    """Bytes one decoder layer of ``shape`` keeps for backward per token (:data:`SAVED_PER_TOKEN_LAYER`)."""
+    """Bytes one decoder layer of ``shape`` keeps for backward per token (``SAVED_PER_TOKEN_LAYER``)."""
     a, c = SAVED_PER_TOKEN_LAYER[dtype]
     return a * shape.hidden + c * shape.intermediate
 
