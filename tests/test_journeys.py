@@ -47,6 +47,8 @@ class Inputs:
     games: Path
     endpoint: str
 
+# the driver's preflight (sapd.run.check.STAGE_CHECKS["driver"]), before it creates any Job
+DRIVER_CHECKS = "preflight: 8 checks passed (storage, run root, ranks, data, student, teacher, tokenizers, precision)"
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, s3_server):
@@ -197,7 +199,7 @@ def test_smoke_install_finishes_two_rounds_and_an_evaluation(smoke, cluster):
     assert created_order(log) == [f"sapd-smoke-{s}" for s in ORDER], log
     assert "pipeline done: checkpoints [0, 1, 2] committed" in log
     # its first step: the checks, on the real S3 server, before it created any Job
-    assert log.index("preflight: 6 checks passed") < log.index("pipeline: release")
+    assert log.index(DRIVER_CHECKS) < log.index("pipeline: release")
     for s in ORDER:
         assert cluster.job_state(f"sapd-smoke-{s}") == "Complete", s
     assert layout.committed_checkpoints(smoke.root) == [0, 1, 2]
@@ -265,7 +267,7 @@ def test_the_readme_and_notes_kubectl_commands_show_the_run(smoke, cluster):
         "sapd-smoke-evaluate-r2": ("Complete", "1/1")}
     # the driver's whole log (one pod, so no "Found N pods" choice), as `logs -f` prints it once it ended
     assert driver == driver_log(cluster, "sapd-smoke-pipeline-1")
-    assert "preflight: 6 checks passed" in driver and "pipeline done: checkpoints [0, 1, 2] committed" in driver
+    assert DRIVER_CHECKS in driver and "pipeline done: checkpoints [0, 1, 2] committed" in driver
     worker0 = [p for p in pods_of(cluster, "sapd-smoke-teacher-scores-r1")
                if p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] == "0"]
     # NOTES' first by-label command names completion index 0: that worker's log (with a selector kubectl
@@ -518,11 +520,12 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
 # ------------------------------------------------------------------------------------------ dashboards
 
 
-def pushed_series(prom: str, release: str) -> dict[tuple, float]:
-    """Every sapd_* series Prometheus has from the Pushgateway for ``release`` now: (name, sorted labels) →
-    value (the scrape's own `instance`/`job` relabelling aside, the grouping labels are the pushed ones)."""
+def pushed_series(prom: str, release: str, namespace: str = NS) -> dict[tuple, float]:
+    """Every sapd_* series Prometheus has from the Pushgateway for ``release`` in ``namespace`` now: (name,
+    sorted labels) → value (the scrape's own `instance`/`job` relabelling aside, the grouping labels are the
+    pushed ones). Another namespace's release of the same name is another team's: not these."""
     out = {}
-    for r in query(prom, f'{{__name__=~"sapd_.+", release="{release}", job!="sapd-train"}}'):
+    for r in query(prom, f'{{__name__=~"sapd_.+", namespace="{namespace}", release="{release}", job!="sapd-train"}}'):
         labels = dict(r["metric"])
         name = labels.pop("__name__")
         out[(name, tuple(sorted(labels.items())))] = float(r["value"][1])
@@ -545,7 +548,8 @@ def test_dashboards_keep_their_series_through_a_skipped_stage_and_lose_them_at_u
     train = {k: v for k, v in before.items() if ("job", "train") in k[1]}
     assert {k[0] for k in train} >= {"sapd_loss", "sapd_round", "sapd_optimizer_steps_total", "sapd_clip_ratio",
                                       "sapd_teacher_student_gap", success}, sorted(train)
-    assert [v for k, v in train.items() if k[0] == "sapd_round"] == [1.0]  # round 1's figures
+    assert [v for k, v in train.items() if k[0] == "sapd_round"] == [1.0], [  # round 1's figures
+        (k, v) for k, v in train.items() if k[0] == "sapd_round"]
     last = next(v for k, v in train.items() if k[0] == success)
 
     # the retried train Job: the driver's manifest, from the templates ConfigMap, created again by hand
@@ -596,9 +600,8 @@ def test_dashboards_keep_their_series_through_a_skipped_stage_and_lose_them_at_u
     groups = [g["labels"] for g in json.loads(get_url(f"{gw}/api/v1/metrics"))["data"]]
     assert not [g for g in groups if (g.get("namespace"), g["release"]) == (NS, "sapd-smoke")], groups
     assert {(g.get("namespace"), g["release"]) for g in groups} == others and ("other-team", "sapd-smoke") in others
-    cluster.wait_for(lambda: not [k for k in pushed_series(prom, "sapd-smoke") if ("namespace", NS) in k[1]], 60,
-                     "Prometheus to drop sapd-smoke's series")
-    assert [k for k in pushed_series(prom, "sapd-smoke") if ("namespace", "other-team") in k[1]]  # theirs stay
+    cluster.wait_for(lambda: not pushed_series(prom, "sapd-smoke"), 60, "Prometheus to drop sapd-smoke's series")
+    assert pushed_series(prom, "sapd-smoke", "other-team")  # theirs stay
 
 
 def cluster_targets(monitoring: Monitoring) -> dict[str, dict]:
