@@ -27,12 +27,22 @@ DCP reshards on load for any layout that can name its slices, which ZeRO 1–3 a
 ``state/trainer.pt`` keeps what is small (step counter, RNG, AdamW's hyper-parameters and step count, the
 parameter sizes). Checkpoints written before (the whole optimizer inside ``trainer.pt``) still load:
 every rank reads that file whole, as it did then.
+
+**Every file is checked when it is loaded.** The commit marker records the size and SHA-256 of every file
+of the checkpoint (``files``: the model folder's, ``trainer.pt``, the optimizer's index and data files),
+computed as they were written; a loader compares what it reads and refuses a file that differs
+(:class:`sapd.storage.CorruptObject`, naming it). The optimizer's data files are read in ranges, so for
+them the marker also records one SHA-256 per item DCP wrote (``segments``: cut where DCP asks the stream
+for its position, at the start and end of each item), and each ranged read is checked against the items it
+covers. A checkpoint committed before digests existed still loads, with a line saying it is unverified.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
+import hashlib
 import io
 import json
 import shutil
@@ -47,7 +57,7 @@ from typing import Any, ContextManager, Protocol
 import torch
 
 from sapd import layout, storage
-from sapd.models.loading import load_causal_lm, model_folder, resolve_model_dir
+from sapd.models.loading import checkpoint_files, load_causal_lm, model_folder, resolve_model_dir
 
 
 def is_committed(root: str, k: int) -> bool:
@@ -99,10 +109,12 @@ def _no_gather(params: list[torch.Tensor]) -> ContextManager[Any]:
 
 
 def write_model_folder(uri: str, model, tokenizer, *, gather: Gather = _no_gather, is_main: bool = True,
-                       max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+                       max_shard_bytes: int = MAX_SHARD_BYTES) -> dict[str, dict[str, Any]]:
     """A self-contained HF model folder at ``uri`` (config, generation config, tokenizer with its chat
     template, safetensors shards and their index), written shard by shard. With several ranks every rank
-    calls this (``gather`` is a collective); only ``is_main`` writes."""
+    calls this (``gather`` is a collective); only ``is_main`` writes. → the :func:`sapd.storage.digest` of
+    every file written, by its name in the folder (empty on the other ranks)."""
+    written: dict[str, dict[str, Any]] = {}
     entries = _weight_entries(model)
     shards = _plan_shards(entries, max_shard_bytes)
     names = ["model.safetensors"] if len(shards) == 1 else \
@@ -119,23 +131,28 @@ def write_model_folder(uri: str, model, tokenizer, *, gather: Gather = _no_gathe
                 Path(tmp, "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
             for f in sorted(Path(tmp).rglob("*")):
                 if f.is_file():
-                    storage.write_file_from(f, storage.join(uri, f.relative_to(tmp).as_posix()))
+                    name = f.relative_to(tmp).as_posix()
+                    written[name] = storage.file_digest(f)
+                    storage.write_file_from(f, storage.join(uri, name))
         for fname, shard in zip(names, shards, strict=True):
             with gather([e.tensor for e in shard]):
                 tensors = {e.name: e.tensor.detach().to("cpu").contiguous().clone() for e in shard} if is_main else {}
             if is_main:
-                _write_shard(tensors, Path(tmp, fname), storage.join(uri, fname))
+                written[fname] = _write_shard(tensors, Path(tmp, fname), storage.join(uri, fname))
             del tensors
+    return written
 
 
-def _write_shard(tensors: dict[str, torch.Tensor], scratch: Path, uri: str) -> None:
+def _write_shard(tensors: dict[str, torch.Tensor], scratch: Path, uri: str) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     save_file(tensors, str(scratch), metadata={"format": "pt"})
     try:
+        found = storage.file_digest(scratch)
         storage.write_file_from(scratch, uri)
     finally:
         scratch.unlink(missing_ok=True)
+    return found
 
 
 def save_checkpoint(root: str, k: int, model, tokenizer, state: dict[str, Any] | None,
@@ -151,10 +168,12 @@ def save_checkpoint(root: str, k: int, model, tokenizer, state: dict[str, Any] |
         if is_committed(root, k):
             raise RuntimeError(f"{layout.checkpoint_dir(root, k)} is already committed")
         storage.delete_prefix(layout.checkpoint_dir(root, k))
-    write_model_folder(layout.checkpoint_model_dir(root, k), model, tokenizer, gather=gather, is_main=is_main,
-                       max_shard_bytes=max_shard_bytes)
+    written = write_model_folder(layout.checkpoint_model_dir(root, k), model, tokenizer, gather=gather,
+                                 is_main=is_main, max_shard_bytes=max_shard_bytes)
+    files = {f"model/{name}": d for name, d in written.items()}
     if optimizer is not None:
-        save_optimizer_shards(optimizer_dir(root, k), optimizer)
+        files.update({f"state/optimizer/{name}": d
+                      for name, d in save_optimizer_shards(optimizer_dir(root, k), optimizer).items()})
     if not is_main:
         return None
     if optimizer is not None:
@@ -162,9 +181,11 @@ def save_checkpoint(root: str, k: int, model, tokenizer, state: dict[str, Any] |
     if state is not None:
         buf = io.BytesIO()
         torch.save(state, buf)
+        files["state/trainer.pt"] = storage.digest(buf.getbuffer())
         storage.write_bytes(storage.join(layout.checkpoint_state_dir(root, k), "trainer.pt"), buf.getvalue())
     marker = {"checkpoint": k, "commit_id": uuid.uuid4().hex, "has_state": state is not None,
-              "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(meta or {})}
+              "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(meta or {}),
+              "files": dict(sorted(files.items()))}
     if optimizer is not None:
         marker["optimizer"] = OPTIMIZER_FORMAT
     storage.write_json(layout.checkpoint_marker(root, k), marker)
@@ -196,10 +217,26 @@ def load_trainer_state(root: str, k: int) -> dict[str, Any] | None:
     """Checkpoint ``k``'s ``trainer.pt`` (step counter, RNG; the optimizer's hyper-parameters under
     ``optimizer_shards``, or, in checkpoints written before sharding, the whole optimizer state under
     ``optimizer``); None when it has no trainer state."""
-    if not read_marker(root, k).get("has_state"):
+    marker = read_marker(root, k)
+    if not marker.get("has_state"):
         return None
-    data = storage.read_bytes(storage.join(layout.checkpoint_state_dir(root, k), "trainer.pt"))
+    uri = storage.join(layout.checkpoint_state_dir(root, k), "trainer.pt")
+    data = storage.read_bytes(uri)
+    files = checkpoint_files(root, k, marker)
+    if files is not None:
+        storage.check_digest(uri, storage.digest(data), files.get("state/trainer.pt"),
+                             layout.checkpoint_marker(root, k))
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def _optimizer_files(root: str, k: int) -> dict[str, dict[str, Any]] | None:
+    """The digests checkpoint ``k``'s commit recorded of its optimizer files, by name in ``state/optimizer``
+    (None: it recorded none, an unverified checkpoint)."""
+    files = checkpoint_files(root, k, read_marker(root, k))
+    if files is None:
+        return None
+    prefix = "state/optimizer/"
+    return {name.removeprefix(prefix): d for name, d in files.items() if name.startswith(prefix)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -342,22 +379,37 @@ def _quiet_dcp() -> Iterator[None]:
         yield
 
 
-def save_optimizer_shards(uri: str, shard: OptimizerShard) -> None:
+def save_optimizer_shards(uri: str, shard: OptimizerShard) -> dict[str, dict[str, Any]]:
     """Every rank writes its slices of the optimizer state below ``uri`` (its own file, streamed through
-    storage), then rank 0 the index; a collective where torch.distributed is initialised."""
+    storage), then rank 0 the index; a collective where torch.distributed is initialised. → the digest of
+    every file written (by any rank), by its name below ``uri``: what the commit marker records."""
     import torch.distributed.checkpoint as dcp
-    writer, _ = _dcp_io()
+    writer_cls, _ = _dcp_io()
+    writer = writer_cls(uri)
     with _quiet_dcp():
-        dcp.save(_dcp_state_dict(shard), storage_writer=writer(uri), no_dist=not _distributed())
+        dcp.save(_dcp_state_dict(shard), storage_writer=writer, no_dist=not _distributed())
+    mine = {name.removeprefix(uri.rstrip("/") + "/"): d for name, d in writer.fs.digests.items()}
+    if not _distributed():
+        return mine
+    everyone: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    return {name: d for theirs in everyone for name, d in theirs.items()}
 
 
-def load_optimizer_shards(uri: str, shard: OptimizerShard) -> None:
+def load_optimizer_shards(uri: str, shard: OptimizerShard, files: dict[str, dict[str, Any]] | None = None) -> None:
     """Fill this rank's slices (``shard``'s views, in place) from the optimizer state below ``uri``,
-    whatever world size or engine wrote it: each rank reads only the byte ranges holding its slices."""
+    whatever world size or engine wrote it: each rank reads only the byte ranges holding its slices,
+    each checked against the digests ``files`` (by name below ``uri``; None: unverified)."""
     import torch.distributed.checkpoint as dcp
     _, reader = _dcp_io()
     with _quiet_dcp():
-        dcp.load(_dcp_state_dict(shard), storage_reader=reader(uri), no_dist=not _distributed())
+        dcp.load(_dcp_state_dict(shard), storage_reader=reader(uri, files, _committed_in(uri)),
+                 no_dist=not _distributed())
+
+
+def _committed_in(optimizer_uri: str) -> str:
+    """The marker that records the digests of the optimizer files below ``optimizer_uri`` (for messages)."""
+    return storage.join(optimizer_uri.rstrip("/").rsplit("/", 1)[0], "_COMMITTED")
 
 
 def restore_optimizer(root: str, k: int, engine: ShardedOptimizer, state: dict[str, Any] | None,
@@ -387,7 +439,7 @@ def restore_optimizer(root: str, k: int, engine: ShardedOptimizer, state: dict[s
         raise ValueError(f"{layout.checkpoint_dir(root, k)}: its optimizer state is for {len(desc['numels'])} "
                          f"parameters, the model has {len(dest.numels)} (first difference at parameter {diff}): "
                          "a checkpoint of another model")
-    load_optimizer_shards(optimizer_dir(root, k), dest)
+    load_optimizer_shards(optimizer_dir(root, k), dest, _optimizer_files(root, k))
     return "sharded"
 
 
@@ -407,7 +459,8 @@ def consolidated_optimizer_state(root: str, k: int) -> dict[str, Any] | None:
     import torch.distributed.checkpoint as dcp
     _, reader = _dcp_io()
     with _quiet_dcp():
-        dcp.load(_dcp_state_dict(shard), storage_reader=reader(optimizer_dir(root, k)), no_dist=True)
+        dcp.load(_dcp_state_dict(shard), storage_reader=reader(optimizer_dir(root, k), _optimizer_files(root, k),
+                                                              layout.checkpoint_marker(root, k)), no_dist=True)
     shapes = desc.get("shapes") or [[n] for n in desc["numels"]]
     return {"state": {i: {"step": torch.tensor(float(desc["step"])),
                           **{key: t[key].reshape(shapes[i]) for key in STATE_KEYS}} for i, t in enumerate(tensors)},
@@ -415,16 +468,100 @@ def consolidated_optimizer_state(root: str, k: int) -> dict[str, Any] | None:
 
 
 class _RangeFile:
-    """A data file DCP opened for reading: nothing is fetched until a slice is asked for."""
+    """A data file DCP opened for reading: nothing is fetched until a slice is asked for; ``digest``: what
+    the commit recorded of it (None: unverified)."""
 
-    def __init__(self, uri: str) -> None:
-        self.uri = uri
+    def __init__(self, uri: str, digest: dict[str, Any] | None = None, committed_in: str = "") -> None:
+        self.uri, self.digest, self.committed_in = uri, digest, committed_in
+
+    def read(self, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset``, read together with the rest of the recorded items they touch and
+        checked against those items' digests (one reread before refusing: a bad transfer is not a bad
+        file)."""
+        if self.digest is None:
+            return storage.read_range(self.uri, offset, length)
+        size = int(self.digest["bytes"])
+        segments = self.digest.get("segments") or [[0, self.digest["sha256"]]]
+        starts = [int(s[0]) for s in segments]
+        ends = starts[1:] + [size]
+        if offset < 0 or offset + length > size:
+            raise storage.CorruptObject(f"{self.uri}: bytes {offset}..{offset + length} asked for, but "
+                                        f"{self.committed_in} recorded {size} bytes: the index does not match the "
+                                        "committed file")
+        first = bisect.bisect_right(starts, offset) - 1
+        last = bisect.bisect_left(ends, offset + length)
+        lo, hi = starts[first], ends[last]
+        for _ in (1, 2):
+            data = storage.read_range(self.uri, lo, hi - lo)
+            bad = [i for i in range(first, last + 1)
+                   if hashlib.sha256(memoryview(data)[starts[i] - lo:ends[i] - lo]).hexdigest() != segments[i][1]]
+            if not bad:
+                return data[offset - lo:offset - lo + length]
+        i = bad[0]
+        raise storage.CorruptObject(f"{self.uri}: bytes {starts[i]}..{ends[i]} differ from the digest "
+                                    f"{self.committed_in} recorded: damaged or replaced since it was committed; "
+                                    "refusing to use it")
 
     def __enter__(self) -> _RangeFile:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         pass
+
+
+class _DigestingStream:
+    """A write stream (DCP's, onto :func:`sapd.storage.open_write`) that hashes what passes through: the whole
+    file, and one segment per stretch between two ``tell()`` calls — DCP asks for the position at the start
+    and the end of every item it writes, so each item is one segment, and a ranged read of an item can be
+    checked on its own."""
+
+    def __init__(self, out: Any) -> None:
+        self.out, self.pos, self.cut = out, 0, 0
+        self.whole, self.piece = hashlib.sha256(), hashlib.sha256()
+        self.segments: list[list[Any]] = []
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.out.write(view)
+        self.whole.update(view)
+        self.piece.update(view)
+        self.pos += view.nbytes
+        return view.nbytes
+
+    def _cut(self) -> None:
+        if self.pos > self.cut:
+            self.segments.append([self.cut, self.piece.hexdigest()])
+            self.piece, self.cut = hashlib.sha256(), self.pos
+
+    def tell(self) -> int:
+        self._cut()
+        return self.pos
+
+    def digest(self) -> dict[str, Any]:
+        self._cut()
+        return {"bytes": self.pos, "sha256": self.whole.hexdigest(), "segments": self.segments}
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def readable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:  # DCP closes the stream itself (publishing it) before leaving create_stream
+        self.out.close()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.out.closed)
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("no file descriptor")
 
 
 @functools.cache
@@ -435,14 +572,37 @@ def _dcp_io() -> tuple[Any, Any]:
     from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
     class StorageFS(FileSystemBase):
+        """DCP's file system on :mod:`sapd.storage`. Writing, it records the digest of every file it wrote
+        (``digests``, by URI); reading, it checks what it reads against ``expected`` (by URI) when given."""
+
+        def __init__(self, expected: dict[str, dict[str, Any]] | None = None, committed_in: str = "") -> None:
+            self.digests: dict[str, dict[str, Any]] = {}
+            self.expected, self.committed_in = expected, committed_in
+
+        def _expected(self, uri: str) -> dict[str, Any] | None:
+            if self.expected is None:
+                return None
+            if uri not in self.expected:
+                raise storage.CorruptObject(f"{uri}: not one of the files {self.committed_in} records; refusing to "
+                                            "use it")
+            return self.expected[uri]
+
         @contextlib.contextmanager
         def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
             uri = str(path)
             if mode == "wb":
                 with storage.open_write(uri) as out:
-                    yield out
+                    stream = _DigestingStream(out)
+                    yield stream
+                self.digests[uri] = stream.digest()
             elif mode == "rb":
-                yield io.BytesIO(storage.read_bytes(uri)) if uri.endswith(".metadata") else _RangeFile(uri)
+                if not uri.endswith(".metadata"):
+                    yield _RangeFile(uri, self._expected(uri), self.committed_in)
+                    return
+                data = storage.read_bytes(uri)
+                if self.expected is not None:
+                    storage.check_digest(uri, storage.digest(data), self._expected(uri), self.committed_in)
+                yield io.BytesIO(data)
             else:
                 raise ValueError(f"unsupported mode {mode!r}")
 
@@ -450,7 +610,13 @@ def _dcp_io() -> tuple[Any, Any]:
             return storage.join(str(path), suffix)
 
         def rename(self, path: Any, new_path: Any) -> None:  # only DCP's small index goes through here
-            storage.write_bytes(str(new_path), storage.read_bytes(str(path)))
+            data = storage.read_bytes(str(path))
+            written = self.digests.pop(str(path), None)
+            if written is not None:  # what came back is what was written
+                storage.check_digest(str(path), storage.digest(data), {k: written[k] for k in ("bytes", "sha256")},
+                                     "this process's write of it")
+            storage.write_bytes(str(new_path), data)
+            self.digests[str(new_path)] = storage.digest(data)
             storage.delete(str(path))
 
         def init_path(self, path: Any) -> str:
@@ -479,13 +645,14 @@ def _dcp_io() -> tuple[Any, Any]:
             self.path = uri
 
     class Reader(FileSystemReader):
-        def __init__(self, uri: str) -> None:
+        def __init__(self, uri: str, files: dict[str, dict[str, Any]] | None = None, committed_in: str = "") -> None:
             super().__init__(uri)
-            self.fs = StorageFS()  # type: ignore[assignment]
+            expected = None if files is None else {storage.join(uri, name): d for name, d in files.items()}
+            self.fs = StorageFS(expected, committed_in)  # type: ignore[assignment]
             self.path = uri
 
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
-            return io.BytesIO(storage.read_range(file.uri, sinfo.offset, sinfo.length))
+            return io.BytesIO(file.read(sinfo.offset, sinfo.length))
 
     return Writer, Reader
 
@@ -494,7 +661,8 @@ def export_model(source: str, out: str, *, checkpoint: int | None = None) -> str
     """Copy a run root's model (checkpoint ``checkpoint``, default the newest committed one) — or a model
     folder — to ``out`` as a self-contained Hugging Face folder (weights, config, tokenizer, chat template)
     that ``AutoModelForCausalLM.from_pretrained`` loads. A local ``out`` is written beside itself and
-    renamed into place, replacing an earlier export; returns ``out``."""
+    renamed into place, replacing an earlier export; returns ``out``. A checkpoint's files are checked
+    against the digests its commit recorded as they are copied (a damaged one is refused, nothing exported)."""
     if checkpoint is None:
         src = model_folder(source)
     elif not is_committed(source, checkpoint):
@@ -506,23 +674,31 @@ def export_model(source: str, out: str, *, checkpoint: int | None = None) -> str
     if not any(f.endswith("/config.json") for f in files):
         raise FileNotFoundError(f"{src}: no config.json; not a model folder or a sapd run root")
     rel = [f[len(src.rstrip("/")) + 1:] for f in files]
+    check = _copy_check(src, rel)
     if storage.is_s3(out):
         for name, f in zip(rel, files):
             dest = storage.join(out, name)
             if storage.is_s3(f):  # streamed through a local file: weights can be larger than memory
                 with tempfile.TemporaryDirectory(prefix="sapd-export-") as scratch:
                     storage.download_to(f, Path(scratch) / "file")
+                    check(name, Path(scratch) / "file")
                     storage.write_file_from(str(Path(scratch) / "file"), dest)
             else:
+                check(name, Path(f.removeprefix("file://")))
                 storage.write_file_from(str(Path(f.removeprefix("file://"))), dest)
         return out
     final = Path(out.removeprefix("file://"))
     if final.resolve() == Path(src.removeprefix("file://")).resolve():
         return out
     tmp = final.with_name(f".{final.name}.export-{uuid.uuid4().hex[:8]}")
-    for name, f in zip(rel, files):
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        storage.download_to(f, tmp / name)
+    try:
+        for name, f in zip(rel, files):
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            storage.download_to(f, tmp / name)
+            check(name, tmp / name)
+    except storage.CorruptObject:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         if not (final / "config.json").is_file():
             raise FileExistsError(f"{final}: exists and is not a model folder; choose another destination")
@@ -534,3 +710,24 @@ def export_model(source: str, out: str, *, checkpoint: int | None = None) -> str
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp.rename(final)
     return out
+
+
+def _copy_check(src: str, names: list[str]) -> Callable[[str, Path], None]:
+    """For :func:`export_model`: a check of each copied file of ``src`` — when ``src`` is a checkpoint's model
+    folder, against the digests its commit recorded (every recorded file must be among ``names``, and no
+    other); for a plain model folder, nothing."""
+    checkpoint = layout.checkpoint_of_model_dir(src)
+    files = checkpoint_files(*checkpoint, read_marker(*checkpoint)) if checkpoint is not None else None
+    if checkpoint is None or files is None:
+        return lambda name, path: None
+    marker_uri = layout.checkpoint_marker(*checkpoint)
+    expected = {n.removeprefix("model/"): d for n, d in files.items() if n.startswith("model/")}
+    for name in sorted(set(names) ^ set(expected)):
+        raise storage.CorruptObject(f"{storage.join(src, name)}: " + ("not one of the files" if name in names else
+                                                                     "missing, but one of the files")
+                                    + f" {marker_uri} records; refusing to export the checkpoint")
+
+    def check(name: str, path: Path) -> None:
+        storage.check_digest(storage.join(src, name), storage.file_digest(path), expected.get(name), marker_uri)
+
+    return check
