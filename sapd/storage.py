@@ -878,8 +878,15 @@ def delete_conditional(uri: str, if_match: str, *, retry: bool = True) -> None:
             try:
                 client.delete_object(Bucket=bucket, Key=key, IfMatch=if_match)
             except Exception as exc:  # noqa: BLE001
-                if not _is_not_found(exc):
-                    raise
+                if _is_not_found(exc):
+                    return
+                if _error_code(exc) in ("PreconditionFailed", "412"):  # some servers answer 412 for "no object"
+                    try:
+                        client.head_object(Bucket=bucket, Key=key)
+                    except Exception as missing:  # noqa: BLE001
+                        if _is_not_found(missing):
+                            return
+                raise
 
         _s3_call(uri, "deleting", delete_s3, retry=retry)
         return
