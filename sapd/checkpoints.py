@@ -367,16 +367,31 @@ def _dcp_state_dict(shard: OptimizerShard) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _quiet_dcp() -> Iterator[None]:
+def _quiet_dcp(*io_objects: Any) -> Iterator[None]:
     """DCP warns about ShardedTensor's deprecation at every use; the slices here are not one of its
-    tensor-parallel layouts, which DTensor would need (uneven, per-parameter ZeRO slices)."""
+    tensor-parallel layouts, which DTensor would need (uneven, per-parameter ZeRO slices). And DCP wraps
+    every rank's error into a ``CheckpointException`` (a BaseException with tracebacks in its text): a
+    storage error — an outage past the deadline, a damaged file, a lost lease — comes out as itself, so the
+    front door reports it in one line with its exit code (a storage error of a rank that cannot be helped
+    by retrying wins over an outage). ``io_objects``: this rank's reader or writer, whose file system keeps
+    the storage errors DCP turns into text (the index's: DCP then tries a per-rank index and asserts)."""
     import warnings
+
+    from torch.distributed.checkpoint.api import CheckpointException
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", message=".*ShardedTensor.*")
         warnings.filterwarnings("ignore", message=".*_shard.*")
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        yield
+        try:
+            yield
+        except CheckpointException as e:
+            errors = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+            errors = [x for x in errors if isinstance(x, storage.StorageError)]
+            errors += [x for obj in io_objects for x in getattr(obj.fs, "failed", [])]
+            if errors:
+                raise sorted(errors, key=lambda x: isinstance(x, storage.StorageUnavailable))[0] from e
+            raise
 
 
 def save_optimizer_shards(uri: str, shard: OptimizerShard) -> dict[str, dict[str, Any]]:
@@ -386,7 +401,7 @@ def save_optimizer_shards(uri: str, shard: OptimizerShard) -> dict[str, dict[str
     import torch.distributed.checkpoint as dcp
     writer_cls, _ = _dcp_io()
     writer = writer_cls(uri)
-    with _quiet_dcp():
+    with _quiet_dcp(writer):
         dcp.save(_dcp_state_dict(shard), storage_writer=writer, no_dist=not _distributed())
     mine = {name.removeprefix(uri.rstrip("/") + "/"): d for name, d in writer.fs.digests.items()}
     if not _distributed():
@@ -401,10 +416,10 @@ def load_optimizer_shards(uri: str, shard: OptimizerShard, files: dict[str, dict
     whatever world size or engine wrote it: each rank reads only the byte ranges holding its slices,
     each checked against the digests ``files`` (by name below ``uri``; None: unverified)."""
     import torch.distributed.checkpoint as dcp
-    _, reader = _dcp_io()
-    with _quiet_dcp():
-        dcp.load(_dcp_state_dict(shard), storage_reader=reader(uri, files, _committed_in(uri)),
-                 no_dist=not _distributed())
+    _, reader_cls = _dcp_io()
+    reader = reader_cls(uri, files, _committed_in(uri))
+    with _quiet_dcp(reader):
+        dcp.load(_dcp_state_dict(shard), storage_reader=reader, no_dist=not _distributed())
 
 
 def _committed_in(optimizer_uri: str) -> str:
@@ -457,10 +472,10 @@ def consolidated_optimizer_state(root: str, k: int) -> dict[str, Any] | None:
     tensors = [{key: torch.zeros(n, dtype=torch.float32) for key in STATE_KEYS} for n in desc["numels"]]
     shard = OptimizerShard(desc["numels"], [[(0, t)] for t in tensors], desc["hyper"], desc["step"], True)
     import torch.distributed.checkpoint as dcp
-    _, reader = _dcp_io()
-    with _quiet_dcp():
-        dcp.load(_dcp_state_dict(shard), storage_reader=reader(optimizer_dir(root, k), _optimizer_files(root, k),
-                                                              layout.checkpoint_marker(root, k)), no_dist=True)
+    _, reader_cls = _dcp_io()
+    reader = reader_cls(optimizer_dir(root, k), _optimizer_files(root, k), layout.checkpoint_marker(root, k))
+    with _quiet_dcp(reader):
+        dcp.load(_dcp_state_dict(shard), storage_reader=reader, no_dist=True)
     shapes = desc.get("shapes") or [[n] for n in desc["numels"]]
     return {"state": {i: {"step": torch.tensor(float(desc["step"])),
                           **{key: t[key].reshape(shapes[i]) for key in STATE_KEYS}} for i, t in enumerate(tensors)},
@@ -578,6 +593,7 @@ def _dcp_io() -> tuple[Any, Any]:
         def __init__(self, expected: dict[str, dict[str, Any]] | None = None, committed_in: str = "") -> None:
             self.digests: dict[str, dict[str, Any]] = {}
             self.expected, self.committed_in = expected, committed_in
+            self.failed: list[storage.StorageError] = []  # what DCP may flatten into an assertion's text
 
         def _expected(self, uri: str) -> dict[str, Any] | None:
             if self.expected is None:
@@ -599,9 +615,19 @@ def _dcp_io() -> tuple[Any, Any]:
                 if not uri.endswith(".metadata"):
                     yield _RangeFile(uri, self._expected(uri), self.committed_in)
                     return
-                data = storage.read_bytes(uri)
-                if self.expected is not None:
-                    storage.check_digest(uri, storage.digest(data), self._expected(uri), self.committed_in)
+                try:
+                    data = storage.read_bytes(uri)
+                    if self.expected is not None:
+                        storage.check_digest(uri, storage.digest(data), self._expected(uri), self.committed_in)
+                except storage.StorageNotFound:
+                    if self.expected is None or uri not in self.expected:
+                        raise  # DCP looks for a per-rank index when there is no global one: not an error yet
+                    missing = storage.CorruptObject(f"{uri}: recorded in {self.committed_in} but missing")
+                    self.failed.append(missing)
+                    raise missing from None
+                except storage.StorageError as e:
+                    self.failed.append(e)
+                    raise
                 yield io.BytesIO(data)
             else:
                 raise ValueError(f"unsupported mode {mode!r}")

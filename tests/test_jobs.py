@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import yaml
 
@@ -271,6 +273,10 @@ def test_unreachable_storage_exits_75(tmp_path, models, monkeypatch, capsys):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(tiny_config("s3://bucket/run", *models)))
+    config.write_text(yaml.safe_dump(tiny_config("s3://bucket/run", *models, storage={"retry_deadline_s": 2})))
+    t0 = time.monotonic()
     assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 75
-    assert "unreachable" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert 2 <= time.monotonic() - t0 < 60  # retried until the config's deadline, then given up
+    assert "unreachable" in err and "still failing after 2 s of retries; storage.retry_deadline_s is 2" in err
+    assert "S3 unreachable: retrying until " in err  # the wait said so while it lasted
