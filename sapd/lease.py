@@ -21,12 +21,14 @@ this machine's time), so two hosts whose clocks differ agree. A store that ignor
 fail — and reported; there two runs starting within the same moment can both believe they hold it until
 the loser's first renewal (a quarter of the lease time) shows it another run's token.
 
-A holder that cannot renew (an outage longer than the lease, a stalled process) must not go on writing
+A holder that could not renew on time (a paused or stalled process, an outage) must not go on writing
 after someone else may have taken over: every write under the run root first checks the lease
-(:func:`sapd.storage.add_write_check`), and once three quarters of the lease time have passed since the
-last renewal began, the check renews synchronously before the write — finding another owner there, the
-write is refused (:class:`LeaseLost`, exit 2). What that leaves is a write that began before the holder's
-lease ran out and lands after: at most one request's duration.
+(:func:`sapd.storage.add_write_check`), and once 40 % of the lease time has passed since the last renewal
+began (renewals come every 25 %), the check renews synchronously before the write — finding another owner
+there, or no lease at all, the write is refused (:class:`LeaseLost`, exit 2). What that leaves: a write
+that began before that and lands after (at most one request's duration), and the writes of a live holder
+within 40 % of the lease time of someone forcing a takeover (``--force-takeover`` is for a run known to be
+dead or stuck).
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ from sapd import layout, storage
 
 LEASE_VERSION = 1
 OWNER_ENV = "SAPD_LEASE_OWNER"  # processes given one owner share the lease (the chart: every pod of a release)
-SAFE_SHARE = 0.75  # a holder writes within this share of the lease time after its last renewal began
+# a holder renews every quarter of the lease time, and writes within this share of it after its last renewal
+# began; past it (its renewals are late: a paused process, an outage) the next write renews first
+SAFE_SHARE = 0.4
 _TAKE_ATTEMPTS = 8
 
 
