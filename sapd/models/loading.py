@@ -169,8 +169,9 @@ class FetchStalled(RuntimeError):
 
 def fetch_stall_seconds() -> float:
     """How long a process waits on another's download that makes no progress (``SAPD_FETCH_STALL_S``,
-    default 600 s) before it gives up with :class:`FetchStalled`."""
-    raw = os.environ.get("SAPD_FETCH_STALL_S", "600")
+    default 600 s, or a minute more than storage operations retry through an outage, if that is longer:
+    a downloader riding one out makes no progress meanwhile) before it gives up with :class:`FetchStalled`."""
+    raw = os.environ.get("SAPD_FETCH_STALL_S") or str(max(600.0, storage.retry_deadline_s() + 60))
     try:
         value = float(raw)
     except ValueError:
