@@ -21,6 +21,9 @@ Checks (each prints one line; every check runs even after one failed):
 
 A failure is one line naming what to fix. Exit codes (:mod:`sapd.entry`): 0 every check passed, 2 a
 user error (fix the config, the input, the credentials), 75 a service was unreachable (retry later).
+``sapd check`` (and ``helm test``) diagnose rather than wait: storage that stays unreachable is reported
+after 10 s of retries, not after ``storage.retry_deadline_s``; a stage's own share of the checks
+(:func:`preflight`) waits as the stage would.
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ A permanent failure (exit code 2: the podFailurePolicy's exit-code rule, or JobS
 ``FailJobSetFailurePolicyAction``) is not retried. A Job that Kueue keeps suspended is logged as queued,
 and the driver's own limit on a stage (its ``activeDeadlineSeconds`` + 600 s) counts from its admission.
 A failed final evaluation is reported and leaves the run complete: its checkpoints are committed.
-Every wait is bounded; every decision is one plain log line.
+Every wait is bounded; every decision is one plain log line. Given the run root's lease (``lease``, which
+``jobs.pipeline`` holds for the release), the driver stops (exit 2) once another run holds it: it checks
+between its polls and before it creates a Job.
 """
 
 from __future__ import annotations
