@@ -97,6 +97,10 @@ def _write_legacy(root: str, engine: train.TorchEngine, step: int) -> None:
                 "optimizer": engine.optimizer.state_dict()}, buf)
     storage.delete_prefix(checkpoints.optimizer_dir(root, 1))
     storage.write_bytes(storage.join(layout.checkpoint_state_dir(root, 1), "trainer.pt"), buf.getvalue())
+    marker = checkpoints.read_marker(root, 1)
+    for key in ("files", "optimizer"):  # that sapd recorded no digests, and no sharded optimizer
+        marker.pop(key, None)
+    storage.write_json(layout.checkpoint_marker(root, 1), marker)
 
 
 def test_checkpoints_holding_the_whole_state_still_resume(student, tmp_path):
