@@ -32,9 +32,10 @@ every rank reads that file whole, as it did then.
 of the checkpoint (``files``: the model folder's, ``trainer.pt``, the optimizer's index and data files),
 computed as they were written; a loader compares what it reads and refuses a file that differs
 (:class:`sapd.storage.CorruptObject`, naming it). The optimizer's data files are read in ranges, so for
-them the marker also records one SHA-256 per item DCP wrote (``segments``: cut where DCP asks the stream
-for its position, at the start and end of each item), and each ranged read is checked against the items it
-covers. A checkpoint committed before digests existed still loads, with a line saying it is unverified.
+them one SHA-256 per item DCP wrote is recorded too (cut where DCP asks the stream for its position, at
+the start and end of each item), in ``state/optimizer/_ITEM_DIGESTS.json`` — a file of the checkpoint like
+the others, so the marker every load reads stays small — and each ranged read is checked against the items
+it covers. A checkpoint committed before digests existed still loads, with a line saying it is unverified.
 """
 
 from __future__ import annotations
@@ -171,11 +172,18 @@ def save_checkpoint(root: str, k: int, model, tokenizer, state: dict[str, Any] |
     written = write_model_folder(layout.checkpoint_model_dir(root, k), model, tokenizer, gather=gather,
                                  is_main=is_main, max_shard_bytes=max_shard_bytes)
     files = {f"model/{name}": d for name, d in written.items()}
+    item_digests: dict[str, Any] = {}
     if optimizer is not None:
-        files.update({f"state/optimizer/{name}": d
-                      for name, d in save_optimizer_shards(optimizer_dir(root, k), optimizer).items()})
+        for name, d in save_optimizer_shards(optimizer_dir(root, k), optimizer).items():
+            if "segments" in d:
+                item_digests[name] = d.pop("segments")
+            files[f"state/optimizer/{name}"] = d
     if not is_main:
         return None
+    if item_digests:  # beside the data files, so the marker that every load reads stays small
+        text = json.dumps(item_digests, sort_keys=True) + "\n"
+        files[f"state/optimizer/{ITEM_DIGESTS}"] = storage.digest(text.encode())
+        storage.write_text(storage.join(optimizer_dir(root, k), ITEM_DIGESTS), text)
     if optimizer is not None:
         state = {**(state or {}), SHARDED_KEY: optimizer.describe()}
     if state is not None:
@@ -204,8 +212,8 @@ def checkpoint_model_path(root: str, k: int) -> Path:
     marker = read_marker(root, k)
     uri = layout.checkpoint_model_dir(root, k)
     if storage.is_s3(uri):
-        return resolve_model_dir(uri, cache_key=marker["commit_id"])
-    return resolve_model_dir(uri)
+        return resolve_model_dir(uri, cache_key=marker["commit_id"], marker=marker)
+    return resolve_model_dir(uri, marker=marker)
 
 
 def load_checkpoint_model(root: str, k: int, dtype: str = "float32", device: str = "cpu", trainable: bool = False):
@@ -229,14 +237,28 @@ def load_trainer_state(root: str, k: int) -> dict[str, Any] | None:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
+ITEM_DIGESTS = "_ITEM_DIGESTS.json"
+"""Beside the optimizer's data files: the SHA-256 of every item DCP wrote into each (``[offset, sha256]``
+lists by file name), itself recorded in the commit marker like every file of the checkpoint."""
+
+
 def _optimizer_files(root: str, k: int) -> dict[str, dict[str, Any]] | None:
-    """The digests checkpoint ``k``'s commit recorded of its optimizer files, by name in ``state/optimizer``
-    (None: it recorded none, an unverified checkpoint)."""
+    """The digests checkpoint ``k``'s commit recorded of its optimizer files, by name in ``state/optimizer``,
+    each data file's with its items' (``segments``; checked against the marker's digest of the items file
+    first); None when it recorded none (an unverified checkpoint)."""
     files = checkpoint_files(root, k, read_marker(root, k))
     if files is None:
         return None
     prefix = "state/optimizer/"
-    return {name.removeprefix(prefix): d for name, d in files.items() if name.startswith(prefix)}
+    out = {name.removeprefix(prefix): dict(d) for name, d in files.items() if name.startswith(prefix)}
+    if ITEM_DIGESTS in out:
+        uri = storage.join(optimizer_dir(root, k), ITEM_DIGESTS)
+        data = storage.read_bytes(uri)
+        storage.check_digest(uri, storage.digest(data), out[ITEM_DIGESTS], layout.checkpoint_marker(root, k))
+        for name, segments in json.loads(data).items():
+            if name in out:
+                out[name]["segments"] = segments
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

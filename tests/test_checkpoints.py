@@ -165,19 +165,21 @@ def test_the_commit_records_every_file_and_loading_checks_them(tmp_path, run_roo
     on_disk = {u[len(ckpt) + 1:] for u in storage.list_files(ckpt)} - {"state/_COMMITTED"}
     assert set(marker["files"]) == on_disk
     assert {"model/config.json", "model/model.safetensors.index.json", "model/tokenizer.json", "state/trainer.pt",
-            "state/optimizer/.metadata", "state/optimizer/__0_0.distcp"} <= on_disk
+            "state/optimizer/.metadata", "state/optimizer/__0_0.distcp", "state/optimizer/_ITEM_DIGESTS.json"} <= on_disk
     assert sum(name.endswith(".safetensors") for name in on_disk) >= 2
     for name, recorded in marker["files"].items():
         data = storage.read_bytes(storage.join(ckpt, name))
         assert (recorded["bytes"], recorded["sha256"]) == (len(data), hashlib.sha256(data).hexdigest()), name
     # the optimizer's data file: one digest per item DCP wrote (exp_avg and exp_avg_sq of every parameter),
-    # each over exactly that item's bytes
+    # each over exactly that item's bytes, in a file beside it (recorded in the marker like the others)
     data_file = marker["files"]["state/optimizer/__0_0.distcp"]
+    items = json.loads(storage.read_bytes(storage.join(ckpt, "state/optimizer/_ITEM_DIGESTS.json")))
+    assert set(items) == {"__0_0.distcp"} and "segments" not in data_file
     data = storage.read_bytes(storage.join(ckpt, "state/optimizer/__0_0.distcp"))
-    starts = [s[0] for s in data_file["segments"]] + [data_file["bytes"]]
-    assert len(data_file["segments"]) == 2 * len(list(model.parameters()))
+    starts = [s[0] for s in items["__0_0.distcp"]] + [data_file["bytes"]]
+    assert len(items["__0_0.distcp"]) == 2 * len(list(model.parameters()))
     assert all(hashlib.sha256(data[a:b]).hexdigest() == s[1]
-               for a, b, s in zip(starts, starts[1:], data_file["segments"]))
+               for a, b, s in zip(starts, starts[1:], items["__0_0.distcp"]))
     # and what is loaded passes the checks
     loaded = checkpoints.load_checkpoint_model(run_root, 1)
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
@@ -187,7 +189,8 @@ def test_the_commit_records_every_file_and_loading_checks_them(tmp_path, run_roo
 
 
 @pytest.mark.parametrize("victim", ["model/SHARD", "model/config.json", "state/trainer.pt",
-                                    "state/optimizer/__0_0.distcp", "state/optimizer/.metadata"])
+                                    "state/optimizer/__0_0.distcp", "state/optimizer/.metadata",
+                                    "state/optimizer/_ITEM_DIGESTS.json"])
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_damaged_checkpoint_file_is_refused_naming_it(tmp_path, victim, damage):
     from sapd import layout

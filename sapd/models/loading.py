@@ -74,14 +74,16 @@ def pin_model_path(path_or_uri: str, field: str, log: Callable[[str], None]) -> 
     return folder
 
 
-def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cache_key: str = "") -> Path:
+def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cache_key: str = "",
+                      marker: dict | None = None) -> Path:
     """A local folder as is; an ``s3://`` prefix downloaded into the cache **once per cache**, whichever
     of the processes sharing that cache asks first (:func:`fetch_once`): the ranks of a training pod
     share its scratch (or the node's model cache), so checkpoint k and the teacher cross the network once
     per pod (or node), not once per rank. ``cache_key`` distinguishes versions of one URI (a checkpoint's
     commit id). A run root stands for its newest committed checkpoint's model (:func:`model_folder`). A
     checkpoint's model folder is checked file by file against the digests its commit recorded
-    (:func:`verify_checkpoint_model`) before it is handed out."""
+    (:func:`verify_checkpoint_model`; ``marker``: its commit marker, when the caller has read it) before it
+    is handed out."""
     path_or_uri = model_folder(path_or_uri)
     if not storage.is_s3(path_or_uri):
         p = Path(path_or_uri.removeprefix("file://"))
@@ -91,7 +93,7 @@ def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cac
         key = hashlib.sha256(f"{path_or_uri}|{cache_key}".encode()).hexdigest()[:16]
         p = fetch_once(path_or_uri, Path(cache_dir or default_cache_dir()) / "models" / key)
     if (checkpoint := layout.checkpoint_of_model_dir(path_or_uri)) is not None:
-        verify_checkpoint_model(path_or_uri, p, *checkpoint)
+        verify_checkpoint_model(path_or_uri, p, *checkpoint, marker=marker)
     return p
 
 
@@ -129,16 +131,18 @@ def _local_digest(path: Path) -> dict:
     return found
 
 
-def verify_checkpoint_model(uri: str, local: Path, root: str, k: int) -> None:
+def verify_checkpoint_model(uri: str, local: Path, root: str, k: int, marker: dict | None = None) -> None:
     """Checkpoint ``k``'s model folder ``uri`` (its local copy ``local``, or itself) holds exactly the files
     its commit recorded, each of the recorded size and SHA-256; else :class:`sapd.storage.CorruptObject`
     naming the file. A copy fetched from S3 that differs is fetched once more before it is refused (the copy
     may be what was damaged). Hashing is skipped for a file this process hashed already, unchanged since."""
     marker_uri = layout.checkpoint_marker(root, k)
-    if not storage.exists(marker_uri):
-        raise FileNotFoundError(f"{uri}: checkpoint {k} of {root} is not committed (no {marker_uri}); a checkpoint "
-                                "is used only once committed")
-    files = checkpoint_files(root, k, storage.read_json(marker_uri))
+    if marker is None:
+        if not storage.exists(marker_uri):
+            raise FileNotFoundError(f"{uri}: checkpoint {k} of {root} is not committed (no {marker_uri}); a "
+                                    "checkpoint is used only once committed")
+        marker = storage.read_json(marker_uri)
+    files = checkpoint_files(root, k, marker)
     if files is None:
         return
     expected = {name.removeprefix("model/"): d for name, d in files.items() if name.startswith("model/")}
