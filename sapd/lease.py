@@ -388,7 +388,8 @@ def holding(root: str, claimant: Claimant, *, ttl_s: float, log: Callable[[str],
         lease.release(for_owner=give_back == "owner")
 
 
-def check_not_held(root: str, claimant: Claimant, *, takeover_hint: str = "pass --force-takeover") -> None:
+def check_not_held(root: str, claimant: Claimant, *,
+                   hint: str = "this process belongs to another run: point it at its own run root") -> None:
     """For a process that writes beside the run without holding the lease (an evaluation of committed
     checkpoints): :class:`LeaseHeld` when another owner holds a live lease on ``root``."""
     cur = storage.read_versioned(layout.lease_uri(root))
@@ -396,5 +397,4 @@ def check_not_held(root: str, claimant: Claimant, *, takeover_hint: str = "pass 
     if cur is None or rec is None or rec["owner"] == claimant.owner:
         return
     if cur.age_s <= float(rec.get("ttl_s") or 0) and not (rec.get("process") and _gone(rec)):
-        raise LeaseHeld(f"run root {root} is held by {describe(rec, cur.age_s)}, not by {claimant.owner}: this "
-                        f"process belongs to another run; {takeover_hint}")
+        raise LeaseHeld(f"run root {root} is held by {describe(rec, cur.age_s)}, not by {claimant.owner}: {hint}")

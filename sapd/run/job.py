@@ -82,10 +82,10 @@ def stage_lease(cfg: RunConfig, stage: str, prog: str, *, main: bool, log: Calla
         yield
         return
     claimant = lease.Claimant.this_process(prog)
-    hint = f"run {prog} again with --force-takeover"
+    hint = "run it again with --force-takeover"
     if stage == "evaluate":
         if not claimant.local:
-            lease.check_not_held(cfg.run_root, claimant, takeover_hint="it belongs to another run root")
+            lease.check_not_held(cfg.run_root, claimant)
         yield
         return
     with lease.holding(cfg.run_root, claimant, ttl_s=cfg.storage.lease_ttl_s, log=log, force=force, takeover_hint=hint,
