@@ -546,61 +546,6 @@ class _RangeFile:
         pass
 
 
-class _DigestingStream:
-    """A write stream (DCP's, onto :func:`sapd.storage.open_write`) that hashes what passes through: the whole
-    file, and one segment per stretch between two ``tell()`` calls — DCP asks for the position at the start
-    and the end of every item it writes, so each item is one segment, and a ranged read of an item can be
-    checked on its own."""
-
-    def __init__(self, out: Any) -> None:
-        self.out, self.pos, self.cut = out, 0, 0
-        self.whole, self.piece = hashlib.sha256(), hashlib.sha256()
-        self.segments: list[list[Any]] = []
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.out.write(view)
-        self.whole.update(view)
-        self.piece.update(view)
-        self.pos += view.nbytes
-        return view.nbytes
-
-    def _cut(self) -> None:
-        if self.pos > self.cut:
-            self.segments.append([self.cut, self.piece.hexdigest()])
-            self.piece, self.cut = hashlib.sha256(), self.pos
-
-    def tell(self) -> int:
-        self._cut()
-        return self.pos
-
-    def digest(self) -> dict[str, Any]:
-        self._cut()
-        return {"bytes": self.pos, "sha256": self.whole.hexdigest(), "segments": self.segments}
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def readable(self) -> bool:
-        return False
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:  # DCP closes the stream itself (publishing it) before leaving create_stream
-        self.out.close()
-
-    @property
-    def closed(self) -> bool:
-        return bool(self.out.closed)
-
-    def fileno(self) -> int:
-        raise io.UnsupportedOperation("no file descriptor")
-
-
 @functools.cache
 def _dcp_io() -> tuple[Any, Any]:
     """DCP's file-system writer and reader with :mod:`sapd.storage` underneath (classes made on first use:
@@ -630,9 +575,8 @@ def _dcp_io() -> tuple[Any, Any]:
             uri = str(path)
             if mode == "wb":
                 with storage.open_write(uri) as out:
-                    stream = _DigestingStream(out)
-                    yield stream
-                self.digests[uri] = stream.digest()
+                    yield out
+                self.digests[uri] = out.digest()  # one SHA-256 per item too: DCP asks tell() around each
             elif mode == "rb":
                 if not uri.endswith(".metadata"):
                     yield _RangeFile(uri, self._expected(uri), self.committed_in)

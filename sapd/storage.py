@@ -1164,7 +1164,10 @@ class AtomicWriter:
     :meth:`close` (or leaving the ``with`` block normally) publishes it; an exception in the block, or
     :meth:`abort`, leaves nothing (the multipart upload is aborted, the temp file removed). Every piece
     (a part, a write at its offset of the temp file, the completion) is retried on its own through an
-    outage, so a long stream does not start over."""
+    outage, so a long stream does not start over. What passes through is hashed (:meth:`digest`): the
+    whole stream, and each stretch between two :meth:`tell` calls on its own — a writer that asks for its
+    position at the start and end of every record (torch's DCP does) gets one SHA-256 per record, against
+    which a ranged read of that record can be checked."""
 
     def __init__(self, uri: str, part_bytes: int = 16 * MiB) -> None:
         if part_bytes < 5 * MiB:
@@ -1173,6 +1176,8 @@ class AtomicWriter:
         self._part_bytes = part_bytes
         self._pos = 0
         self._done = False
+        self._whole, self._piece, self._cut_at = hashlib.sha256(), hashlib.sha256(), 0
+        self._segments: list[list[Any]] = []
         self._s3 = is_s3(uri)
         if self._s3:
             self._bucket, self._key = _s3_object(uri)
@@ -1206,7 +1211,19 @@ class AtomicWriter:
         return self._done
 
     def tell(self) -> int:
+        self._cut()
         return self._pos
+
+    def _cut(self) -> None:
+        if self._pos > self._cut_at:
+            self._segments.append([self._cut_at, self._piece.hexdigest()])
+            self._piece, self._cut_at = hashlib.sha256(), self._pos
+
+    def digest(self) -> dict[str, Any]:
+        """:func:`digest` of everything written, with ``segments``: ``[offset, sha256]`` of each stretch
+        between two :meth:`tell` calls (and the last one before now)."""
+        self._cut()
+        return {"bytes": self._pos, "sha256": self._whole.hexdigest(), "segments": list(self._segments)}
 
     def flush(self) -> None:
         pass
@@ -1219,6 +1236,8 @@ class AtomicWriter:
             raise ValueError(f"write to {self.uri} after it was closed")
         view = memoryview(data).cast("B")
         n = view.nbytes
+        self._whole.update(view)
+        self._piece.update(view)
         if self._s3:
             self._buf += view
             while len(self._buf) >= self._part_bytes:

@@ -804,3 +804,25 @@ def test_check_digest_names_the_object(tmp_path: Path) -> None:
         storage.check_digest("s3://b/run/model.safetensors", storage.file_digest(f), good, "s3://b/run/_COMMITTED")
     with pytest.raises(CorruptObject, match="not one of the files"):
         storage.check_digest("x", good, None, "m")
+
+
+def test_a_stream_hashes_each_stretch_between_two_tells(root: str) -> None:
+    """What DCP's writer does: tell() at the start and end of each record; the stream's digest has one
+    SHA-256 per record, and the whole."""
+    uri = storage.join(root, "records.bin")
+    records = [b"a" * 10, b"", b"bc" * 7, os.urandom(1000)]
+    with storage.open_write(uri) as out:
+        for r in records:
+            out.tell()
+            out.write(r[:3])
+            out.write(r[3:])
+            out.tell()
+    found = out.digest()
+    data = b"".join(records)
+    assert storage.read_bytes(uri) == data and (found["bytes"], found["sha256"]) == (len(data), _sha_bytes(data))
+    offsets = [0, 10, 24]
+    assert found["segments"] == [[o, _sha_bytes(r)] for o, r in zip(offsets, [records[0], records[2], records[3]])]
+
+
+def _sha_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
