@@ -257,11 +257,12 @@ class RunLease:
         return True
 
     def _confirm(self) -> None:
-        """Read the lease back: it must carry this claimant's token. On S3, also ask whether the server
-        enforces conditional writes: a second create-if-absent of the same object must fail."""
+        """Read the lease back: it must carry this claimant's token (or its owner's). On S3, also ask whether
+        the server enforces conditional writes: a second create-if-absent of the same object must fail."""
         back = storage.read_versioned(self.uri)
         rec = _parse(back.data) if back is not None else None
-        if back is None or rec is None or rec.get("token") != self.token:
+        # this claimant's token, or (processes of one owner taking it at once: a release's Jobs) its owner's
+        if back is None or rec is None or (rec.get("token") != self.token and rec["owner"] != self.claimant.owner):
             what = describe(rec, back.age_s) if back is not None and rec is not None else "nobody"
             raise LeaseHeld(f"run root {self.root}: another run took the lease at the same moment; it is held by "
                             f"{what}")

@@ -184,3 +184,25 @@ def test_a_store_that_ignores_conditional_writes_is_reported(s3_storage: str, mo
                      "first renewal (docs/FAULTS.md)"]
     monkeypatch.setattr(storage, "write_conditional", real)
     assert RunLease(s3_storage + "/run2", who("run A"), ttl_s=60).acquire().conditional is True  # SeaweedFS enforces
+
+
+def test_processes_of_one_owner_taking_it_at_once_all_hold_it(root: str) -> None:
+    """A release's Jobs start together (the Indexed Job's workers, a restarted driver): all share it."""
+    barrier = threading.Barrier(4)
+    results: list[str] = [""] * 4
+
+    def take(i: int) -> None:
+        barrier.wait()
+        try:
+            RunLease(root, Claimant("release a in namespace x", f"pod-{i} pid 1", "teacher_scores"),
+                     ttl_s=60).acquire()
+            results[i] = "held"
+        except LeaseHeld as e:
+            results[i] = str(e)
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == ["held"] * 4
