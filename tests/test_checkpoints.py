@@ -219,6 +219,36 @@ def test_a_damaged_checkpoint_file_is_refused_naming_it(tmp_path, victim, damage
     assert not (tmp_path / "exported").exists()
 
 
+def test_checkpoint_0s_fp32_master_is_recorded_and_checked_like_every_file(tmp_path):
+    """A bf16 run's checkpoint 0 holds the student's fp32 weights as the optimizer's master (no moments):
+    its files are in the marker, one item digest per parameter, and a damaged master is refused."""
+    from sapd import layout, storage
+    from sapd.storage import CorruptObject
+    root = str(tmp_path / "run")
+    tok = build_test_tokenizer(tmp_path / "tok")
+    model = build_tiny_model(tok, tmp_path / "src", seed=5)
+    master = checkpoints.master_shard(model)
+    weights = [p.detach().to(torch.float32).clone() for p in model.parameters()]
+    model.to(torch.bfloat16)
+    marker = checkpoints.save_checkpoint(root, 0, model, load_tokenizer(str(tmp_path / "src")), None,
+                                         optimizer=master)
+    assert marker is not None and marker["optimizer"] == checkpoints.OPTIMIZER_FORMAT
+    assert {"state/optimizer/.metadata", "state/optimizer/__0_0.distcp", "state/optimizer/_ITEM_DIGESTS.json",
+            "state/trainer.pt"} <= set(marker["files"])
+    items = json.loads(storage.read_bytes(storage.join(checkpoints.optimizer_dir(root, 0), checkpoints.ITEM_DIGESTS)))
+    assert len(items["__0_0.distcp"]) == len(weights)  # the master of every parameter, nothing else
+    state = checkpoints.consolidated_optimizer_state(root, 0)
+    assert state is not None
+    assert all(torch.equal(state["state"][i][checkpoints.MASTER_KEY].view(w.shape), w) for i, w in enumerate(weights))
+    path = Path(checkpoints.optimizer_dir(root, 0)) / "__0_0.distcp"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptObject) as info:
+        checkpoints.consolidated_optimizer_state(root, 0)
+    assert str(path) in str(info.value) and layout.checkpoint_marker(root, 0) in str(info.value)
+
+
 def test_a_file_the_commit_does_not_list_is_refused(tmp_path):
     from sapd import layout
     from sapd.storage import CorruptObject
