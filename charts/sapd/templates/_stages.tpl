@@ -329,6 +329,7 @@ spec:
 {{- if and (eq .stage "evaluate") (include "sapd.alfworldFillWanted" .root) }}
 {{- $args = concat $args (list "--evaluate-after-job" (include "sapd.alfworldFillName" .root)) }}
 {{- end }}
+{{- if .root.Values.pipeline.forceTakeover }}{{ $args = append $args "--force-takeover" }}{{ end }}
 apiVersion: batch/v1
 kind: Job
 metadata:
