@@ -89,10 +89,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         work = Path(args.work or tmp)
         data = Path(args.alfworld_data) if args.alfworld_data else work / "alfworld-games"
         if not args.alfworld_data:
-            from sapd.cli import main as sapd_main
-            if sapd_main(["alfworld-games", "--out", str(data), "--split", args.split, "--per-type",
-                          str(args.per_type), "--no-progress"]) != 0:
-                raise SystemExit("sapd alfworld-games failed")
+            subprocess.run([sys.executable, "-m", "sapd.cli", "alfworld-games", "--out", str(data), "--split",
+                            args.split, "--per-type", str(args.per_type), "--no-progress"], cwd=REPO, check=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
         base = ["collect-expert", "--benchmark", "alfworld", "--expert", args.expert, "--split", args.split,
                 "--alfworld-data", str(data), "--env-timeout", str(args.env_timeout), "--no-progress"]
         if args.limit is not None:

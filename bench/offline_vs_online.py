@@ -42,11 +42,12 @@ environment, from the medians over rounds.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import io
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from functools import partial
@@ -75,6 +76,7 @@ STAGES = ("sample", *PARTS)
 PAPER_ALFWORLD = {"trajectories": 16, "group": 8, "horizon": 50, "student": "Qwen2.5-1.5B", "teacher": "Qwen2.5-3B"}
 DEFAULT_HORIZON = {"textworld": 6, "scienceworld": 6, "alfworld": 50}
 DEFAULT_GAMES = {"textworld": 2, "scienceworld": 2, "alfworld": 6}
+REPO = Path(__file__).resolve().parents[1]
 
 
 def env_specs(env: str, games: int, cache: Path) -> list[EpisodeSpec]:
@@ -152,25 +154,31 @@ def _round_stages(timings: dict[str, float], train_s: float, round_s: float, onl
     return out
 
 
+def sapd_command(argv: list[str], log: Callable[[str], None]) -> None:
+    """``sapd ARGV``, the user's command, in its own process; its output goes to ``log``."""
+    run = subprocess.run([sys.executable, "-m", "sapd.cli", *argv], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    for line in run.stdout.splitlines():
+        log(line)
+    if run.returncode != 0:
+        raise RuntimeError(f"sapd {' '.join(argv)} failed ({run.returncode}):\n{run.stderr[-3000:]}")
+
+
 def alfworld_inputs(args: argparse.Namespace, work: Path, log: Callable[[str], None]
                     ) -> tuple[list[EpisodeSpec], list[Trajectory]]:
     """ALFWorld's games (``sapd alfworld-games``, or ``--alfworld-data``) and the planner expert's recorded logs
     of the first ``--games`` of them (``sapd collect-expert``), both through the command line as a user runs them."""
-    from sapd.cli import main as sapd_main
     from sapd.envs.alfworld_env import alfworld_specs
     data = Path(args.alfworld_data) if args.alfworld_data else work / "alfworld-games"
     per_type = -(-args.games // 6)  # enough games of each of the six task types
-    quiet = contextlib.redirect_stdout(io.StringIO()) if args.quiet else contextlib.nullcontext()
-    with quiet:
-        if not args.alfworld_data and sapd_main(["alfworld-games", "--out", str(data), "--split", args.alfworld_split,
-                                                  "--per-type", str(per_type), "--no-progress"]) != 0:
-            raise RuntimeError("sapd alfworld-games failed")
-        recorded = work / "alfworld" / "planner_expert.jsonl"
-        recorded.parent.mkdir(parents=True, exist_ok=True)
-        if sapd_main(["collect-expert", "--benchmark", "alfworld", "--expert", "planner", "--split",
-                      args.alfworld_split, "--alfworld-data", str(data), "--limit", str(args.games), "--out",
-                      str(recorded), "--no-progress"]) != 0:
-            raise RuntimeError("sapd collect-expert failed")
+    if not args.alfworld_data:
+        sapd_command(["alfworld-games", "--out", str(data), "--split", args.alfworld_split, "--per-type",
+                      str(per_type), "--no-progress"], log)
+    recorded = work / "alfworld" / "planner_expert.jsonl"
+    recorded.parent.mkdir(parents=True, exist_ok=True)
+    sapd_command(["collect-expert", "--benchmark", "alfworld", "--expert", "planner", "--split", args.alfworld_split,
+                  "--alfworld-data", str(data), "--limit", str(args.games), "--out", str(recorded), "--no-progress"],
+                 log)
     expert = load_trajectories(str(recorded), "native", LoadOptions("alfworld")).trajectories
     specs = alfworld_specs(data, args.alfworld_split, limit=args.games, log=None)  # the same games, no expert
     if [s.id for s in specs] != [t.id for t in expert]:
@@ -209,18 +217,21 @@ def run_env(env: str, args: argparse.Namespace, work: Path, log: Callable[[str],
                      kv_heads=2, intermediate_size=4 * args.teacher_hidden, seed=1)
     n = sum(len(t.turns) for t in expert)  # SAPD's decisions (prefixes) per round: every trajectory each round
 
-    def cfg_for(name: str):
+    def cfg_for(name: str, decisions: int):
+        # one optimizer step per round over all of the round's decisions, for each method; at the same
+        # decisions in micro-batches of all of them, on ALFWorld (up to 50 steps × games online) of 8 prefixes
         return config_from_dict({
             "run_root": str(work / env / name), "variant": "sapd",
             "data": {"input": str(data), "format": "native", "benchmark": env, "max_prompt_tokens": None,
                      "val_fraction": 0.0},
             "model": {"student": str(student), "teacher": str(teacher)},
             "sampling": {"group_size": args.group, "max_new_tokens": args.new_tokens, "prompts_per_batch": 4},
-            "train": {"rounds": args.rounds, "trajectories_per_round": games, "minibatch_prefixes": n,
-                      "micro_batch_prefixes": n, "lr": 1e-4, "seed": 0}})
+            "train": {"rounds": args.rounds, "trajectories_per_round": games, "minibatch_prefixes": decisions,
+                      "micro_batch_prefixes": min(decisions, 8) if env == "alfworld" else decisions, "lr": 1e-4,
+                      "seed": 0}})
 
-    sapd_cfg = cfg_for("sapd")
-    opd_cfg = online_config(dataclasses.replace(cfg_for("online_opd")), "online_opd")
+    sapd_cfg = cfg_for("sapd", n)
+    opd_cfg = online_config(cfg_for("online_opd", games * horizon if env == "alfworld" else n), "online_opd")
     tokenizer = load_tokenizer(str(student))
     quiet = dict(log=log, show_progress=False)
     for cfg in (sapd_cfg, opd_cfg):
