@@ -220,15 +220,16 @@ def run_env(env: str, args: argparse.Namespace, work: Path, log: Callable[[str],
     def cfg_for(name: str, decisions: int):
         # one optimizer step per round over all of the round's decisions, for each method; at the same
         # decisions in micro-batches of all of them, on ALFWorld (up to 50 steps × games online) of 8 prefixes
+        micro = min(decisions, 8) if env == "alfworld" else decisions
         return config_from_dict({
             "run_root": str(work / env / name), "variant": "sapd",
             "data": {"input": str(data), "format": "native", "benchmark": env, "max_prompt_tokens": None,
                      "val_fraction": 0.0},
             "model": {"student": str(student), "teacher": str(teacher)},
             "sampling": {"group_size": args.group, "max_new_tokens": args.new_tokens, "prompts_per_batch": 4},
-            "train": {"rounds": args.rounds, "trajectories_per_round": games, "minibatch_prefixes": decisions,
-                      "micro_batch_prefixes": min(decisions, 8) if env == "alfworld" else decisions, "lr": 1e-4,
-                      "seed": 0}})
+            "train": {"rounds": args.rounds, "trajectories_per_round": games,
+                      "minibatch_prefixes": -(-decisions // micro) * micro, "micro_batch_prefixes": micro,
+                      "lr": 1e-4, "seed": 0}})
 
     sapd_cfg = cfg_for("sapd", n)
     opd_cfg = online_config(cfg_for("online_opd", games * horizon if env == "alfworld" else n), "online_opd")

@@ -51,7 +51,8 @@ from typing import Any, Callable, Iterator
 
 CACHE_FORMAT = 1
 ENGINE_PACKAGES = ("textworld", "fast-downward-textworld", "alfworld")
-PARSE_CACHE_SIZE = 8192  # parse trees per parser: alfred.twl2 has ~300 rules; each game adds a few goal rules
+PARSE_CACHE_SIZE = 8192  # rule/template/query trees: alfred.twl2 has ~100 rules, each game adds ~4 goal rules
+GRAMMAR_CACHE_SIZE = 64  # whole grammar documents (~0.4 MB each as a tree): the games one process replays
 SAS_MEMORY_SIZE = 64  # SAS texts kept in memory (0.1–1.3 MB each): load and reset of one game, and more
 
 
@@ -124,8 +125,9 @@ def _pddl_logic_tree(text: str, rule_name: str) -> Any:
     return logic._PARSER.parse(text, rule_name=rule_name)
 
 
-_TREES = {name: lru_cache(maxsize=PARSE_CACHE_SIZE)(fn) for name, fn in
-          (("textgen", _textgen_tree), ("logic", _logic_tree), ("pddl_logic", _pddl_logic_tree))}
+_TREES = {name: lru_cache(maxsize=size)(fn) for name, fn, size in
+          (("textgen", _textgen_tree, PARSE_CACHE_SIZE), ("logic", _logic_tree, PARSE_CACHE_SIZE),
+           ("pddl_logic", _pddl_logic_tree, GRAMMAR_CACHE_SIZE))}
 
 
 def _cached_parse(name: str, converter: Callable[[], Any], text: str, **kwargs: Any) -> Any:
