@@ -287,6 +287,19 @@ def test_a_corrupt_cache_file_is_translated_again_and_an_unwritable_folder_says_
     assert engine_cache.stats().translations == 2
 
 
+def test_a_textworld_with_other_internals_is_played_as_shipped_and_said_once(games, engine_cache, monkeypatch,
+                                                                            capsys):
+    from textworld.envs.pddl import textgen
+    monkeypatch.setattr(engine_cache, "_STATE", engine_cache._State())  # nothing said yet in this process
+    monkeypatch.delattr(textgen, "_Converter")  # as if a later textworld had renamed it
+    assert engine_cache.set_engine_cache(True) is False and not engine_cache.engine_cache_enabled()
+    assert engine_cache.set_engine_cache(True) is False
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ALFWorld engine cache: not available for this textworld (")
+    monkeypatch.undo()
+    assert engine_cache.set_engine_cache(True, disk=False) is True
+
+
 def test_the_shared_start_up_is_parsed_once_before_workers_fork(games, engine_cache, tmp_path, monkeypatch):
     monkeypatch.setenv("SAPD_CACHE_DIR", str(tmp_path))
     specs = alfworld_specs(games, "valid_unseen", expert="planner", log=None)

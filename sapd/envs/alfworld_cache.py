@@ -97,6 +97,7 @@ class _State:
     sas: OrderedDict[str, str] = field(default_factory=OrderedDict)
     stats: CacheStats = field(default_factory=CacheStats)
     unwritable_said: bool = False
+    unavailable: bool = False  # this textworld's internals are not 1.7's: played as shipped
 
 
 _STATE = _State()
@@ -263,22 +264,39 @@ def _remember(key: str, sas: str) -> None:
 # switching it on and off
 
 
+# what the wrappers rely on, besides the wrapped functions themselves (textworld 1.7's internals)
+_NEEDED = {"textworld.envs.pddl.textgen": ("_PARSER", "_Converter", "ConditionalSymbol", "ListSymbol"),
+           "textworld.logic": ("_PARSER", "_ModelConverter"),
+           "textworld.envs.pddl.logic": ("_PARSER", "_ModelConverter")}
+
+
 def _targets() -> dict[str, tuple[Any, str, Callable[..., Any]]]:
-    """name → (module, attribute, replacement)."""
+    """name → (module, attribute, replacement); AttributeError when this textworld lacks what they rely on."""
     import fast_downward
     import textworld.logic
     from textworld.envs.pddl import logic, textgen
+    for module in (textgen, textworld.logic, logic):
+        for attr in ("_parse_and_convert", *_NEEDED[module.__name__]):
+            getattr(module, attr)
     return {"textgen": (textgen, "_parse_and_convert", _textgen_parse),
             "logic": (textworld.logic, "_parse_and_convert", _logic_parse),
             "pddl_logic": (logic, "_parse_and_convert", _pddl_logic_parse),
             "pddl2sas": (fast_downward, "pddl2sas", _pddl2sas)}
 
 
-def set_engine_cache(enabled: bool, cache_dir: str | Path | None = None, *, disk: bool = True) -> None:
+def set_engine_cache(enabled: bool, cache_dir: str | Path | None = None, *, disk: bool = True) -> bool:
     """Install (or remove) the caches process-wide (needs textworld with its PDDL backend). ``cache_dir``:
     the translations' folder (default :func:`default_cache_dir`); ``disk=False`` keeps them in memory only.
-    Removing them also empties them."""
-    targets = _targets()
+    Removing them also empties them. Returns whether they are installed: a textworld whose internals differ
+    from 1.7's is played as shipped, said once on stderr."""
+    try:
+        targets = _targets()
+    except AttributeError as e:
+        if enabled and not _STATE.unavailable:
+            _STATE.unavailable = True
+            print(f"ALFWorld engine cache: not available for this textworld ({e}); games start as TextWorld ships "
+                  "them", file=sys.stderr, flush=True)
+        return False
     if not enabled:
         for name, (module, attr, _) in targets.items():
             if name in _STATE.originals:
@@ -288,15 +306,15 @@ def set_engine_cache(enabled: bool, cache_dir: str | Path | None = None, *, disk
         for fn in _TREES.values():
             fn.cache_clear()
         _STATE.enabled, _STATE.stats, _STATE.unwritable_said = False, CacheStats(), False
-        return
+        return False
     _STATE.cache_dir = (None if not disk else Path(cache_dir).expanduser() if cache_dir is not None
                         else default_cache_dir())
-    if _STATE.enabled:
-        return
-    for name, (module, attr, replacement) in targets.items():
-        _STATE.originals[name] = getattr(module, attr)
-        setattr(module, attr, replacement)
-    _STATE.enabled = True
+    if not _STATE.enabled:
+        for name, (module, attr, replacement) in targets.items():
+            _STATE.originals[name] = getattr(module, attr)
+            setattr(module, attr, replacement)
+        _STATE.enabled = True
+    return True
 
 
 def engine_cache_enabled() -> bool:
@@ -309,8 +327,8 @@ def warm_engine(game: dict[str, Any]) -> None:
     afterwards find them parsed. Pure parsing: no game starts, nothing is translated or planned."""
     from textworld.envs.pddl import logic, textgen
     from textworld.logic import Rule
-    if not _STATE.enabled:
-        set_engine_cache(True)
+    if not _STATE.enabled and not set_engine_cache(True):
+        return
     game_logic = logic.GameLogic(domain=game["pddl_domain"], grammar=game["grammar"])
     textgen._parse_and_convert("#intro#", rule_name="symbols")
     for action in game_logic.actions.values():

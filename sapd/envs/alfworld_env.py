@@ -232,7 +232,7 @@ def make_backend(game_file: str | Path, max_steps: int = 50, expert: bool | str 
         raise RuntimeError(f"ALFWorld is not installed ({e}): pip install 'sapd[alfworld]'") from e
     read_game(game_file)  # a one-line error for a bad file, before TextWorld's traceback
     if engine_cache != alfworld_cache.engine_cache_enabled():
-        alfworld_cache.set_engine_cache(engine_cache)
+        alfworld_cache.set_engine_cache(engine_cache)  # process-wide, as the expert fix; False if unavailable
     kind = _expert_type(expert)
     extras = ["gamefile"]
     wrappers: list[Any] = [AlfredDemangler(shuffle=False), AlfredInfos]
