@@ -16,7 +16,10 @@ Each run is the user's command in a fresh process (``python -m sapd.cli collect-
 cold as a user's; the child only records when each episode finishes (for the time to the first one) and the
 parent times the whole process. The expert trajectories written by the three must be identical (the bench fails
 otherwise). Without ``--alfworld-data`` the games are generated first with ``sapd alfworld-games`` (not timed).
-The last line is ``alfworld start-up: cached X.X× faster cold, Y.Y× warm than as shipped (N planner episodes, …)``.
+Each run's CPU time (the command and every environment process it forked) is reported beside its wall time: on a
+shared machine other work stretches the wall time, hardly the CPU time. The last line is
+``alfworld start-up: cached X.X× faster cold, Y.Y× warm than as shipped; CPU A.A× and B.B× (N planner episodes, …)``
+(wall-time ratios, then CPU-time ratios, of the medians over ``--repeats``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -56,16 +60,25 @@ json.dump({"code": code, "finished": finished, "seconds": time.perf_counter() - 
 """
 
 
+def _cpu_of_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_child(argv: list[str], cache_dir: Path, record: Path) -> dict[str, Any]:
+    """One run: wall time, and CPU time of the command with every environment process it forked (each is
+    waited for, so its usage adds up into ours): the load of a shared machine stretches the first, hardly
+    the second."""
     env = {**os.environ, "SAPD_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(REPO)}
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_of_children()
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(argv), str(record)], capture_output=True,
                          text=True, cwd=REPO, env=env)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _cpu_of_children() - cpu0
     if out.returncode != 0:
         raise SystemExit(f"sapd {' '.join(argv)} failed ({out.returncode}):\n{out.stderr[-4000:]}")
     rec = json.loads(record.read_text())
-    return {"wall_seconds": wall, "first_episode_seconds": rec["finished"][0] if rec["finished"] else None,
+    return {"wall_seconds": wall, "cpu_seconds": cpu,
+            "first_episode_seconds": rec["finished"][0] if rec["finished"] else None,
             "episodes": len(rec["finished"]), "stdout": out.stdout}
 
 
@@ -107,13 +120,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 res["cache_files"] = sum(1 for _ in cache.rglob("*.sas.gz")) if cond != "shipped" else 0
                 runs[cond].append(res)
                 digests[cond].add(digest(out))
-                print(f"repeat {r} {cond}: {res['wall_seconds']:.1f} s, first episode after "
-                      f"{res['first_episode_seconds']:.1f} s, {res['episodes']} episodes", flush=True)
+                print(f"repeat {r} {cond}: {res['wall_seconds']:.1f} s ({res['cpu_seconds']:.1f} s CPU), first "
+                      f"episode after {res['first_episode_seconds']:.1f} s, {res['episodes']} episodes; "
+                      f"load average {os.getloadavg()[0]:.1f}", flush=True)
         if len(set().union(*digests.values())) != 1:
             raise SystemExit(f"the expert trajectories differ between the conditions: {digests}")
         print(next(line for line in runs["shipped"][0]["stdout"].splitlines() if line.startswith("wrote ")))
     n = runs["shipped"][0]["episodes"]
-    med = {c: {k: statistics.median(r[k] for r in rs) for k in ("wall_seconds", "first_episode_seconds")}
+    med = {c: {k: statistics.median(r[k] for r in rs) for k in ("wall_seconds", "cpu_seconds", "first_episode_seconds")}
            for c, rs in runs.items()}
     result: dict[str, Any] = {
         "episodes": n, "expert": args.expert, "env_timeout": args.env_timeout, "repeats": args.repeats,
@@ -121,16 +135,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": {c: [{k: v for k, v in r.items() if k != "stdout"} for r in rs] for c, rs in runs.items()}}
     for c in ("cold", "warm"):
         result[f"speedup_{c}"] = med["shipped"]["wall_seconds"] / med[c]["wall_seconds"]
+        result[f"cpu_speedup_{c}"] = med["shipped"]["cpu_seconds"] / med[c]["cpu_seconds"]
         result[f"first_episode_speedup_{c}"] = med["shipped"]["first_episode_seconds"] / med[c]["first_episode_seconds"]
-    print("\n| | whole command s | first episode after s |\n|---|---|---|")
+    print("\n| | whole command s | CPU s (all processes) | first episode after s |\n|---|---|---|---|")
     for c in CONDITIONS:
-        print(f"| {c} | {med[c]['wall_seconds']:.1f} | {med[c]['first_episode_seconds']:.1f} |")
+        print(f"| {c} | {med[c]['wall_seconds']:.1f} | {med[c]['cpu_seconds']:.1f} | "
+              f"{med[c]['first_episode_seconds']:.1f} |")
     print(f"identical expert trajectories in all {len(CONDITIONS) * args.repeats} runs")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     where = "isolated workers" if args.env_timeout > 0 else "in-process"
     print(f"alfworld start-up: cached {result['speedup_cold']:.1f}× faster cold, {result['speedup_warm']:.1f}× warm "
-          f"than as shipped ({n} {args.expert} episodes, {where})")
+          f"than as shipped; CPU {result['cpu_speedup_cold']:.1f}× and {result['cpu_speedup_warm']:.1f}× "
+          f"({n} {args.expert} episodes, {where})")
     return result
 
 

@@ -332,14 +332,15 @@ def test_startup_bench_runs_collect_expert_three_ways_with_the_same_trajectories
                          cwd=repo, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     last = run.stdout.strip().splitlines()[-1]
-    m = re.fullmatch(r"alfworld start-up: cached (\d+\.\d)× faster cold, (\d+\.\d)× warm than as shipped "
-                     r"\(3 planner episodes, isolated workers\)", last)
+    m = re.fullmatch(r"alfworld start-up: cached (\d+\.\d)× faster cold, (\d+\.\d)× warm than as shipped; "
+                     r"CPU \d+\.\d× and \d+\.\d× \(3 planner episodes, isolated workers\)", last)
     assert m, last
     result = json.loads(out.read_text())
     assert (float(m.group(1)), float(m.group(2))) == (round(result["speedup_cold"], 1), round(result["speedup_warm"], 1))
     assert "identical expert trajectories in all 3 runs" in run.stdout
     runs = result["runs"]
     assert [r["episodes"] for c in ("shipped", "cold", "warm") for r in runs[c]] == [3, 3, 3]
+    assert all(r["cpu_seconds"] > 0 for rs in runs.values() for r in rs)
     # the cold run translated each game once (plain and optimised) into the folder the warm run read
     assert runs["cold"][0]["cache_files"] == runs["warm"][0]["cache_files"] == 6
     assert not list((work / "unused-0").rglob("*.sas.gz"))  # as shipped: nothing cached
