@@ -227,7 +227,8 @@ def test_zero_rounds_on_two_ranks_move_the_master_as_float32_moves_the_weights(s
     for z in stages:  # the same scored round 0 and checkpoint 0 (with its master) as the torch engine's bf16 run
         root = tmp / f"zero{z}"
         _seed(bf16, root, "prefixes", "rounds/000000", "checkpoints/000000")
-        cfg = _config(root, models, "bfloat16", engine="deepspeed", zero_stage=z)
+        # one prefix per micro-batch: a minibatch of 2 feeds both ranks (train.micro_batch_prefixes 2 would idle one)
+        cfg = _config(root, models, "bfloat16", engine="deepspeed", zero_stage=z, micro_batch_prefixes=1)
         jobs.append({"do": "train", "config": cfg})
     for z in stages:  # checkpoint 1's state into an engine built from checkpoint 0's folder
         jobs.append({"do": "restore", "config": _config(tmp / f"restore{z}", models, "bfloat16", engine="deepspeed",
