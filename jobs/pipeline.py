@@ -11,8 +11,9 @@ never deletes a running stage Job and `helm uninstall` removes them all). A rest
 adopts the current round's Job instead of creating a duplicate and skips every committed stage. A Job
 that fails, or completes without committing its output, is deleted and created again at most
 --retries times (a preempted train pod or a train group that never assembled is not counted); a failed
-final evaluation is reported and the run still completes. Every line it prints is meant to be read with
-`kubectl logs job/<release>-pipeline-<revision>`.
+final evaluation is reported and the run still completes. The evaluation starts once the Jobs it needs
+are complete (--evaluate-after-job: the chart's ALFWorld data fill). Every line it prints is meant to be
+read with `kubectl logs job/<release>-pipeline-<revision>`.
 
 With --stage (and --round) it runs one step only: it waits until the step's input is committed (in its own
 small pod, holding no GPU), then runs that step's Job as above. The chart's `mode: manual` renders one such
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="configmap/<name> or job/<name>: the object the stage Jobs belong to, so that deleting it "
                         "removes them (the chart: the release's pipeline-templates ConfigMap; default "
                         "$SAPD_PIPELINE_OWNER, else none)")
+    p.add_argument("--evaluate-after-job", action="append", default=[], metavar="JOB",
+                   help="a Job of the release the evaluation needs complete first (repeatable; the chart: the "
+                        "ALFWorld data fill); one that is not there is taken as done and deleted after its TTL")
     p.add_argument("--stage", choices=STAGES, default=None,
                    help="run this step only, once its input is committed (the chart's manual mode)")
     p.add_argument("--round", type=int, default=None, help="the round of --stage (not for build-prefixes)")
@@ -102,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 driver = Driver(cfg, templates, load_api_client(args.kubeconfig), namespace, retries=args.retries,
                                 poll_seconds=args.poll_seconds, log_every_seconds=args.log_every_seconds,
                                 stage_timeout_seconds=args.stage_timeout_seconds, owner=args.owner, log=log_line,
-                                lease=held)
+                                lease=held, evaluate_after=args.evaluate_after_job)
                 if args.stage is None:
                     driver.run()
                 else:

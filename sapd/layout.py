@@ -61,6 +61,12 @@ def round_log_uri(root: str, k: int) -> str:
     return storage.join(root, "logs", f"round-{k:06d}.jsonl")
 
 
+def pushed_metrics_uri(root: str, group: str, step: str) -> str:
+    """The figures ``step`` (e.g. ``train-r3``) pushed to the Pushgateway group ``group`` (``train``,
+    ``teacher_scores-1``), in the Prometheus text format."""
+    return storage.join(root, "metrics", group, f"{step}.prom")
+
+
 def evals_dir(root: str, k: int) -> str:
     return storage.join(root, "evals", f"{k:06d}")
 

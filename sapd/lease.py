@@ -73,6 +73,14 @@ def release_owner(release: str, namespace: str) -> str:
     return f"release {release} in namespace {namespace}"
 
 
+def _release_of_older_chart() -> str:
+    """The owner a pod of a chart version without ``SAPD_LEASE_OWNER`` shares with its release's driver:
+    such pods set ``SAPD_RELEASE`` and ``SAPD_NAMESPACE`` (every chart version does), a process run by hand
+    does not set both."""
+    release, namespace = os.environ.get("SAPD_RELEASE", "").strip(), os.environ.get("SAPD_NAMESPACE", "").strip()
+    return release_owner(release, namespace) if release and namespace else ""
+
+
 def _process_name() -> str:
     # a pod's HOSTNAME is its name; a machine's is its host name
     return f"{os.environ.get('HOSTNAME') or socket.gethostname()} pid {os.getpid()}"
@@ -113,8 +121,10 @@ class Claimant:
     @classmethod
     def this_process(cls, command: str) -> Claimant:
         """A door run by hand (``sapd run``, ``python -m jobs.train`` …): its owner is ``SAPD_LEASE_OWNER``
-        when set (the chart's pods; processes a user starts side by side for one run), else this process."""
-        shared = os.environ.get(OWNER_ENV, "").strip()
+        when set (the chart's pods; processes a user starts side by side for one run), else the release of a
+        pod that names its release and namespace but no owner (a stage Job rendered by a chart version
+        before the lease, 0.2.0, adopted by a driver of this one across `helm upgrade`), else this process."""
+        shared = os.environ.get(OWNER_ENV, "").strip() or _release_of_older_chart()
         name = _process_name()
         return cls(shared or f"{command} on {name}", name, command, local=not shared)
 

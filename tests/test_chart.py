@@ -212,10 +212,12 @@ def test_batch_fields_and_failure_policy_on_every_job(rendered):
     name, docs = rendered
     specs = job_specs(docs)
     # the four stage templates (the driver's, or the manual gates'), the CronJob's, the driver (pipeline)
-    # or the four gates (manual), and ALFWorld's data fill where the benchmark is ALFWorld
+    # or the four gates (manual), ALFWorld's data fill where the benchmark is ALFWorld, and the uninstall
+    # hook that deletes the release's Pushgateway groups
     alfworld = any(n.startswith("sapd-test-alfworld-fill-") for n, _ in specs)
     assert alfworld == (name.split("-")[0] in ("base", "alfworld")), name
-    assert len(specs) == (6 if name.endswith("pipeline") else 9) + alfworld, [n for n, _ in specs]
+    assert "sapd-test-delete-metrics" in [n for n, _ in specs]
+    assert len(specs) == (7 if name.endswith("pipeline") else 10) + alfworld, [n for n, _ in specs]
     for job_name, spec in specs:
         retries = "backoffLimitPerIndex" if "teacher-scores" in job_name and "gate" not in job_name else "backoffLimit"
         for f in (retries, "activeDeadlineSeconds", "ttlSecondsAfterFinished"):
@@ -424,7 +426,7 @@ def test_train_as_a_jobset_restarts_the_group_and_the_driver_may_create_it():
 def test_kueue_labels_on_every_job_the_cronjob_template_and_the_driver_templates():
     docs = render({"kueue": {"queueName": "team-a", "priorityClass": "batch-low"}})
     jobs = [d for d in docs if d["kind"] == "Job"]
-    assert len(jobs) == 6  # the driver + its four templates + ALFWorld's data fill
+    assert len(jobs) == 7  # the driver + its four templates + ALFWorld's data fill + the uninstall hook
     for d in jobs:
         assert d["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a", d["metadata"]["name"]
         assert d["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "batch-low"
@@ -549,7 +551,7 @@ def test_evaluation_gets_each_benchmark_what_it_needs():
 def test_s3_secret_reference_endpoint_and_pushgateway(rendered):
     _, docs = rendered
     for name, pod in pod_specs(docs):
-        if "webshop" in name:
+        if "webshop" in name or name == "sapd-test-delete-metrics":  # the uninstall hook needs no S3 (below)
             continue
         env = env_of(pod["containers"][0])
         for var, key in (("AWS_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID"), ("AWS_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY")):
@@ -609,8 +611,8 @@ def test_pipeline_driver_rbac_is_what_it_calls():
 
 def test_pipeline_driver_creates_the_stage_jobs_from_the_same_templates_as_manual_mode():
     docs = render({}, with_templates=False)
-    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Job" and "fill" not in d["metadata"]["name"]] == \
-        ["sapd-test-pipeline-1"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Job" and "fill" not in d["metadata"]["name"]
+            and "helm.sh/hook" not in d["metadata"].get("annotations", {})] == ["sapd-test-pipeline-1"]
     (svc,) = by_kind(docs, "Service").values()  # round-independent: rendered either way
     templates = dict(stage_templates(docs, round_=3))
     assert set(templates) == {"build-prefixes", "teacher-scores", "train", "train-service", "evaluate"}
@@ -669,8 +671,11 @@ def test_config_map_holds_overlays_that_sapd_loads(rendered, tmp_path):
         path.write_text(text)
         cfg = load_config(path)  # the same format as a local overlay: unknown keys or bad types raise
         assert cfg.run_root == yaml.safe_load(text)["run_root"] and cfg.run_root.startswith("s3://")
-    # every job mounts its own overlay at /etc/sapd/config.yaml, which its command reads
-    for _, spec in job_specs(docs):
+    # every job mounts its own overlay at /etc/sapd/config.yaml, which its command reads (but the uninstall
+    # hook, which runs once the ConfigMap is gone)
+    for job_name, spec in job_specs(docs):
+        if job_name.endswith("-delete-metrics"):
+            continue
         pod = spec["template"]["spec"]
         (vol,) = [v for v in pod["volumes"] if v["name"] == "config"]
         assert vol["configMap"]["name"] == cm["metadata"]["name"]
@@ -736,8 +741,8 @@ def test_helm_upgrade_with_other_values_changes_no_immutable_field():
             old = {(d["kind"], d["metadata"]["name"]): d for d in render(v1, with_templates=False)}
             new = {(d["kind"], d["metadata"]["name"]): d for d in render(v2, with_templates=False, revision=2)}
             for key in old.keys() & new.keys():
-                if key[0] == "Pod":  # the test hook: Helm deletes it before creating it again
-                    continue
+                if "helm.sh/hook" in (old[key]["metadata"].get("annotations") or {}):
+                    continue  # the test and uninstall hooks: Helm deletes a hook before creating it again
                 try:
                     ApiServer.check_immutable(BY_KIND[key[0]], old[key], new[key])
                 except ApiError as e:
@@ -822,6 +827,44 @@ def test_network_policy_is_opt_in():
     assert {"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]} in np["spec"]["egress"]
 
 
+def test_uninstall_deletes_the_releases_pushgateway_groups():
+    """A post-delete hook Job (jobs.delete_metrics): it runs after the release's objects are gone, so it
+    mounts no ConfigMap and needs no S3 Secret; only with a Pushgateway, and it can be turned off."""
+    (hook,) = [d for d in render({}) if d["kind"] == "Job" and d["metadata"]["name"] == "sapd-test-delete-metrics"]
+    ann = hook["metadata"]["annotations"]
+    assert ann["helm.sh/hook"] == "post-delete" and ann["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+    pod = hook["spec"]["template"]["spec"]
+    c = container(hook["spec"])
+    assert c["args"] == ["python", "-m", "jobs.delete_metrics", "--settle-seconds", "30"]
+    assert not [v for v in pod["volumes"] if "configMap" in v or "secret" in v]
+    env = env_of(c)
+    assert "AWS_ACCESS_KEY_ID" not in env and env["SAPD_RELEASE"]["value"] == "sapd-test"
+    assert env["SAPD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["SAPD_PUSHGATEWAY_URL"]["value"] == "http://pushgateway.sapd-system.svc.cluster.local:9091"
+    assert pod["automountServiceAccountToken"] is False  # it calls no Kubernetes API
+    for values in ({"pushgateway": {"url": ""}}, {"pushgateway": {"deleteOnUninstall": False}}):
+        assert "sapd-test-delete-metrics" not in by_kind(render(values), "Job")
+
+
+def test_every_cache_goes_to_a_writable_volume(rendered):
+    """The root filesystem is read-only: HOME and the caches libraries write (torch extensions and vLLM under
+    XDG_CACHE_HOME, vLLM's config, triton, matplotlib, Hugging Face, TextWorld's games) point into a volume
+    the container mounts writable."""
+    _, docs = rendered
+    cache_vars = ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "TRITON_CACHE_DIR", "MPLCONFIGDIR", "HF_HOME",
+                  "SAPD_TEXTWORLD_CACHE")
+    for name, pod in pod_specs(docs):
+        if "webshop" in name:
+            continue
+        for c in pod["containers"] + pod.get("initContainers", []):
+            writable = [m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")]
+            env = env_of(c)
+            for var in cache_vars:
+                value = env[var]["value"]
+                assert any(value == w or value.startswith(w.rstrip("/") + "/") for w in writable), (name, var, value)
+            assert "/tmp" in writable  # TMPDIR's default
+
+
 def test_helm_test_hook_is_a_preflight_pod():
     (pod,) = [d for d in render({}) if d["kind"] == "Pod"]
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
@@ -876,7 +919,7 @@ def test_grafana_dashboard_uses_sapd_metrics_by_convention():
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     exprs += [v["query"]["query"] for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]
     promql_words = {"sum", "by", "rate", "time", "label_values", "stage", "term", "benchmark", "category",
-                    "release", "job"}
+                    "release", "job", "namespace"}
     metrics = set()
     for e in exprs:
         e = re.sub(r'"[^"]*"', '""', e)  # label values
@@ -894,9 +937,14 @@ def test_grafana_dashboard_uses_sapd_metrics_by_convention():
     for e in exprs:
         if "rate(" in e:
             assert 'job="sapd-train"' in e, e
+    # legends name the namespace as well as the release: two teams' releases of one name stay apart
     for p in dash["panels"]:
         for t in p["targets"]:
-            assert "{{release}}" in t["legendFormat"], p["title"]
+            assert "{{namespace}}/{{release}}" in t["legendFormat"], p["title"]
+            assert 'namespace=~"$namespace"' in t["expr"], p["title"]
+            by = re.findall(r"by \(([^)]*)\)", t["expr"])
+            assert all("namespace" in b.split(", ") for b in by), t["expr"]
+    assert [v["name"] for v in dash["templating"]["list"]][:3] == ["datasource", "namespace", "release"]
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
 
 

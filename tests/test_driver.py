@@ -712,6 +712,53 @@ def test_a_failed_final_evaluation_leaves_the_run_complete(env, capsys):
     assert "pipeline done: checkpoints [0, 1, 2] committed; the final evaluation FAILED (see the WARNING above)" in out
 
 
+def fill_job(env: Env) -> dict:
+    """The chart's ALFWorld data fill Job (the base values' benchmark is ALFWorld), which the driver's
+    rendered arguments name as the evaluation's prerequisite."""
+    args = env.driver_job["spec"]["template"]["spec"]["containers"][0]["args"]
+    (fill,) = [d for d in render_chart({"teacherScores": {"parallelism": 2}, "config": {"train": {"rounds": 2}}})
+               if d["kind"] == "Job" and d["metadata"]["labels"]["app.kubernetes.io/component"] == "alfworld-fill"]
+    assert args[args.index("--evaluate-after-job") + 1] == fill["metadata"]["name"]
+    return fill
+
+
+def test_the_evaluation_waits_for_the_alfworld_fill_job(env, capsys):
+    """The chart's driver arguments name ALFWorld's fill Job: the final evaluation is created only once that
+    Job is complete (here it is still running when the driver gets there)."""
+    from jobs import pipeline
+    fill = fill_job(env)
+    name = fill["metadata"]["name"]
+    env.kube.add_job(fill)  # Helm created it with the release; it runs (completes on its second read)
+    assert pipeline.main(env.argv("--evaluate-after-job", name)) == 0
+    out = capsys.readouterr().out
+    waiting = out.index(f"stage evaluate-r2: waiting for job {name} to complete first")
+    assert waiting < out.index(f"stage evaluate-r2: job {name} is complete") < out.index(
+        f"job {RELEASE}-evaluate-r2: created")
+    assert env.kube.posted_jobs() == ORDER  # nothing created for it: it is Helm's
+
+
+def test_a_failed_fill_job_fails_the_evaluation_not_the_run(env, capsys):
+    from jobs import pipeline
+    fill = fill_job(env)
+    name = fill["metadata"]["name"]
+    env.kube.add_job(fill, state="fail")
+    assert pipeline.main(env.argv("--evaluate-after-job", name)) == 0
+    out = capsys.readouterr().out
+    assert f"{RELEASE}-evaluate-r2" not in env.kube.posted_jobs()  # no evaluation pod on missing game files
+    assert (f"pipeline: WARNING: the final evaluation failed; checkpoints are committed, so the run completes. stage "
+            f"evaluate-r2: job {name}, which it needs first, failed: BackoffLimitExceeded") in out
+    assert f"`kubectl -n {NS} logs job/{name}`" in out
+
+
+def test_a_fill_job_deleted_after_its_ttl_counts_as_done(env, capsys):
+    from jobs import pipeline
+    name = fill_job(env)["metadata"]["name"]
+    assert pipeline.main(env.argv("--evaluate-after-job", name)) == 0
+    out = capsys.readouterr().out
+    assert f"stage evaluate-r2: job {name}, which it needs first, is not there" in out
+    assert env.kube.posted_jobs() == ORDER
+
+
 def test_evaluate_r_evaluates_exactly_checkpoint_r(env):
     from sapd.run.k8s import StageTemplates
     args = StageTemplates.from_dir(env.templates).render("evaluate", 2)["spec"]["template"]["spec"]["containers"][0]["args"]

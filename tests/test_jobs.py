@@ -134,6 +134,12 @@ def test_batch_jobs_push_their_outcome(tmp_path, models, monkeypatch, prometheus
         assert f'sapd_job_last_success_timestamp_seconds{{instance="",job="{job}",release="jobs-test"}}' in text, job
     assert 'sapd_stage_duration_seconds_count{instance="",job="teacher_scores",release="jobs-test",stage="sample"} 1' in text
     assert 'sapd_stage_duration_seconds_count{instance="",job="build_prefixes",release="jobs-test",stage="build_prefixes"} 1' in text
+    # the door again (a retried Job): its work is committed, it does nothing, and its group keeps the figures
+    # of the run that did the work (restated from the run root), where a plain push would have emptied it
+    assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 0
+    with urllib.request.urlopen(prometheus_stack["pushgateway"] + "/metrics", timeout=5) as r:
+        again = r.read().decode()
+    assert 'sapd_stage_duration_seconds_count{instance="",job="build_prefixes",release="jobs-test",stage="build_prefixes"} 1' in again
 
 
 # ------------------------------------------------------------------------------------------ the chart's helpers

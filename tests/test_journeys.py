@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import debian_binary, free_port, get_url, wait_http
 from tests.journey_util import NODE_CACHE, NS, journey_cluster, upload_models, user_s3
@@ -46,6 +47,8 @@ class Inputs:
     games: Path
     endpoint: str
 
+# the driver's preflight (sapd.run.check.STAGE_CHECKS["driver"]), before it creates any Job
+DRIVER_CHECKS = "preflight: 8 checks passed (storage, run root, ranks, data, student, teacher, tokenizers, precision)"
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, s3_server):
@@ -125,7 +128,8 @@ def user_sets(inputs: Inputs, monitoring: Monitoring, release: str, *extra: str)
             "config.sampling.max_new_tokens=12", "config.data.val_fraction=0", "config.train.trajectories_per_round=1",
             "teacherScores.parallelism=2", f"s3.endpoint={inputs.endpoint}", f"pushgateway.url={monitoring.pushgateway}",
             "pipeline.pollSeconds=0.5", "pipeline.logEverySeconds=60", "modelCache.type=hostPath",
-            f"train.rendezvousPort={free_port()}", f"train.metricsPort={free_port()}", *extra]
+            "pushgateway.settleSeconds=1", f"train.rendezvousPort={free_port()}", f"train.metricsPort={free_port()}",
+            *extra]
 
 
 def pods_of(cluster: Cluster, job: str, **labels: str) -> list[dict]:
@@ -195,7 +199,7 @@ def test_smoke_install_finishes_two_rounds_and_an_evaluation(smoke, cluster):
     assert created_order(log) == [f"sapd-smoke-{s}" for s in ORDER], log
     assert "pipeline done: checkpoints [0, 1, 2] committed" in log
     # its first step: the checks, on the real S3 server, before it created any Job
-    assert log.index("preflight: 6 checks passed") < log.index("pipeline: release")
+    assert log.index(DRIVER_CHECKS) < log.index("pipeline: release")
     for s in ORDER:
         assert cluster.job_state(f"sapd-smoke-{s}") == "Complete", s
     assert layout.committed_checkpoints(smoke.root) == [0, 1, 2]
@@ -263,7 +267,7 @@ def test_the_readme_and_notes_kubectl_commands_show_the_run(smoke, cluster):
         "sapd-smoke-evaluate-r2": ("Complete", "1/1")}
     # the driver's whole log (one pod, so no "Found N pods" choice), as `logs -f` prints it once it ended
     assert driver == driver_log(cluster, "sapd-smoke-pipeline-1")
-    assert "preflight: 6 checks passed" in driver and "pipeline done: checkpoints [0, 1, 2] committed" in driver
+    assert DRIVER_CHECKS in driver and "pipeline done: checkpoints [0, 1, 2] committed" in driver
     worker0 = [p for p in pods_of(cluster, "sapd-smoke-teacher-scores-r1")
                if p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] == "0"]
     # NOTES' first by-label command names completion index 0: that worker's log (with a selector kubectl
@@ -511,6 +515,93 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
     assert scraped and all(r["metric"]["pod"].split("-")[-2] == "0" for r in scraped), scraped
     writer_seen = [t for k, t in cluster_targets(monitoring).items() if "sapd-tw-train" in k]
     assert {t["__meta_kubernetes_pod_label_batch_kubernetes_io_job_completion_index"] for t in writer_seen} == {"0", "1"}
+
+
+# ------------------------------------------------------------------------------------------ dashboards
+
+
+def pushed_series(prom: str, release: str, namespace: str = NS) -> dict[tuple, float]:
+    """Every sapd_* series Prometheus has from the Pushgateway for ``release`` in ``namespace`` now: (name,
+    sorted labels) → value (the scrape's own `instance`/`job` relabelling aside, the grouping labels are the
+    pushed ones). Another namespace's release of the same name is another team's: not these."""
+    out = {}
+    for r in query(prom, f'{{__name__=~"sapd_.+", namespace="{namespace}", release="{release}", job!="sapd-train"}}'):
+        labels = dict(r["metric"])
+        name = labels.pop("__name__")
+        out[(name, tuple(sorted(labels.items())))] = float(r["value"][1])
+    return out
+
+
+def test_dashboards_keep_their_series_through_a_skipped_stage_and_lose_them_at_uninstall(smoke, cluster,
+                                                                                         monitoring):
+    """The smoke run's series on the real Prometheus, fed by the real Pushgateway: a train Job of round 1
+    created again (the manifest the driver creates on a retry, read from the release's templates)
+    finds checkpoint 2 committed and does nothing — and every series stays as it was, restated from what the
+    run recorded, its success time moving on. The Grafana dashboard's queries name the namespace. Then
+    `helm uninstall`: its hook Job deletes the release's groups, Prometheus drops the series, and the other
+    releases' groups stay."""
+    from sapd import layout, storage
+    assert smoke.state == "Complete"
+    prom, gw = monitoring.prometheus, monitoring.pushgateway
+    success = "sapd_job_last_success_timestamp_seconds"
+    before = pushed_series(prom, "sapd-smoke")
+    train = {k: v for k, v in before.items() if ("job", "train") in k[1]}
+    assert {k[0] for k in train} >= {"sapd_loss", "sapd_round", "sapd_optimizer_steps_total", "sapd_clip_ratio",
+                                      "sapd_teacher_student_gap", success}, sorted(train)
+    assert [v for k, v in train.items() if k[0] == "sapd_round"] == [1.0], [  # round 1's figures
+        (k, v) for k, v in train.items() if k[0] == "sapd_round"]
+    last = next(v for k, v in train.items() if k[0] == success)
+
+    # the retried train Job: the driver's manifest, from the templates ConfigMap, created again by hand
+    kubectl(cluster, "-n", NS, "delete", "job", "sapd-smoke-train-r1", "--wait=true")
+    manifest = kubectl(cluster, "-n", NS, "get", "configmap", "sapd-smoke-pipeline-templates", "-o",
+                       "jsonpath={.data.train\\.yaml}").replace("__SAPD_ROUND__", "1")
+    # created as the driver creates it on a retry (`kubectl create -f` would want the OpenAPI document, which
+    # the harness does not serve)
+    from kubernetes import client
+    client.BatchV1Api(cluster.client()).create_namespaced_job(NS, yaml.safe_load(manifest), field_validation="Strict")
+    assert cluster.wait_job("sapd-smoke-train-r1", 300) == "Complete", cluster.describe()
+    log = kubectl(cluster, "-n", NS, "logs", "job/sapd-smoke-train-r1")
+    recorded = layout.pushed_metrics_uri(smoke.root, "train", "train-r1")
+    assert f"metrics: train-r1 was committed already: restated its committed figures ({recorded})" in log, log
+    assert storage.exists(recorded)
+    cluster.wait_for(lambda: any(k[0] == success and ("job", "train") in k[1] and v > last
+                                 for k, v in pushed_series(prom, "sapd-smoke").items()), 60,
+                     "Prometheus to scrape the skipped stage's push")
+    after = pushed_series(prom, "sapd-smoke")
+    assert after.keys() == before.keys()  # no series lost
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {k for k in train if k[0] == success}, sorted(changed)  # only the train job's success time
+
+    # the dashboard's queries on the real Prometheus: each result carries the namespace its legend names
+    dash = json.loads((REPO / "manifests" / "grafana-dashboard.json").read_text())
+    answered = 0
+    for panel in dash["panels"]:
+        for t in panel["targets"]:
+            expr = (t["expr"].replace("$namespace", NS).replace("$release", "sapd-smoke")
+                    .replace("$benchmark", ".*").replace("$__rate_interval", "1m"))
+            result = query(prom, expr)
+            answered += bool(result)
+            assert all(r["metric"].get("namespace") == NS and r["metric"].get("release") == "sapd-smoke"
+                       for r in result), (panel["title"], result)
+            assert "{{namespace}}" in t["legendFormat"]
+    assert answered >= 6  # every panel over pushed series (the scraped training rate is over once training is)
+
+    # `helm uninstall`: the post-delete hook deletes every group of the release; the others stay — among
+    # them another team's release of the same name in its own namespace, sharing the Pushgateway
+    from sapd.metrics import Metrics
+    theirs = Metrics(job="train", pushgateway=gw, release="sapd-smoke", namespace="other-team")
+    theirs.mark_success()
+    theirs.push()
+    others = {(g["labels"].get("namespace"), g["labels"]["release"]) for g in json.loads(get_url(f"{gw}/api/v1/metrics"))["data"]}
+    others -= {(NS, "sapd-smoke")}
+    kubectl(cluster, "-n", NS, "delete", "job", "sapd-smoke-train-r1")  # the one made by hand, no owner
+    assert cluster.helm.uninstall("sapd-smoke") == [("sapd-smoke-delete-metrics", "Complete")]
+    groups = [g["labels"] for g in json.loads(get_url(f"{gw}/api/v1/metrics"))["data"]]
+    assert not [g for g in groups if (g.get("namespace"), g["release"]) == (NS, "sapd-smoke")], groups
+    assert {(g.get("namespace"), g["release"]) for g in groups} == others and ("other-team", "sapd-smoke") in others
+    cluster.wait_for(lambda: not pushed_series(prom, "sapd-smoke"), 60, "Prometheus to drop sapd-smoke's series")
+    assert pushed_series(prom, "sapd-smoke", "other-team")  # theirs stay
 
 
 def cluster_targets(monitoring: Monitoring) -> dict[str, dict]:

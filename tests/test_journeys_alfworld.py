@@ -152,8 +152,10 @@ def test_two_rounds_and_the_final_evaluation_play_alfworlds_engine(run, cluster)
     manifest = json.loads(storage.read_text(storage.join(layout.prefixes_dir(run.root), "_MANIFEST.json")))
     assert manifest["format_read"].startswith("auto → native"), manifest["format_read"]
     result = storage.read_json(storage.join(layout.evals_dir(run.root, 2), "alfworld.json"))
-    # the panel's default split, "test": ALFWorld's valid_unseen — the games the fill Job put on the claim
-    assert result["checkpoint"] == 2 and result["split"] == "test" and result["horizon"] == 3
+    # the panel's default split ("test"), recorded under ALFWorld's own name: valid_unseen, the games the fill
+    # Job generated on the claim (recorded as generated, not ALFWorld's official split)
+    assert result["checkpoint"] == 2 and result["split"] == "valid_unseen" and result["horizon"] == 3
+    assert result["games"]["generated_by"] == "sapd alfworld-games" and result["games"]["per_type"] == 1
     assert set(result["by_category"]) == SIX and result["overall"]["episodes"] == 6
     for cat in SIX:
         lo, hi = result["by_category"][cat]["success_ci"]

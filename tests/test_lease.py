@@ -197,3 +197,24 @@ def test_processes_of_one_owner_taking_it_at_once_all_hold_it(root: str) -> None
     with pytest.raises(LeaseHeld, match="another run took the lease at the same moment"):
         stranger = RunLease(root, who("run B"), ttl_s=60)
         stranger._confirm()  # a stranger reading back someone else's token does not
+
+
+def test_a_pod_of_a_chart_before_the_lease_shares_its_release_s_lease(tmp_path: Path, monkeypatch) -> None:
+    """A stage Job rendered by chart 0.2.0 (no SAPD_LEASE_OWNER, but SAPD_RELEASE and SAPD_NAMESPACE, as every
+    chart version sets) and adopted by this version's driver across `helm upgrade` claims the lease as its
+    release, which the driver holds: it works beside it instead of being refused. A process run by hand
+    (no release and namespace both) stays itself, and another release's pod is refused."""
+    root = str(tmp_path / "run")
+    monkeypatch.delenv(lease.OWNER_ENV, raising=False)
+    monkeypatch.delenv("SAPD_NAMESPACE", raising=False)
+    monkeypatch.setenv("SAPD_RELEASE", "sapd-upg")
+    assert Claimant.this_process("python -m jobs.train").local  # a release alone is not a pod of one
+    driver = RunLease(root, Claimant.of_release("sapd-upg", "sapd", "python -m jobs.pipeline"), ttl_s=600)
+    driver.acquire()
+    monkeypatch.setenv("SAPD_NAMESPACE", "sapd")
+    old_pod = Claimant.this_process("python -m jobs.train")
+    assert not old_pod.local and old_pod.owner == lease.release_owner("sapd-upg", "sapd")
+    RunLease(root, old_pod, ttl_s=600).acquire()  # shared, not refused
+    monkeypatch.setenv("SAPD_RELEASE", "sapd-other")
+    with pytest.raises(LeaseHeld, match="held by release sapd-upg in namespace sapd"):
+        RunLease(root, Claimant.this_process("python -m jobs.train"), ttl_s=600).acquire()

@@ -63,6 +63,8 @@ SPLITS = {"train": "train", "valid_seen": "valid_seen", "valid_unseen": "valid_u
           "dev": "valid_seen", "eval_in_distribution": "valid_seen",
           "test": "valid_unseen", "eval_out_of_distribution": "valid_unseen"}
 EXPERTS = ("handcoded", "planner")
+# what `sapd alfworld-games` writes beside the games of a split it generated (sapd.envs.alfworld_games)
+GENERATED_MANIFEST = "sapd_games.json"
 EXPERT_FIX_NOTE = ("ALFWorld's hand-coded expert runs with sapd's move/put fix: alfworld 0.4.x's "
                    "BasePolicy.update_state_tracking detects a placement by the word 'put', but 0.4.x places with "
                    "'move X to Y', so the unfixed expert keeps believing it holds the object and loops (every "
@@ -192,6 +194,18 @@ def scan_split(data_dir: str | Path | None = None, split: str = "valid_unseen") 
         raise FileNotFoundError(f"{split_dir}: no playable <task>/<trial>/game.tw-pddl game files"
                                 + (f" ({out.note()})" if out.skipped else "") + f"; {_GET_HELP}")
     return out
+
+
+def split_source(data_dir: str | Path | None = None, split: str = "valid_unseen") -> dict[str, Any] | None:
+    """How the games of a split were made, when sapd generated them (``sapd alfworld-games``: its settings
+    from the split's manifest, so an evaluation on generated games is never mistaken for one on ALFWorld's
+    official split); None for any other folder (the official data)."""
+    p = data_root(data_dir) / "json_2.1.1" / SPLITS.get(split, split) / GENERATED_MANIFEST
+    if not p.is_file():
+        return None
+    m = json.loads(p.read_text())
+    return {"generated_by": "sapd alfworld-games",
+            **{k: m.get(k) for k in ("generator_version", "seed", "per_type", "check_expert")}}
 
 
 def game_files(data_dir: str | Path | None = None, split: str = "valid_unseen") -> list[Path]:

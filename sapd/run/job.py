@@ -5,11 +5,12 @@
 The body: the run config from ``--config``/``--run-root``; the stage's share of ``sapd check`` (unless
 ``--no-check``: :func:`sapd.run.check.preflight`); the metrics (served on ``/metrics`` by rank 0 while the
 stage runs when ``SAPD_METRICS_PORT`` is set — the chart sets it for training — and pushed to the
-Pushgateway at the end); progress (a bar on a terminal, a line every 30 s in a pod's log, plain lines
-with ``--no-progress``); the run root's lease (:func:`stage_lease`); the stage through
-:func:`sapd.stages.context.run_stage` (the config written or checked, the stage timed), its one-line
-outcome; errors as one line and an exit code (:mod:`sapd.entry`). Under torchrun only rank 0 logs, holds
-the lease and pushes.
+Pushgateway at the end, :func:`push_metrics`: a stage that found its work committed restates the
+figures that the run which did the work pushed, so dashboards never lose a series); progress (a bar
+on a terminal, a line every 30 s in a pod's log, plain lines with ``--no-progress``); the run root's
+lease (:func:`stage_lease`); the stage through :func:`sapd.stages.context.run_stage` (the config written
+or checked, the stage timed), its one-line outcome; errors as one line and an exit code (:mod:`sapd.entry`).
+Under torchrun only rank 0 logs, holds the lease and pushes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import contextlib
 import os
 from typing import Any, Callable, Iterator
 
-from sapd import lease
+from sapd import layout, lease, storage
 from sapd.config import RunConfig
 from sapd.entry import add_config_flags, config_from_args, log_line, run_main
 from sapd.metrics import Metrics
@@ -56,12 +57,33 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
                            options=options(cfg) if options else {}, main=main)
         with stage_lease(cfg, step.stage, prog, main=main, log=log, force=getattr(args, "force_takeover", False)):
             outcome = run_stage(stage, ctx, step)
-        ctx.log(outcome.summary)
-        if main:
-            metrics.mark_success()
-            metrics.push()
+            ctx.log(outcome.summary)
+            if main:  # its figures' record is written while the lease is held
+                metrics.mark_success()
+                push_metrics(cfg, metrics, str(step), skipped=outcome.skipped, log=ctx.log)
 
     return run_main(prog, body)
+
+
+def push_metrics(cfg: RunConfig, metrics: Metrics, step: str, *, skipped: bool,
+                 log: Callable[[str], None] = log_line) -> None:
+    """Push a step's metrics to the Pushgateway (when one is set). A push replaces its group, so a step
+    that did its work first records what it pushes in the run root (:func:`sapd.layout.pushed_metrics_uri`),
+    and a step that found its work committed pushes that record again, with only the figures it set
+    itself (its success time) on top — or, with no record (a stage committed by a process that died
+    before its push), only those, leaving the rest of the group alone (:meth:`Metrics.push_skip`)."""
+    if not metrics.pushgateway:
+        return
+    uri = layout.pushed_metrics_uri(cfg.run_root, metrics.group, step)
+    if not skipped:
+        storage.write_text(uri, metrics.exposition())
+        metrics.push()
+        return
+    committed = storage.read_text(uri) if storage.exists(uri) else None
+    how = metrics.push_skip(committed)
+    log(f"metrics: {step} was committed already: " + (
+        f"restated its committed figures ({uri}) to the Pushgateway" if how == "restated" else
+        "no committed figures recorded; pushed this run's own beside the group's others"))
 
 
 @contextlib.contextmanager

@@ -29,6 +29,9 @@ A permanent failure (exit code 2: the podFailurePolicy's exit-code rule, or JobS
 ``FailJobSetFailurePolicyAction``) is not retried. A Job that Kueue keeps suspended is logged as queued,
 and the driver's own limit on a stage (its ``activeDeadlineSeconds`` + 600 s) counts from its admission.
 A failed final evaluation is reported and leaves the run complete: its checkpoints are committed.
+The evaluation waits first for the Jobs it needs (``evaluate_after``: the chart's ALFWorld data fill,
+which writes the game files every evaluation pod reads): it starts once they are Complete, fails (as an
+evaluation) if one failed, and goes on if one is not there (finished and deleted after its TTL).
 Every wait is bounded; every decision is one plain log line. Given the run root's lease (``lease``, which
 ``jobs.pipeline`` holds for the release), the driver stops (exit 2) once another run holds it: it checks
 between its polls and before it creates a Job.
@@ -44,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace as NS
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import urllib3
 from kubernetes import client, config
@@ -206,7 +209,7 @@ class Driver:
                  stage_timeout_seconds: float | None = None, delete_timeout_seconds: float = 600.0,
                  owner: str | None = None, log: Callable[[str], None] = print,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
-                 api_attempts: int = 5, lease: Any = None):
+                 api_attempts: int = 5, lease: Any = None, evaluate_after: Sequence[str] = ()):
         self.cfg, self.templates, self.namespace = cfg, templates, namespace
         self.batch = client.BatchV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
@@ -216,6 +219,7 @@ class Driver:
         self.stage_timeout, self.delete_timeout = stage_timeout_seconds, delete_timeout_seconds
         self.owner, self.log, self.sleep, self.clock = owner, log, sleep, clock
         self.api_attempts = api_attempts
+        self.evaluate_after = list(evaluate_after)  # Jobs of the release the evaluation needs complete first
         self.stats = DriverStats()
         self.lease = lease  # the run root's sapd.lease.RunLease this driver holds (jobs.pipeline), if any
         self._owner_ref: dict[str, Any] | None = None
@@ -310,9 +314,35 @@ class Driver:
         cfg = self.cfg
         if step.stage == "train":
             self.ensure_service()
+        if step.stage == "evaluate":
+            for name in self.evaluate_after:
+                self.wait_for_job(name, step)
         check = (lambda: self._commit_scores(step)) if step.stage == "teacher-scores" else \
             (lambda: plan.missing(cfg, step))
         self.run_job(step.stage, step.round, check)
+
+    def wait_for_job(self, name: str, step: plan.Step) -> None:
+        """Wait until Job ``name`` of the release, which ``step`` needs first, is Complete (bounded like any
+        stage Job: its activeDeadlineSeconds + 600 s once it runs). One that failed or went away while
+        waited for ends ``step`` as a :class:`StageFailed`; one that is not there finished and was deleted
+        after its TTL (Helm creates it before the driver), or was never made: the step goes on."""
+        job = self._get_job(name)
+        if job is None:
+            self.log(f"stage {step}: job {name}, which it needs first, is not there (finished and deleted after its "
+                     "TTL?); going on")
+            return
+        out = _finished(job)
+        if out is None:
+            self.log(f"stage {step}: waiting for job {name} to complete first")
+            out = self._wait(name)
+        if out.state == "Complete":
+            self.log(f"stage {step}: job {name} is complete")
+            return
+        ended = "failed" if out.state == "Failed" else "is gone"
+        raise StageFailed(f"stage {step}: job {name}, which it needs first, {ended}: {out.text}. Inspect it with "
+                          f"`kubectl -n {self.namespace} describe job {name}` and "
+                          f"`kubectl -n {self.namespace} logs job/{name}`; once the cause is fixed, delete it and "
+                          "`helm upgrade` the release, which creates it again")
 
     def _commit_scores(self, step: plan.Step) -> str | None:
         """After a teacher-scores Job completes: its last worker committed the round; if that worker died

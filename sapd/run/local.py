@@ -24,6 +24,7 @@ from sapd.method.objective import objective_of
 from sapd.metrics import Metrics
 from sapd.progress import Progress
 from sapd.run import plan
+from sapd.run.job import push_metrics
 from sapd.stages import build_prefixes, teacher_scores, train
 from sapd.stages.context import Engines, Stage, StageContext, run_stage, write_config_once
 from sapd.stages.train import EngineFactory
@@ -38,7 +39,8 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
                  progress: Progress | None = None, options: dict[str, Any] | None = None,
                  force_takeover: bool = False) -> dict:
     """Run (or resume) the whole local pipeline. ``metrics`` (default: from the environment) records stage
-    timings, tokens and loss terms, and is pushed to the Pushgateway after every stage when one is set;
+    timings, tokens and loss terms, and is pushed to the Pushgateway after every stage when one is set
+    (:func:`sapd.run.job.push_metrics`: a rerun with nothing left to do restates the run's figures);
     ``progress`` (default: a bar on a terminal, else a line every 30 s) counts the run's steps and each
     stage's work; ``options``: stage options by stage name (``engine_factory`` is the train stage's).
     Storage retries as ``cfg.storage`` says; the run root's lease is held throughout (``force_takeover``:
@@ -61,14 +63,18 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
         write_config_once(ctx)  # also when every step is done: a different config is refused, not ignored
         steps = plan.steps(cfg)
         done = sum(plan.missing(cfg, s) is None for s in steps)
+        ran = 0
         with progress.task(f"run {cfg.run_root}", total=len(steps), unit="step", initial=done) as bar:
             while (step := plan.next_step(cfg)) is not None:
                 outcome = run_stage(STAGES[step.stage], ctx, step)
                 ctx.log(outcome.summary)
                 if (why := plan.missing(cfg, step)) is not None:  # a stage that returns must have committed
                     raise RuntimeError(f"{step}: finished without committing its output ({why})")
-                metrics.push()
+                ran += 1
+                push_metrics(cfg, metrics, "run", skipped=False, log=ctx.log)
                 bar.update()
-    metrics.mark_success()
-    metrics.push()
+        metrics.mark_success()
+        # a rerun over a finished run restates what the run pushed, rather than emptying its group (its record
+        # is written while the lease is held)
+        push_metrics(cfg, metrics, "run", skipped=ran == 0, log=ctx.log)
     return {"run_root": cfg.run_root, "checkpoints": layout.committed_checkpoints(cfg.run_root)}

@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from sapd import checkpoints, layout, storage, yamlio
 from sapd.data.prompts import PrefixOptions
+from sapd.envs.alfworld_env import split_source as alfworld_split_source
 from sapd.envs.base import EpisodeSpec
 from sapd.envs.loop import LoopOptions, run_episodes, summarize
 from sapd.envs.panels import PanelSpec, episode_specs
@@ -136,7 +137,8 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
     dest = storage.join(layout.evals_dir(root, k), f"{name}.json")
     if storage.exists(dest):
         done = storage.read_json(dest)
-        differs = {key: (done.get(key), v) for key, v in panel.identity().items() if done.get(key) != v}
+        then = panel.identity_of(done)
+        differs = {key: (then[key], v) for key, v in panel.identity().items() if then[key] != v}
         if differs:
             raise ValueError(f"{dest}: checkpoint {k} was evaluated on another panel ({differs}, as (then, now)); "
                              "delete that file to re-evaluate, or evaluate into another run root")
@@ -160,7 +162,12 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
     result = {"checkpoint": k, "benchmark": benchmark, "temperature": temperature, "seed": panel.seed,
               "dtype": dtype, "backend": backend,
               "games_per_family": panel.games_per_family,
-              "variations_per_task": panel.variations_per_task, "split": panel.split,
+              "variations_per_task": panel.variations_per_task,
+              # the split under the benchmark's own name (ALFWorld: the folder played); where sapd generated
+              # ALFWorld's games, how (they are not the official split)
+              **({"split": split} if (split := panel.recorded_split()) is not None else {}),
+              **({"games": source} if benchmark == "alfworld" and (source := alfworld_split_source(
+                  panel.data_dir, panel.split)) is not None else {}),
               "families": sorted({s.category for s in specs if s.category}), "horizon": used_horizon,
               **summarize(trajs), "seconds": time.perf_counter() - t0}
     if benchmark == "searchqa":  # exact match per data source and their average (docs/SAPD.md §6)

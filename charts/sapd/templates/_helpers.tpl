@@ -142,16 +142,20 @@ imagePullPolicy: {{ $img.pullPolicy }}
 {{- $y -}}
 {{- end -}}
 
-{{/* Environment every job gets: S3 endpoint and credentials, the Pushgateway, the lease owner (the
-     release), caches on /scratch (or the shared model cache), then the job's extraEnv. `.index` true: SAPD_METRICS_INSTANCE is the pod's
-     completion index (a Pushgateway grouping key per worker). */}}
+{{/* Environment every job gets: S3 endpoint and credentials (none with `.noS3`), the Pushgateway, the lease
+     owner (the release), caches on /scratch (or the shared model cache), then the job's extraEnv. `.index`
+     true: SAPD_METRICS_INSTANCE is the pod's completion index (a Pushgateway grouping key per worker).
+     The root filesystem is read-only (securityContext.container.readOnlyRootFilesystem): every cache and
+     config the libraries write goes to the scratch volume — HOME, torch extensions, vLLM's caches and
+     config, numba (XDG_CACHE_HOME, XDG_CONFIG_HOME), triton's kernels, matplotlib's config — and
+     temporary files to /tmp (an emptyDir; the image's TMPDIR default). */}}
 {{- define "sapd.env" -}}
 {{- $s := include "sapd.settings" . | fromYaml -}}
 - name: SAPD_S3_ENDPOINT_URL
   value: {{ .root.Values.s3.endpoint | quote }}
 - name: AWS_DEFAULT_REGION
   value: {{ .root.Values.s3.region | quote }}
-{{- if not .root.Values.s3.useServiceAccount }}
+{{- if not (or .root.Values.s3.useServiceAccount .noS3) }}
 - name: AWS_ACCESS_KEY_ID
   valueFrom:
     secretKeyRef:
@@ -189,6 +193,14 @@ imagePullPolicy: {{ $img.pullPolicy }}
 {{- end }}
 - name: HOME
   value: /scratch/home
+- name: XDG_CACHE_HOME
+  value: /scratch/cache
+- name: XDG_CONFIG_HOME
+  value: /scratch/config
+- name: TRITON_CACHE_DIR
+  value: /scratch/cache/triton
+- name: MPLCONFIGDIR
+  value: /scratch/config/matplotlib
 {{- if .root.Values.modelCache.type }}
 - name: SAPD_CACHE_DIR
   value: {{ printf "%s/sapd" .root.Values.modelCache.mountPath | quote }}
@@ -255,7 +267,8 @@ podFailurePolicy:
 
 {{/* Pod-spec fields shared by every job: identity, scheduling, security, volumes. Context keys: root,
      component, job; `shm` (size), `scratch` (size), `extraVolumes` (chart-internal volumes),
-     `serviceAccount` (the driver's own), `automount` (mount the token). */}}
+     `serviceAccount` (the driver's own), `automount` (mount the token), `noConfig` (no run config
+     volume: the uninstall hook, which runs after the ConfigMap is gone). */}}
 {{- define "sapd.podCommon" -}}
 {{- $s := include "sapd.settings" . | fromYaml -}}
 restartPolicy: Never
@@ -298,12 +311,14 @@ topologySpreadConstraints:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 volumes:
+  {{- if not .noConfig }}
   - name: config
     configMap:
       name: {{ include "sapd.name" (dict "root" .root "component" "config") }}
       items:
         - key: {{ .configKey | default .component }}.yaml
           path: config.yaml
+  {{- end }}
   - name: scratch
     emptyDir:
       sizeLimit: {{ .scratch | default .job.scratchSize | default .root.Values.scratchSize }}
@@ -340,9 +355,11 @@ volumes:
 {{/* The volume mounts every container of a job gets. */}}
 {{- define "sapd.mounts" -}}
 {{- $s := include "sapd.settings" . | fromYaml -}}
+{{ if not .noConfig -}}
 - name: config
   mountPath: /etc/sapd
   readOnly: true
+{{ end -}}
 - name: scratch
   mountPath: /scratch
 - name: tmp
