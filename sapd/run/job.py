@@ -8,21 +8,60 @@ stage runs when ``SAPD_METRICS_PORT`` is set — the chart sets it for training 
 Pushgateway at the end); progress (a bar on a terminal, a line every 30 s in a pod's log, plain lines
 with ``--no-progress``); the stage through :func:`sapd.stages.context.run_stage` (the config written or
 checked, the stage timed), its one-line outcome; errors as one line and an exit code (:mod:`sapd.entry`).
-Under torchrun only rank 0 logs and pushes.
+Under torchrun only rank 0 logs and pushes. The process's start-up (imports, models loaded, engines
+ready, first work: :class:`~sapd.stages.context.Startup`) is one ``startup:`` line and the gauge
+``sapd_startup_seconds{phase}``.
+
+**A worker that stays up** (:class:`Rounds`, the doors' ``--rounds N``: the cluster's persistent
+teacher-scores and train workers): one process runs the stage for rounds K, K+1, … (N of them; 0: to the
+run's last round) with one context whose engines it keeps — the teacher and the student sampler (new
+weights in place each round), or the trainer with its optimizer state. Before each round it waits until
+the round's input is committed (:func:`sapd.run.plan.input_step`: checkpoint k, or round k's scored
+manifest), polling every ``poll_seconds``, a line every 30 s, at most ``timeout_seconds`` (then exit 75:
+the pod is retried); a round whose output is committed already is skipped, and a worker's own part that
+is written is not redone, so a replacement of a killed worker picks up where it stopped and every round
+is committed once. The metrics are pushed after every round.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from sapd.config import RunConfig
-from sapd.entry import add_config_flags, config_from_args, log_line, run_main
+from sapd.entry import EXIT_UNAVAILABLE, add_config_flags, config_from_args, log_line, run_main
 from sapd.metrics import Metrics
 from sapd.progress import Progress
+from sapd.run import plan
 from sapd.run.check import preflight
-from sapd.stages.context import Stage, StageContext, Step, is_main_process, run_stage
+from sapd.stages.context import Engines, Stage, StageContext, Step, is_main_process, run_stage
+
+
+class InputNotCommitted(Exception):
+    """A persistent worker's input stayed uncommitted past its bound: exit 75, the pod is retried."""
+    exit_code = EXIT_UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """The rounds a worker serves: ``first`` and ``count`` of them (0: through the run's last round), each
+    once its input is committed (polled every ``poll_seconds``, for at most ``timeout_seconds``)."""
+
+    first: int
+    count: int = 1
+    poll_seconds: float = 2.0
+    timeout_seconds: float = 86400.0
+
+    def steps(self, stage: str, cfg: RunConfig) -> list[Step]:
+        last = cfg.train.rounds if self.count == 0 else min(cfg.train.rounds, self.first + self.count)
+        return [Step(stage, k) for k in range(self.first, last)]  # type: ignore[arg-type]  # a stage name
+
+    @property
+    def persistent(self) -> bool:
+        return self.count != 1
 
 
 def job_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
@@ -32,11 +71,32 @@ def job_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     return p
 
 
+def add_rounds_flags(p: argparse.ArgumentParser) -> None:
+    """``--round K`` and the flags of a worker that stays up for several rounds (:class:`Rounds`)."""
+    p.add_argument("--round", type=int, required=True, metavar="K", help="the (first) round")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="serve rounds K … K+N-1, each once its input is committed, keeping the models loaded "
+                        "(0: through the run's last round; default 1: round K only, its input committed already)")
+    p.add_argument("--poll-seconds", type=float, default=2.0,
+                   help="with --rounds: seconds between two checks of a round's input (default 2)")
+    p.add_argument("--input-timeout-seconds", type=float, default=86400.0,
+                   help="with --rounds: give up (exit 75, retried) when a round's input is not committed after "
+                        "this long (default 86400)")
+
+
+def rounds_from_args(args: argparse.Namespace) -> Rounds:
+    if args.rounds < 0:
+        raise ValueError(f"--rounds {args.rounds}: expected 0 (to the run's last round) or a positive count")
+    return Rounds(args.round, args.rounds, args.poll_seconds, args.input_timeout_seconds)
+
+
 def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
-               options: Callable[[RunConfig], dict[str, Any]] | None = None, checks: str | None = None) -> int:
+               options: Callable[[RunConfig], dict[str, Any]] | None = None, checks: str | None = None,
+               rounds: Rounds | None = None) -> int:
     """Run ``step`` of ``stage`` as its Job does (see the module docstring) → the exit code. ``options``:
     the stage's options from the door's flags (``{stage name: Options}``, given the run config);
-    ``checks``: which share of ``sapd check`` runs first (default: the step's stage's)."""
+    ``checks``: which share of ``sapd check`` runs first (default: the step's stage's); ``rounds``: the
+    rounds a persistent worker serves (from ``step.round`` on; default: ``step`` alone)."""
 
     def body() -> None:
         cfg = config_from_args(args)
@@ -49,12 +109,76 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
             # a long stage (training) serves /metrics while it runs, on the pod IP when the chart says
             metrics.serve(int(port), addr=os.environ.get("SAPD_METRICS_ADDR") or "0.0.0.0")
         progress = Progress.of(log, not getattr(args, "no_progress", False))
-        ctx = StageContext(cfg, log=progress.log, progress=progress, metrics=metrics,
+        persistent = rounds is not None and rounds.persistent
+        # a persistent worker keeps every engine for the next round; its device is its own (no release)
+        engines = Engines(keep=persistent, release=False, keep_trainer=persistent)
+        ctx = StageContext(cfg, log=progress.log, progress=progress, metrics=metrics, engines=engines,
                            options=options(cfg) if options else {}, main=main)
-        outcome = run_stage(stage, ctx, step)
-        ctx.log(outcome.summary)
+
+        def report(line: str, seconds: dict[str, float]) -> None:
+            ctx.log(line)
+            metrics.record_startup(seconds)
+        ctx.startup.report = report
+        ctx.startup.mark("imports")
+        steps = rounds.steps(step.stage, cfg) if rounds is not None and persistent else [step]
+        if persistent:
+            assert rounds is not None
+            ctx.log(f"{step.stage} worker: rounds {steps[0].round}–{steps[-1].round} of {cfg.train.rounds}, "
+                    "each once its input is committed" if steps else
+                    f"{step.stage} worker: no round from {rounds.first} on (the run has {cfg.train.rounds})")
+        for s in steps:
+            if persistent:
+                assert rounds is not None
+                if plan.missing(cfg, s) is None:
+                    ctx.log(f"stage {s}: committed, skipping")
+                    continue
+                waited = wait_for_input(cfg, s, rounds, ctx.log)
+                if main and waited:
+                    metrics.input_wait.labels(stage=s.stage.replace("-", "_")).observe(waited)
+            outcome = run_stage(stage, ctx, s)
+            ctx.log(outcome.summary)
+            if main and persistent:
+                metrics.push()
         if main:
             metrics.mark_success()
             metrics.push()
 
     return run_main(prog, body)
+
+
+def wait_for_input(cfg: RunConfig, step: Step, rounds: Rounds, log: Callable[[str], None],
+                   sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+                   storage_attempts: int = 5) -> float | None:
+    """Wait until ``step``'s input (:func:`sapd.run.plan.input_step`) is committed: a line when it has to
+    wait, one every 30 s while it does, one when it may go on. → seconds waited (None: it needs no input).
+    Past ``rounds.timeout_seconds``: :class:`InputNotCommitted`. A storage error is retried a few times."""
+    need = plan.input_step(cfg, step)
+    if need is None:
+        return None
+    start = last = clock()
+    errors = 0
+    first = True
+    while True:
+        try:
+            why = plan.missing(cfg, need)
+            errors = 0
+        except OSError as e:  # StorageError is an OSError: a hiccup is retried, a lasting failure raises
+            errors += 1
+            if errors >= storage_attempts:
+                raise
+            why = f"storage: {e}"
+        now = clock()
+        if why is None:
+            if not first:
+                log(f"stage {step}: its input ({need}) is committed after {now - start:.1f}s")
+            return now - start
+        if first:
+            log(f"stage {step}: waiting for the output of {need}: {why}")
+            first = False
+        elif now - last >= 30.0:
+            log(f"stage {step}: still waiting ({now - start:.0f}s): {why}")
+            last = now
+        if now - start > rounds.timeout_seconds:
+            raise InputNotCommitted(f"stage {step}: its input ({need}) is still not committed after "
+                                    f"{now - start:.0f}s (--input-timeout-seconds {rounds.timeout_seconds:g}): {why}")
+        sleep(rounds.poll_seconds)

@@ -149,17 +149,7 @@ class StageTemplates:
         return _stringify_quantities(doc)
 
 
-def input_step(cfg: RunConfig, step: plan.Step) -> plan.Step | None:
-    """The step whose committed output ``step`` needs (None for build-prefixes): checkpoint k for
-    teacher-scores k and for the evaluation of checkpoint k, round k's scored manifest for train k (for
-    the sft objective, which scores nothing, checkpoint k)."""
-    if step.stage == "build-prefixes":
-        return None
-    k = step.round
-    assert k is not None
-    if step.stage == "train" and cfg.loss_cfg.objective != "sft":
-        return plan.Step("teacher-scores", k)
-    return plan.Step("build-prefixes") if k == 0 else plan.Step("train", k - 1)
+input_step = plan.input_step  # what a step waits for is the plan's
 
 
 # ------------------------------------------------------------------------------------------ driver

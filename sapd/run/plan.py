@@ -10,20 +10,23 @@ Both executors follow it — :mod:`sapd.run.local` (``sapd run``: every stage in
 3. optionally ``evaluate`` R (R = ``train.rounds``) until ``evals/R/<benchmark>.json`` is written.
 
 :func:`missing` says, in one line, what a step has not committed yet (None once it is done); an
-executor runs a step, then asks again.
+executor runs a step, then asks again. :func:`input_step` says which step's output a step needs, so a
+worker that runs steps as their inputs appear (the cluster's persistent workers, a manual-mode gate)
+waits for exactly that commit: checkpoint :func:`~sapd.config.sampler_checkpoint` (k, or k−1 with
+``train.overlap: one_step``) for teacher-scores k, round k's scored manifest for train k.
 """
 
 from __future__ import annotations
 
 from sapd import checkpoints, layout, storage
-from sapd.config import RunConfig
+from sapd.config import RunConfig, sampler_checkpoint
 from sapd.data import scored, shards
 from sapd.method.objective import objective_of
 from sapd.stages.context import STAGE_NAMES, StageName, Step
 
 Stage = StageName  # the plan's steps are the stages' (sapd.stages.context)
 STAGES = STAGE_NAMES
-__all__ = ["STAGES", "Stage", "Step", "eval_uri", "missing", "next_step", "steps"]
+__all__ = ["STAGES", "Stage", "Step", "eval_uri", "input_step", "missing", "next_step", "steps"]
 
 
 def steps(cfg: RunConfig, *, evaluate: bool = False) -> list[Step]:
@@ -76,3 +79,19 @@ def next_step(cfg: RunConfig, *, evaluate: bool = False) -> Step | None:
         if missing(cfg, step) is not None:
             return step
     return None
+
+
+def input_step(cfg: RunConfig, step: Step) -> Step | None:
+    """The step whose committed output ``step`` needs (None for build-prefixes): for teacher-scores k, the
+    step that commits the checkpoint sampling round k (:func:`~sapd.config.sampler_checkpoint`: checkpoint
+    k, or k−1 with ``train.overlap: one_step``); round k's scored manifest for train k (for the sft
+    objective, which scores nothing, checkpoint k); checkpoint k for the evaluation of checkpoint k."""
+    if step.stage == "build-prefixes":
+        return None
+    k = step.round
+    assert k is not None
+    if step.stage == "train" and objective_of(cfg.loss_cfg).data == "scored":
+        return Step("teacher-scores", k)
+    if step.stage == "teacher-scores":
+        k = sampler_checkpoint(cfg, k)
+    return Step("build-prefixes") if k == 0 else Step("train", k - 1)
