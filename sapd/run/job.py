@@ -48,7 +48,8 @@ class InputNotCommitted(Exception):
 @dataclass(frozen=True)
 class Rounds:
     """The rounds a worker serves: ``first`` and ``count`` of them (0: through the run's last round), each
-    once its input is committed (polled every ``poll_seconds``, for at most ``timeout_seconds``)."""
+    once its input is committed (polled every ``poll_seconds``, for at most ``timeout_seconds``). With one
+    round the worker keeps nothing; with more it keeps its engines from round to round."""
 
     first: int
     count: int = 1
@@ -74,9 +75,10 @@ def job_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
 def add_rounds_flags(p: argparse.ArgumentParser) -> None:
     """``--round K`` and the flags of a worker that stays up for several rounds (:class:`Rounds`)."""
     p.add_argument("--round", type=int, required=True, metavar="K", help="the (first) round")
-    p.add_argument("--rounds", type=int, default=1, metavar="N",
+    p.add_argument("--rounds", type=int, default=None, metavar="N",
                    help="serve rounds K … K+N-1, each once its input is committed, keeping the models loaded "
-                        "(0: through the run's last round; default 1: round K only, its input committed already)")
+                        "from round to round (0: through the run's last round); without it: round K, whose input "
+                        "must be committed already")
     p.add_argument("--poll-seconds", type=float, default=2.0,
                    help="with --rounds: seconds between two checks of a round's input (default 2)")
     p.add_argument("--input-timeout-seconds", type=float, default=86400.0,
@@ -84,7 +86,10 @@ def add_rounds_flags(p: argparse.ArgumentParser) -> None:
                         "this long (default 86400)")
 
 
-def rounds_from_args(args: argparse.Namespace) -> Rounds:
+def rounds_from_args(args: argparse.Namespace) -> Rounds | None:
+    """The door's :class:`Rounds` (None without ``--rounds``: round K alone, no waiting)."""
+    if args.rounds is None:
+        return None
     if args.rounds < 0:
         raise ValueError(f"--rounds {args.rounds}: expected 0 (to the run's last round) or a positive count")
     return Rounds(args.round, args.rounds, args.poll_seconds, args.input_timeout_seconds)
@@ -109,7 +114,7 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
             # a long stage (training) serves /metrics while it runs, on the pod IP when the chart says
             metrics.serve(int(port), addr=os.environ.get("SAPD_METRICS_ADDR") or "0.0.0.0")
         progress = Progress.of(log, not getattr(args, "no_progress", False))
-        persistent = rounds is not None and rounds.persistent
+        persistent = rounds is not None and rounds.persistent  # keeps its engines from round to round
         # a persistent worker keeps every engine for the next round; its device is its own (no release)
         engines = Engines(keep=persistent, release=False, keep_trainer=persistent)
         ctx = StageContext(cfg, log=progress.log, progress=progress, metrics=metrics, engines=engines,
@@ -120,15 +125,14 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
             metrics.record_startup(seconds)
         ctx.startup.report = report
         ctx.startup.mark("imports")
-        steps = rounds.steps(step.stage, cfg) if rounds is not None and persistent else [step]
+        steps = rounds.steps(step.stage, cfg) if rounds is not None else [step]
         if persistent:
             assert rounds is not None
             ctx.log(f"{step.stage} worker: rounds {steps[0].round}–{steps[-1].round} of {cfg.train.rounds}, "
                     "each once its input is committed" if steps else
                     f"{step.stage} worker: no round from {rounds.first} on (the run has {cfg.train.rounds})")
         for s in steps:
-            if persistent:
-                assert rounds is not None
+            if rounds is not None:  # a worker started ahead of its input: wait for it, skip what is done
                 if plan.missing(cfg, s) is None:
                     ctx.log(f"stage {s}: committed, skipping")
                     continue
