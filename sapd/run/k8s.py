@@ -225,6 +225,7 @@ class Driver:
         self.stats = DriverStats()
         self._owner_ref: dict[str, Any] | None = None
         self.evaluation_failed: str | None = None
+        self._pools_since = 0.0  # when the persistent stage Jobs of the current rounds were started (or adopted)
 
     # ---------------------------------------------------------------------------------- the sequence
 
@@ -428,17 +429,20 @@ class Driver:
         cfg = self.cfg
         R = cfg.train.rounds
         self.ensure_service()
-        train = self._open_pool("train", k, R if not self.rounds_per_job else min(R, k + self.rounds_per_job))
-        end = train.last + 1
-        pools = [train]
+        running = self._find_pool("train", k)  # an earlier driver's train Job decides the rounds
+        end = running[2] + 1 if running else R if not self.rounds_per_job else min(R, k + self.rounds_per_job)
+        pools = []
         if "teacher-scores" in self._pool_stages() and (j := self._first_missing("teacher-scores", k, end)) is not None:
-            pools.insert(0, self._open_pool("teacher-scores", j, end))
-        start = self.clock()
+            pools.append(self._open_pool("teacher-scores", j, end))
+        train = self._open_pool("train", k, end, running)
+        pools.append(train)
+        start = self._pools_since = self.clock()
         while True:
             for pool in pools:
                 if not pool.done:
                     self._poll_pool(pool, pools)
-            self._log_rounds(pools, start)
+            for pool in pools:
+                self._advance(pool)  # a line per round committed
             scoring = [p for p in pools if p.stage == "teacher-scores"]
             if train.done and all(p.done or p.last >= end for p in scoring):
                 self.log(f"rounds {k}–{end - 1}: checkpoint {end} committed after {_fmt_s(self.clock() - start)}")
@@ -448,19 +452,20 @@ class Driver:
                 pools.append(self._open_pool("teacher-scores", j, end))
             self.sleep(self.poll)
 
-    def _open_pool(self, stage: str, k: int, end: int) -> Pool:
+    def _open_pool(self, stage: str, k: int, end: int, found: tuple[str, int, int, Any] | None = None) -> Pool:
         """The stage's persistent Job for rounds k … end-1: a running one of this run that serves round k
-        (with its own rounds) is adopted; else the Job named for round k is created (or adopted: a driver
-        that restarted keeps counting its attempts; a finished one of other rounds is replaced uncounted)."""
+        (with its own rounds; ``found`` if already looked up) is adopted; else the Job named for round k is
+        created (or adopted: a driver that restarted keeps counting its attempts; a finished one of other
+        rounds is replaced uncounted)."""
         gang = stage == "train"
         limit = self.stage_timeout
         if limit is None:
             limit = (_deadline(self.templates.render(stage, k)) or 86400.0) + 600.0
-        found = self._find_pool(stage, k)
+        found = found or self._find_pool(stage, k)
         if found is not None:
             name, first, last, job = found
             attempt = self._adopt(name, job)
-            return Pool(stage, first, last, name, attempt, JobWatch(self, name, gang), limit, next_round=first)
+            return Pool(stage, first, last, name, attempt, JobWatch(self, name, gang, pool=True), limit, next_round=first)
         doc = self.templates.render(stage, k, end - k)
         name = doc["metadata"]["name"]
         if doc["kind"] == "JobSet":
@@ -471,12 +476,12 @@ class Driver:
             rounds = _rounds_of(job)
             if rounds == (k, end - 1):
                 attempt = self._adopt(name, job)
-                return Pool(stage, k, end - 1, name, attempt, JobWatch(self, name, gang), limit, next_round=k)
+                return Pool(stage, k, end - 1, name, attempt, JobWatch(self, name, gang, pool=True), limit, next_round=k)
             self.log(f"job {name}: exists for rounds {rounds[0]}–{rounds[1]}, finished; replacing it with the Job of "
                      f"rounds {k}–{end - 1} (not counted)")
             self._delete_job(name)
         self._create_job(stage, k, name, attempt, rounds=end - k)
-        return Pool(stage, k, end - 1, name, attempt, JobWatch(self, name, gang), limit, next_round=k)
+        return Pool(stage, k, end - 1, name, attempt, JobWatch(self, name, gang, pool=True), limit, next_round=k)
 
     def _find_pool(self, stage: str, k: int) -> tuple[str, int, int, Any] | None:
         """A running stage Job of this run (its run-root annotation) that serves round k, whatever round it
@@ -532,13 +537,17 @@ class Driver:
                     self._delete_job(other.name)
             raise
         self._create_job(pool.stage, pool.first, pool.name, pool.attempt, rounds=pool.last - pool.first + 1)
-        pool.watch = JobWatch(self, pool.name, pool.stage == "train")
+        pool.watch = JobWatch(self, pool.name, pool.stage == "train", pool=True)
         pool.stall_round = None
 
     def _advance(self, pool: Pool) -> int | None:
-        """The pool's first round whose output is not committed (its cursor only moves forward)."""
+        """The pool's first round whose output is not committed (its cursor only moves forward); one line per
+        round it sees committed: its scores, its checkpoint."""
         while pool.next_round <= pool.last and plan.missing(
                 self.cfg, plan.Step(pool.stage, pool.next_round)) is None:  # type: ignore[arg-type]
+            j = pool.next_round
+            what = f"checkpoint {j + 1} committed" if pool.stage == "train" else "scored round committed"
+            self.log(f"round {j}: {what} ({pool.name}, {_fmt_s(self.clock() - self._pools_since)} into its rounds)")
             pool.next_round += 1
         return pool.next_round if pool.next_round <= pool.last else None
 
@@ -573,15 +582,6 @@ class Driver:
             if (why := plan.missing(self.cfg, step)) is not None:
                 return why
         return None
-
-    def _log_rounds(self, pools: list[Pool], start: float) -> None:
-        """One line per round a persistent Job commits: its scores, its checkpoint."""
-        for pool in pools:
-            before = pool.next_round
-            self._advance(pool)
-            for j in range(before, pool.next_round):
-                what = f"checkpoint {j + 1} committed" if pool.stage == "train" else "scored round committed"
-                self.log(f"round {j}: {what} ({pool.name}, {_fmt_s(self.clock() - start)} into its rounds)")
 
     @staticmethod
     def _not_its_fault(out: Outcome) -> str:
@@ -790,7 +790,7 @@ class JobWatch:
     group that the scheduler cannot place yet are logged with the scheduler's reason and remembered, so a
     group that fails without ever assembling is not counted as the stage's failure."""
 
-    def __init__(self, driver: "Driver", name: str, gang: bool = False) -> None:
+    def __init__(self, driver: "Driver", name: str, gang: bool = False, pool: bool = False) -> None:
         self.d, self.name, self.gang = driver, name, gang
         self.last_log = -float("inf")
         self.last_line = ""
@@ -798,7 +798,9 @@ class JobWatch:
         self.running_since: float | None = None  # None while queued (or not read yet)
         self.restarts = 0
         self.unscheduled = ""
-        self.timeout = driver.stage_timeout
+        # a persistent Job's whole life is bounded by its own deadline (rounds × one round); the driver's stage
+        # timeout is then per round (Driver._stalled)
+        self.timeout = None if pool else driver.stage_timeout
 
     def poll(self) -> Outcome | None:
         """Read the Job once: its Outcome when it finished (or is gone), else None (logged when it changed)."""
