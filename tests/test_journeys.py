@@ -171,7 +171,10 @@ def wait_query(prom: str, expr: str, seconds: float = 30.0) -> list[dict]:
 # ------------------------------------------------------------------------------------------ the default path
 
 LR = ["config.train.lr=0.001"]
-ORDER = ["build-prefixes", "teacher-scores-r0", "train-r0", "teacher-scores-r1", "train-r1", "evaluate-r2"]
+ROUNDS = 4  # the smoke overlay's run, four rounds long (issue 34: persistent workers shown over ≥ 4 rounds)
+# the default, persistent stage Jobs: one scoring Job and one train Job serve every round
+ORDER = ["build-prefixes", "teacher-scores-r0", "train-r0", f"evaluate-r{ROUNDS}"]
+CHECKPOINTS = list(range(ROUNDS + 1))
 
 
 @pytest.fixture(scope="module")
@@ -179,34 +182,42 @@ def smoke(cluster, inputs, monitoring):
     """`helm install sapd-smoke charts/sapd -f charts/sapd/values/smoke.yaml --set …`, then nothing by hand."""
     t0 = time.monotonic()
     rel = cluster.helm.install("sapd-smoke", CHART, values_files=[SMOKE],
-                               set_values=user_sets(inputs, monitoring, "sapd-smoke"), set_json=LR)
-    state = cluster.wait_job("sapd-smoke-pipeline-1", timeout=900)
+                               set_values=user_sets(inputs, monitoring, "sapd-smoke", f"config.train.rounds={ROUNDS}"),
+                               set_json=LR)
+    state = cluster.wait_job("sapd-smoke-pipeline-1", timeout=1200)
     TIMINGS["smoke install → run complete"] = time.monotonic() - t0
     print(cluster.timeline())
     return dataclasses.make_dataclass("Run", ["release", "state", "root"])(rel, state, rel.values["runRoot"])
 
 
-def test_smoke_install_finishes_two_rounds_and_an_evaluation(smoke, cluster):
+def test_smoke_install_finishes_four_rounds_and_an_evaluation(smoke, cluster):
     from sapd import layout, storage
     from sapd.data import shards
     assert smoke.state == "Complete", cluster.describe()
     assert "kubectl -n sapd logs -f job/sapd-smoke-pipeline-1" in smoke.release.notes
     log = driver_log(cluster, "sapd-smoke-pipeline-1")
     assert created_order(log) == [f"sapd-smoke-{s}" for s in ORDER], log
-    assert "pipeline done: checkpoints [0, 1, 2] committed" in log
+    assert f"pipeline done: checkpoints {CHECKPOINTS} committed" in log
     # its first step: the checks, on the real S3 server, before it created any Job
     assert log.index("preflight: 6 checks passed") < log.index("pipeline: release")
     for s in ORDER:
         assert cluster.job_state(f"sapd-smoke-{s}") == "Complete", s
-    assert layout.committed_checkpoints(smoke.root) == [0, 1, 2]
-    result = storage.read_json(storage.join(layout.evals_dir(smoke.root, 2), "textworld.json"))
-    assert result["checkpoint"] == 2 and result["overall"]["episodes"] == 2
+    assert layout.committed_checkpoints(smoke.root) == CHECKPOINTS
+    result = storage.read_json(storage.join(layout.evals_dir(smoke.root, ROUNDS), "textworld.json"))
+    assert result["checkpoint"] == ROUNDS and result["overall"]["episodes"] == 2
     assert set(result["by_category"]) == {"simple", "coin"} and result["horizon"] == 8  # the smoke panel
+    # one scoring Job and one train Job served every round (their rounds annotated), and the driver logged
+    # each round's commits as they came
+    for stage in ("teacher-scores", "train"):
+        assert cluster.job(f"sapd-smoke-{stage}-r0")["metadata"]["annotations"]["sapd.io/rounds"] == f"0-{ROUNDS - 1}"
+    for k in range(ROUNDS):
+        assert f"round {k}: checkpoint {k + 1} committed (sapd-smoke-train-r0," in log, log
     # the scored rounds were committed by their last worker (the driver's commit then finds them done)
-    for k in (0, 1):
+    worker_logs = [cluster.logs(p["metadata"]["name"]) for p in pods_of(cluster, "sapd-smoke-teacher-scores-r0")]
+    assert len(worker_logs) == 2
+    for k in range(ROUNDS):
         assert shards.read_manifest(layout.scored_dir(smoke.root, k))["workers"] == 2
-        worker_logs = [cluster.logs(p["metadata"]["name"]) for p in pods_of(cluster, f"sapd-smoke-teacher-scores-r{k}")]
-        assert len(worker_logs) == 2 and sum(f"round {k}: committed" in t for t in worker_logs) >= 1
+        assert sum(f"round {k}: committed" in t for t in worker_logs) >= 1
     # the pods ran under the rendered pod specs: GPU-free, read-only root filesystem honoured
     assert cluster.kubelet.rootfs_writes == []
     # the driver drove it through the API with its own ServiceAccount and the Role the chart grants
@@ -219,6 +230,31 @@ def test_smoke_install_finishes_two_rounds_and_an_evaluation(smoke, cluster):
     for s in ORDER:
         (ref,) = cluster.job(f"sapd-smoke-{s}")["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"]) == ("ConfigMap", "sapd-smoke-pipeline-templates", owner), s
+
+
+def test_each_stage_pod_loads_each_model_once_and_reports_its_startup(smoke, cluster):
+    """Issue 34: the scoring workers load the teacher and the student once for the four rounds (later
+    checkpoints go into the live engine), the trainer its student once (later rounds keep it in memory);
+    every stage pod logs its start-up phases once."""
+    assert smoke.state == "Complete"
+    workers = pods_of(cluster, "sapd-smoke-teacher-scores-r0")
+    (trainer,) = pods_of(cluster, "sapd-smoke-train-r0")
+    assert len(workers) == 2
+    for pod, loads in [*((w, ["teacher", "student"]) for w in workers), (trainer, ["student"])]:
+        log = cluster.logs(pod["metadata"]["name"])
+        assert re.findall(r"^model load: (\w+)", log, re.M) == loads, log
+        assert len(re.findall(r"^startup: imports [\d.]+s, models loaded [\d.]+s, engines ready [\d.]+s, first work "
+                              r"[\d.]+s", log, re.M)) == 1, log
+    trainer_log = cluster.logs(trainer["metadata"]["name"])
+    assert [int(k) for k in re.findall(r"^weights: checkpoint (\d+) kept in memory", trainer_log, re.M)] == \
+        list(range(1, ROUNDS))
+    for w in workers:
+        log = cluster.logs(w["metadata"]["name"])
+        assert [int(k) for k in re.findall(r"^weights: student checkpoint (\d+) in place", log, re.M)] == \
+            list(range(1, ROUNDS))
+    for job in ("sapd-smoke-build-prefixes", f"sapd-smoke-evaluate-r{ROUNDS}"):
+        (pod,) = pods_of(cluster, job)
+        assert "startup: imports" in cluster.logs(pod["metadata"]["name"]) or job.endswith(f"r{ROUNDS}"), job
 
 
 def notes_commands(notes: str, **placeholders: str) -> list[list[str]]:

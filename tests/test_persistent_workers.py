@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from sapd.progress import QUIET
 from sapd.run import plan
 from sapd.run.job import InputNotCommitted, Rounds, wait_for_input
 from sapd.run.local import STAGES, run_pipeline
-from sapd.stages.context import Engines, StageContext, Startup, Step, run_stage
+from sapd.stages.context import Engines, StageContext, Startup, Step, process_started_at, run_stage
 from tests.pipeline_util import make_models, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,8 +166,6 @@ def test_startup_marks_each_phase_once_and_reports_at_first_work():
     assert len(reported) == 1
     with pytest.raises(ValueError, match="unknown start-up phase"):
         s.mark("warmup")
-    from sapd.stages.context import process_started_at
-    import time
     assert 0 <= time.time() - process_started_at() < 3600  # this test process started a moment ago
 
 

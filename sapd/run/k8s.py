@@ -461,11 +461,14 @@ class Driver:
         limit = self.stage_timeout
         if limit is None:
             limit = (_deadline(self.templates.render(stage, k)) or 86400.0) + 600.0
+
+        def pool(name: str, first: int, last: int, attempt: int) -> Pool:
+            return Pool(stage, first, last, name, attempt, JobWatch(self, name, gang, pool=True), limit,
+                        next_round=first)
         found = found or self._find_pool(stage, k)
         if found is not None:
             name, first, last, job = found
-            attempt = self._adopt(name, job)
-            return Pool(stage, first, last, name, attempt, JobWatch(self, name, gang, pool=True), limit, next_round=first)
+            return pool(name, first, last, self._adopt(name, job))
         doc = self.templates.render(stage, k, end - k)
         name = doc["metadata"]["name"]
         if doc["kind"] == "JobSet":
@@ -475,13 +478,12 @@ class Driver:
         if job is not None:
             rounds = _rounds_of(job)
             if rounds == (k, end - 1):
-                attempt = self._adopt(name, job)
-                return Pool(stage, k, end - 1, name, attempt, JobWatch(self, name, gang, pool=True), limit, next_round=k)
+                return pool(name, k, end - 1, self._adopt(name, job))
             self.log(f"job {name}: exists for rounds {rounds[0]}–{rounds[1]}, finished; replacing it with the Job of "
                      f"rounds {k}–{end - 1} (not counted)")
             self._delete_job(name)
         self._create_job(stage, k, name, attempt, rounds=end - k)
-        return Pool(stage, k, end - 1, name, attempt, JobWatch(self, name, gang, pool=True), limit, next_round=k)
+        return pool(name, k, end - 1, attempt)
 
     def _find_pool(self, stage: str, k: int) -> tuple[str, int, int, Any] | None:
         """A running stage Job of this run (its run-root annotation) that serves round k, whatever round it
@@ -569,8 +571,7 @@ class Driver:
         if now - pool.stall_since <= pool.round_limit:
             return None
         return Outcome("Failed", "RoundTimeout", f"round {j} is not committed {_fmt_s(now - pool.stall_since)} "
-                       f"after its input was (limit {_fmt_s(pool.round_limit)}: the stage's activeDeadlineSeconds "
-                       "per round + 600 s)")
+                       f"after its input was (limit {_fmt_s(pool.round_limit)} per round)")
 
     def _pool_missing(self, pool: Pool) -> str | None:
         """What a completed persistent Job left uncommitted in its rounds (None: nothing). A scored round
