@@ -832,7 +832,9 @@ def pools(tmp_path, monkeypatch):
     return e
 
 
-POOLS = [f"{RELEASE}-build-prefixes", f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0", f"{RELEASE}-evaluate-r3"]
+# the rounds' Jobs are created with the prefix build (their pods start up meanwhile; their workers wait for
+# checkpoint 0), then the final evaluation
+POOLS = [f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0", f"{RELEASE}-build-prefixes", f"{RELEASE}-evaluate-r3"]
 
 
 def test_persistent_jobs_serve_every_round_from_one_scoring_and_one_train_job(pools, capsys):
@@ -843,6 +845,7 @@ def test_persistent_jobs_serve_every_round_from_one_scoring_and_one_train_job(po
     assert pipeline.main(pools.argv()) == 0
     out = capsys.readouterr().out
     assert pools.kube.posted_jobs() == POOLS and pools.kube.invalid == []
+    assert out.index(f"job {RELEASE}-train-r0: created") < out.index(f"job {RELEASE}-build-prefixes: created")
     assert layout.committed_checkpoints(pools.root) == [0, 1, 2, 3]
     jobs = {b["metadata"]["name"]: b for b in pools.kube.posted if b["kind"] == "Job"}
     for stage in ("teacher-scores", "train"):
@@ -888,6 +891,16 @@ def test_a_restarted_driver_adopts_the_persistent_jobs_whatever_round_they_are_a
     assert f"job {RELEASE}-train-r0: exists (running, attempt 1), adopting it" in pools.lines
     assert "stage train-r0: committed, skipping" in pools.lines
     assert layout.committed_checkpoints(pools.root) == [0, 1, 2, 3]
+
+
+def test_a_prefix_build_that_fails_takes_the_waiting_round_jobs_with_it(pools, capsys):
+    from jobs import pipeline
+    pools.kube.script[f"{RELEASE}-build-prefixes"] = ["fail-permanent"]
+    assert pipeline.main(pools.argv()) == 1
+    out = capsys.readouterr().out
+    for stage in ("teacher-scores", "train"):
+        assert f"job {RELEASE}-{stage}-r0: deleting it: its rounds cannot start without the prefix build" in out
+        assert f"{RELEASE}-{stage}-r0" not in pools.kube.jobs
 
 
 def test_a_failed_persistent_job_is_recreated_and_resumes_from_the_commits(pools):
@@ -936,7 +949,7 @@ def test_rounds_per_job_starts_a_new_pair_of_jobs_after_that_many_rounds(tmp_pat
     e = Env(tmp_path, monkeypatch, {"config": {"train": {"rounds": 3}}}, stage_jobs="persistent")
     e.lines = []
     e.driver(rounds_per_job=2).run()
-    assert e.kube.posted_jobs() == [POOLS[0], f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0",
+    assert e.kube.posted_jobs() == [f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0", f"{RELEASE}-build-prefixes",
                                     f"{RELEASE}-teacher-scores-r2", f"{RELEASE}-train-r2", POOLS[3]]
     rounds = {b["metadata"]["name"]: b["metadata"]["annotations"]["sapd.io/rounds"] for b in e.kube.posted
               if "sapd.io/rounds" in b["metadata"].get("annotations", {})}
@@ -965,7 +978,7 @@ def test_sft_runs_one_persistent_train_job(tmp_path, monkeypatch):
     e = Env(tmp_path, monkeypatch, {"config": {"variant": "sft", "train": {"rounds": 3}}}, stage_jobs="persistent")
     e.lines = []
     e.driver().run()
-    assert e.kube.posted_jobs() == [POOLS[0], POOLS[2], POOLS[3]]
+    assert e.kube.posted_jobs() == [POOLS[1], POOLS[2], POOLS[3]]
     assert layout.committed_checkpoints(e.root) == [0, 1, 2, 3]
 
 

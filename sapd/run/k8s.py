@@ -239,6 +239,7 @@ class Driver:
                  + (", train.overlap one_step" if cfg.train.overlap == "one_step" else ""))
         self._resolve_owner()
         served = 0  # rounds below this were seen through by persistent stage Jobs in this run of the driver
+        started: tuple[list[Pool], int] | None = None  # persistent Jobs created while the prefixes are built
         for step in plan.steps(cfg, evaluate=self.templates.has("evaluate")):
             pooled = self.stage_jobs == "persistent" and step.stage in POOL_STAGES
             if pooled and step.round is not None and step.round < served:
@@ -249,7 +250,20 @@ class Driver:
                 continue
             if pooled:
                 assert step.round is not None
-                served = self._run_pools(step.round)
+                served = self._run_pools(step.round, started if step.round == 0 else None)
+                started = None
+                continue
+            if step.stage == "build-prefixes" and self.stage_jobs == "persistent" and cfg.train.rounds > 0:
+                # the rounds' Jobs start with the build: their pods' start-up (scheduling, image, imports)
+                # overlaps it, and their workers wait for checkpoint 0
+                started = self._start_pools(0)
+                try:
+                    self._run_step(step)
+                except DriverError:
+                    for pool in started[0]:
+                        self.log(f"job {pool.name}: deleting it: its rounds cannot start without the prefix build")
+                        self._delete_job(pool.name)
+                    raise
                 continue
             if step.stage != "evaluate":
                 self._run_step(step)
@@ -418,24 +432,32 @@ class Driver:
         scores = objective_of(self.cfg.loss_cfg).data == "scored"
         return [st for st in POOL_STAGES if self.templates.has(st) and (scores or st == "train")]
 
-    def _run_pools(self, k: int) -> int:
-        """Rounds k… by persistent stage Jobs (``--stage-jobs persistent``): a train Job and a teacher-scores
-        Job, created together, each serving up to ``rounds_per_job`` rounds (0: every round left) — its
-        workers keep their models loaded and start each round once its input is committed. A running one of
-        an earlier driver is adopted. Watched together: each round's commits are logged; a Job that fails,
-        or that commits nothing for one round's time limit once that round's input is committed, is
-        recreated like any stage Job (bounded retries; it resumes from the commits); when one gives up, the
-        other is deleted. → the round after the last one the train Job served (its checkpoint committed)."""
-        cfg = self.cfg
-        R = cfg.train.rounds
+    def _start_pools(self, k: int) -> tuple[list[Pool], int]:
+        """The persistent stage Jobs of rounds k…: a train Job and a teacher-scores Job (while some round of
+        the train Job's range is unscored), each serving up to ``rounds_per_job`` rounds (0: every round
+        left); a running one of an earlier driver is adopted (its rounds decide). → (the Jobs, the round
+        after the train Job's last)."""
+        R = self.cfg.train.rounds
         self.ensure_service()
         running = self._find_pool("train", k)  # an earlier driver's train Job decides the rounds
         end = running[2] + 1 if running else R if not self.rounds_per_job else min(R, k + self.rounds_per_job)
         pools = []
         if "teacher-scores" in self._pool_stages() and (j := self._first_missing("teacher-scores", k, end)) is not None:
             pools.append(self._open_pool("teacher-scores", j, end))
-        train = self._open_pool("train", k, end, running)
-        pools.append(train)
+        pools.append(self._open_pool("train", k, end, running))
+        self._pools_since = self.clock()
+        return pools, end
+
+    def _run_pools(self, k: int, started: tuple[list[Pool], int] | None = None) -> int:
+        """Rounds k… by persistent stage Jobs (``--stage-jobs persistent``; ``started``: already created by
+        :meth:`_start_pools`, during the prefix build): their workers keep their models loaded and start
+        each round once its input is committed. Watched together: each round's commits are logged; a Job
+        that fails, or that commits nothing for one round's time limit once that round's input is
+        committed, is recreated like any stage Job (bounded retries; it resumes from the commits); when one
+        gives up, the other is deleted. → the round after the last one the train Job served (its checkpoint
+        committed)."""
+        pools, end = started or self._start_pools(k)
+        train = pools[-1]
         start = self._pools_since = self.clock()
         while True:
             for pool in pools:
