@@ -903,6 +903,27 @@ def test_a_prefix_build_that_fails_takes_the_waiting_round_jobs_with_it(pools, c
         assert f"{RELEASE}-{stage}-r0" not in pools.kube.jobs
 
 
+def test_a_persistent_job_that_failed_while_no_driver_watched_is_retried_under_its_name(pools):
+    """The driver pod dies at round 1; the trainer fails before the next one starts: the next driver finds the
+    failed Job of rounds 0–2 (not a fresh Job for round 1), counts its attempt and recreates it."""
+    name = f"{RELEASE}-train-r0"
+
+    def dying_sleep(s):
+        if checkpoints.is_committed(pools.root, 1):
+            raise Crash
+    with pytest.raises(Crash):
+        pools.driver(sleep=dying_sleep).run()
+    pools.kube._finish(name, "fail")
+    pools.lines.clear()
+    result = pools.driver(retries=1).run()
+    assert f"job {name}: exists (failed, attempt 1), adopting it" in pools.lines
+    assert result["retried"] == [name] and pools.kube.incarnations[name] == 2
+    assert pools.kube.posted_jobs() == POOLS[:3] + [name, POOLS[3]]  # no train-r1
+    assert [b for b in pools.kube.posted if b["metadata"]["name"] == name][-1]["metadata"]["annotations"][
+        "sapd.io/rounds"] == "0-2"
+    assert layout.committed_checkpoints(pools.root) == [0, 1, 2, 3]
+
+
 def test_a_failed_persistent_job_is_recreated_and_resumes_from_the_commits(pools):
     name = f"{RELEASE}-train-r0"
     pools.kube.script[name] = ["fail"]

@@ -398,11 +398,18 @@ def test_killed_pods_end_in_the_same_committed_result(smoke, cluster, inputs, mo
     sel = "batch.kubernetes.io/job-name=sapd-kill-teacher-scores-r0,batch.kubernetes.io/job-completion-index=1"
     worker = cluster.wait_log(sel, "round 1 worker 1/2:", 600)
     assert cluster.kill_pod(worker["metadata"]["name"], signal.SIGKILL)
-    # 2. the driver, while round 2 trains
+    # 2. the driver, while round 2 trains. The tiny model trains a round in seconds, a real one for minutes:
+    # the trainer is paused (SIGSTOP) until the new driver has adopted it, so round 3 comes after that
     train_sel = "batch.kubernetes.io/job-name=sapd-kill-train-r0"
-    cluster.wait_log(train_sel, "round 2 step", 600)
-    (driver,) = [p for p in pods_of(cluster, "sapd-kill-pipeline-1") if running(p)]
-    assert cluster.kill_pod(driver["metadata"]["name"], signal.SIGKILL)
+    paused = cluster.wait_log(train_sel, "round 2 step", 600)
+    assert cluster.kill_pod(paused["metadata"]["name"], signal.SIGSTOP)
+    try:
+        (driver,) = [p for p in pods_of(cluster, "sapd-kill-pipeline-1") if running(p)]
+        assert cluster.kill_pod(driver["metadata"]["name"], signal.SIGKILL)
+        cluster.wait_for(lambda: "job sapd-kill-train-r0: exists (running, attempt 1), adopting it"
+                         in driver_log(cluster, "sapd-kill-pipeline-1"), 600, "the new driver to adopt train-r0")
+    finally:
+        cluster.kill_pod(paused["metadata"]["name"], signal.SIGCONT)
     # 3. the trainer, mid-training round 3
     trainer = cluster.wait_log(train_sel, "round 3 step", 600)
     assert cluster.kill_pod(trainer["metadata"]["name"], signal.SIGKILL)

@@ -252,3 +252,54 @@ def test_overlap_one_step_samples_round_k_with_checkpoint_k_minus_1_and_weights_
     assert "behaviour_weight_mean" not in first[0] and "behaviour_weight_mean" in first[1]
     assert first[1]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert first[1]["behaviour_weight_mean"] != 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_a_kept_deepspeed_trainer_on_two_ranks_ends_where_per_round_trainers_do(tmp_path, models, zero_stage):
+    """DeepSpeed ZeRO on 2 processes: one torchrun of `python -m jobs.train --round 0 --rounds 0` keeps its
+    engine (the partitions, the optimizer state) for both rounds; two torchruns of one round each rebuild
+    it from checkpoints 0 and 1. Same scored rounds in, the same checkpoints out, bit for bit."""
+    pytest.importorskip("deepspeed")
+    import shutil
+
+    from tests.conftest import free_port
+    train = {"rounds": 2, "trajectories_per_round": 3, "minibatch_prefixes": 6, "micro_batch_prefixes": 2,
+             "engine": "deepspeed", "zero_stage": zero_stage, **({"checkpoint_shard_mb": 0.1} if zero_stage == 3 else {})}
+    source = str(tmp_path / "scored")  # every round scored by `sapd run` (its own trainer), then copied
+    run_pipeline(config_from_dict(tiny_config(source, *models, train={**train, "engine": "torch"})), log=lambda s: None,
+                 show_progress=False)
+    roots = {}
+    for name in ("per-round", "kept"):
+        root = tmp_path / name
+        for uri in (layout.prefixes_dir(source), layout.round_dir(source, 0), layout.round_dir(source, 1),
+                    layout.checkpoint_dir(source, 0)):
+            rel = os.path.relpath(uri, source)
+            shutil.copytree(Path(source) / rel, root / rel)
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml.safe_dump(tiny_config(str(root), *models, train=train)))
+        roots[name] = (str(root), config)
+
+    def torchrun(config: Path, *args: str) -> str:
+        port = str(free_port())
+        env = {**_env(), "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "OMP_WAIT_POLICY": "PASSIVE",
+               "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                               "127.0.0.1", "--master_port", port, "-m", "jobs.train", "--config", str(config),
+                               "--no-progress", "--no-check", *args], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+        return proc.stdout
+    for k in (0, 1):
+        torchrun(roots["per-round"][1], "--round", str(k))
+    kept = torchrun(roots["kept"][1], "--round", "0", "--rounds", "0", "--poll-seconds", "0.2")
+    assert re.findall(r"^model load: student checkpoint (\d+)", kept, re.M) == ["0"], kept
+    assert "weights: checkpoint 1 kept in memory from round 0" in kept
+    assert_same_weights(roots["kept"][0], roots["per-round"][0], (1, 2))
+    from sapd.checkpoints import consolidated_optimizer_state
+    a, b = (consolidated_optimizer_state(roots[n][0], 2) for n in ("per-round", "kept"))
+    assert a is not None and b is not None
+    for i, (sa, sb) in enumerate(zip(a["state"].values(), b["state"].values())):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sa[key], sb[key]), (i, key)

@@ -508,8 +508,10 @@ class Driver:
         return pool(name, k, end - 1, attempt)
 
     def _find_pool(self, stage: str, k: int) -> tuple[str, int, int, Any] | None:
-        """A running stage Job of this run (its run-root annotation) that serves round k, whatever round it
-        is named after (a driver that restarted, or a `helm upgrade`, finds the Job an earlier one started)."""
+        """The stage Job of this run (its run-root annotation) that serves round k, whatever round it is
+        named after: a driver that restarted, or a `helm upgrade`'s, finds the Job an earlier one started —
+        a running one first; else one that ended while no driver watched (failed: it is retried under its
+        name, its attempts counted on). Per-round Jobs (no ``sapd.io/rounds``) are never taken for one."""
         doc = self.templates.render(stage, k)
         labels = doc["metadata"].get("labels") or {}
         sel = ",".join(f"{key}={labels[key]}" for key in ("app.kubernetes.io/instance", "app.kubernetes.io/component")
@@ -522,15 +524,18 @@ class Driver:
         else:
             items = self._api(f"list jobs ({sel})", lambda: self.batch.list_namespaced_job(
                 self.namespace, label_selector=sel)).items
-        for job in sorted(items, key=lambda j: str(j.metadata.name)):
-            if (job.metadata.annotations or {}).get(RUN_ROOT_ANNOTATION) != self.cfg.run_root or _finished(job):
-                continue
-            first, last = _rounds_of(job)
-            if first <= k <= last:
-                if doc["kind"] == "JobSet":
-                    self._jobsets.add(str(job.metadata.name))
-                return str(job.metadata.name), first, last, job
-        return None
+        ours = [job for job in items if ROUNDS_ANNOTATION in (ann := job.metadata.annotations or {})
+                and ann.get(RUN_ROOT_ANNOTATION) == self.cfg.run_root]  # persistent Jobs of this run root
+        covering = [job for job in ours if _rounds_of(job)[0] <= k <= _rounds_of(job)[1]]
+        covering.sort(key=lambda j: (_finished(j) is not None, str(j.metadata.name)))  # running ones first
+        if not covering:
+            return None
+        job = covering[0]
+        name = str(job.metadata.name)
+        if doc["kind"] == "JobSet":
+            self._jobsets.add(name)
+        first, last = _rounds_of(job)
+        return name, first, last, job
 
     def _first_missing(self, stage: str, k: int, end: int) -> int | None:
         """The first round in k … end-1 whose ``stage`` output is not committed (None: all are)."""
