@@ -23,7 +23,6 @@ TextWorld expert games recorded by sapd's collector, a tiny student and teacher,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -35,11 +34,10 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import yaml
 
-from tests.conftest import S3Server, WeedServer, free_port
+from tests.conftest import S3Server, free_port, running_s3_server
 from tests.journey_util import NS, journey_cluster, upload_models, user_s3
 from tests.k8s_harness import Cluster
 from tests.k8s_harness.helm import render, user_values
@@ -174,20 +172,6 @@ def run_cluster(cluster: Cluster, prefix: str, s3: S3Server, release: str, round
     return root, seen
 
 
-@contextlib.contextmanager
-def s3_server(tmp: Path) -> Iterator[S3Server]:
-    server = WeedServer(tmp / "seaweedfs")
-    server.start()
-    try:
-        bucket = f"sapd-bench-{uuid.uuid4().hex[:8]}"
-        server.client().create_bucket(Bucket=bucket)
-        server.wait_writable(bucket)
-        yield S3Server(server.endpoint_url, server.access_key, server.secret_key, bucket, server)
-    finally:
-        server.stop()
-        server.cleanup_sockets()
-
-
 def load_average() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -213,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp.chmod(0o755)
     started_load = load_average()
     try:
-        with s3_server(tmp) as s3, user_s3(s3):
+        with running_s3_server(tmp / "seaweedfs") as s3, user_s3(s3):
             prefix = _inputs(tmp / "inputs", s3.bucket)
             with journey_cluster(tmp / "cluster", s3) as cluster:
                 for rep in range(args.repeats):

@@ -799,7 +799,8 @@ def test_one_stage_waits_for_its_input_then_runs_only_its_job(env):
             commit_round(env.cfg, 1)
     result = env.driver(sleep=sleep, log_every_seconds=0).run_stage(Step("train", 1))
     assert env.kube.posted_jobs() == [f"{RELEASE}-train-r1"] and result["created"] == [f"{RELEASE}-train-r1"]
-    assert env.lines[0] == f"stage train-r1: waiting for the output of teacher-scores-r1 in {env.root}"
+    assert env.lines[0].startswith(f"stage train-r1: waiting for the output of teacher-scores-r1 in {env.root}: "
+                                   "round 1's scored manifest is not committed")
     assert any(ln.startswith("stage train-r1: still waiting (0m00s): round 1's scored manifest is not committed")
                for ln in env.lines)
     assert any(ln.startswith("stage train-r1: its input (teacher-scores-r1) is committed after") for ln in env.lines)

@@ -22,8 +22,8 @@ from sapd import checkpoints, layout
 from sapd.config import config_from_dict
 from sapd.progress import QUIET
 from sapd.run import plan
-from sapd.run.job import InputNotCommitted, Rounds, wait_for_input
 from sapd.run.local import STAGES, run_pipeline
+from sapd.run.plan import InputNotCommitted, wait_for_input
 from sapd.stages.context import Engines, StageContext, Startup, Step, process_started_at, run_stage
 from tests.pipeline_util import make_models, tiny_config
 
@@ -119,20 +119,22 @@ def test_a_worker_waits_for_its_input_logs_it_and_gives_up_past_its_bound(tmp_pa
         if len(polls) == 7:  # round 0's build lands while the worker waits
             from sapd.stages import build_prefixes
             run_stage(build_prefixes, StageContext(cfg, log=lambda s: None, progress=QUIET), Step("build-prefixes"))
-    waited = wait_for_input(cfg, Step("teacher-scores", 0), Rounds(0, 0, poll_seconds=0.5), lines.append,
-                            sleep=sleep, clock=lambda: now[0])
+    waited = wait_for_input(cfg, Step("teacher-scores", 0), poll_seconds=0.5, log=lines.append, sleep=sleep,
+                            clock=lambda: now[0])
     assert waited == 70.0 and polls == [0.5] * 7
-    assert lines[0].startswith("stage teacher-scores-r0: waiting for the output of build-prefixes: no prefix build")
-    assert [ln.split(":")[1] for ln in lines[1:-1]] == [" still waiting (30s)", " still waiting (60s)"]
-    assert lines[-1] == "stage teacher-scores-r0: its input (build-prefixes) is committed after 70.0s"
+    assert lines[0] == f"stage teacher-scores-r0: waiting for the output of build-prefixes in {root}: no prefix build " \
+                       f"committed in {layout.prefixes_dir(root)}"
+    assert [ln.split(":")[1] for ln in lines[1:-1]] == [" still waiting (0m30s)", " still waiting (1m00s)"]
+    assert lines[-1] == "stage teacher-scores-r0: its input (build-prefixes) is committed after 1m10s"
     # committed already: no wait, no line
     lines.clear()
-    assert wait_for_input(cfg, Step("teacher-scores", 0), Rounds(0, 0), lines.append) == pytest.approx(0, abs=5)
+    assert wait_for_input(cfg, Step("teacher-scores", 0), poll_seconds=0.5, log=lines.append) == \
+        pytest.approx(0, abs=5)
     assert lines == []
     # train-r0 needs round 0's scores, which never come: past the bound, exit 75 (the pod is retried)
     with pytest.raises(InputNotCommitted, match=r"stage train-r0: its input \(teacher-scores-r0\) is still not "
-                                                r"committed after 40s \(--input-timeout-seconds 30\)") as e:
-        wait_for_input(cfg, Step("train", 0), Rounds(0, 0, timeout_seconds=30), lines.append,
+                                                r"committed after 0m40s \(limit 0m30s\)") as e:
+        wait_for_input(cfg, Step("train", 0), poll_seconds=1, log=lines.append, timeout_seconds=30,
                        sleep=lambda s: now.__setitem__(0, now[0] + 20.0), clock=lambda: now[0])
     assert e.value.exit_code == 75
 

@@ -16,7 +16,7 @@ ready, first work: :class:`~sapd.stages.context.Startup`) is one ``startup:`` li
 teacher-scores and train workers): one process runs the stage for rounds K, K+1, … (N of them; 0: to the
 run's last round) with one context whose engines it keeps — the teacher and the student sampler (new
 weights in place each round), or the trainer with its optimizer state. Before each round it waits until
-the round's input is committed (:func:`sapd.run.plan.input_step`: checkpoint k, or round k's scored
+the round's input is committed (:func:`sapd.run.plan.wait_for_input`: checkpoint k, or round k's scored
 manifest), polling every ``poll_seconds``, a line every 30 s, at most ``timeout_seconds`` (then exit 75:
 the pod is retried); a round whose output is committed already is skipped, and a worker's own part that
 is written is not redone, so a replacement of a killed worker picks up where it stopped and every round
@@ -27,22 +27,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from sapd.config import RunConfig
-from sapd.entry import EXIT_UNAVAILABLE, add_config_flags, config_from_args, log_line, run_main
+from sapd.entry import add_config_flags, config_from_args, log_line, run_main
 from sapd.metrics import Metrics
 from sapd.progress import Progress
 from sapd.run import plan
 from sapd.run.check import preflight
 from sapd.stages.context import Engines, Stage, StageContext, Step, is_main_process, run_stage
-
-
-class InputNotCommitted(Exception):
-    """A persistent worker's input stayed uncommitted past its bound: exit 75, the pod is retried."""
-    exit_code = EXIT_UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -136,7 +130,8 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
                 if plan.missing(cfg, s) is None:
                     ctx.log(f"stage {s}: committed, skipping")
                     continue
-                waited = wait_for_input(cfg, s, rounds, ctx.log)
+                waited = plan.wait_for_input(cfg, s, poll_seconds=rounds.poll_seconds, log=ctx.log,
+                                             timeout_seconds=rounds.timeout_seconds)
                 if main and waited:
                     metrics.input_wait.labels(stage=s.stage.replace("-", "_")).observe(waited)
             outcome = run_stage(stage, ctx, s)
@@ -148,41 +143,3 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
             metrics.push()
 
     return run_main(prog, body)
-
-
-def wait_for_input(cfg: RunConfig, step: Step, rounds: Rounds, log: Callable[[str], None],
-                   sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
-                   storage_attempts: int = 5) -> float | None:
-    """Wait until ``step``'s input (:func:`sapd.run.plan.input_step`) is committed: a line when it has to
-    wait, one every 30 s while it does, one when it may go on. → seconds waited (None: it needs no input).
-    Past ``rounds.timeout_seconds``: :class:`InputNotCommitted`. A storage error is retried a few times."""
-    need = plan.input_step(cfg, step)
-    if need is None:
-        return None
-    start = last = clock()
-    errors = 0
-    first = True
-    while True:
-        try:
-            why = plan.missing(cfg, need)
-            errors = 0
-        except OSError as e:  # StorageError is an OSError: a hiccup is retried, a lasting failure raises
-            errors += 1
-            if errors >= storage_attempts:
-                raise
-            why = f"storage: {e}"
-        now = clock()
-        if why is None:
-            if not first:
-                log(f"stage {step}: its input ({need}) is committed after {now - start:.1f}s")
-            return now - start
-        if first:
-            log(f"stage {step}: waiting for the output of {need}: {why}")
-            first = False
-        elif now - last >= 30.0:
-            log(f"stage {step}: still waiting ({now - start:.0f}s): {why}")
-            last = now
-        if now - start > rounds.timeout_seconds:
-            raise InputNotCommitted(f"stage {step}: its input ({need}) is still not committed after "
-                                    f"{now - start:.0f}s (--input-timeout-seconds {rounds.timeout_seconds:g}): {why}")
-        sleep(rounds.poll_seconds)

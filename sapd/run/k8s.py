@@ -173,9 +173,7 @@ class DriverStats:
     skipped: list[str] = field(default_factory=list)
 
 
-def _fmt_s(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+_fmt_s = plan.fmt_seconds
 
 
 @dataclass
@@ -298,33 +296,11 @@ class Driver:
                 "adopted": list(self.stats.adopted), "retried": list(self.stats.retried),
                 "restarted": list(self.stats.restarted), "skipped": list(self.stats.skipped)}
 
-    def wait_for_input(self, step: plan.Step, storage_attempts: int = 5) -> None:
-        """Poll until ``step``'s input (:func:`input_step`) is committed; a storage error is retried a few
-        times. Bounded by the pod's own activeDeadlineSeconds."""
-        need = input_step(self.cfg, step)
-        if need is None:
-            return
-        start = last = self.clock()
-        errors = 0
-        why: str | None = "?"
-        self.log(f"stage {step}: waiting for the output of {need} in {self.cfg.run_root}")
-        while True:
-            try:
-                why = plan.missing(self.cfg, need)
-                errors = 0
-            except OSError as e:  # StorageError is an OSError: a hiccup is retried, a lasting failure raises
-                errors += 1
-                if errors >= storage_attempts:
-                    raise
-                why = f"storage: {e}"
-            now = self.clock()
-            if why is None:
-                self.log(f"stage {step}: its input ({need}) is committed after {_fmt_s(now - start)}")
-                return
-            if now - last >= self.log_every:
-                self.log(f"stage {step}: still waiting ({_fmt_s(now - start)}): {why}")
-                last = now
-            self.sleep(self.poll)
+    def wait_for_input(self, step: plan.Step) -> None:
+        """Poll until ``step``'s input is committed (:func:`sapd.run.plan.wait_for_input`), a line every
+        ``log_every_seconds``. Bounded by the pod's own activeDeadlineSeconds."""
+        plan.wait_for_input(self.cfg, step, poll_seconds=self.poll, log=self.log, log_every_seconds=self.log_every,
+                            sleep=self.sleep, clock=self.clock)
 
     def _run_step(self, step: plan.Step) -> None:
         cfg = self.cfg
