@@ -13,8 +13,10 @@ games recorded with sapd's own collector, in S3; values come as `-f` overlays an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import re
 import shutil
 import signal
@@ -378,6 +380,30 @@ def test_helm_upgrade_replaces_the_driver_which_finds_the_run_done(smoke, cluste
 # ------------------------------------------------------------------------------------------ faults
 
 
+def signal_tree(cluster: Cluster, pod: str, sig: int) -> bool:
+    """``sig`` to every process of the pod's running container and to all their descendants: torchrun starts
+    its workers in sessions of their own, which the container's process group does not reach."""
+    run = cluster.kubelet.runs.get((NS, pod))
+    if run is None:
+        return False
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    tree = {c.proc.pid for c in run.main if c.proc is not None and c.exit_code is None}
+    grew = True
+    while grew:
+        more = {pid for pid, ppid in parents.items() if ppid in tree} - tree
+        tree |= more
+        grew = bool(more)
+    hit = False
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+            hit = True
+    return hit
+
+
 def test_killed_pods_end_in_the_same_committed_result(smoke, cluster, inputs, monitoring):
     """The persistent workers of four rounds, killed one after the other, each in the middle of a round:
     SIGKILL a teacher-scores worker while it scores round 1, the driver while round 2 trains, the trainer
@@ -402,14 +428,14 @@ def test_killed_pods_end_in_the_same_committed_result(smoke, cluster, inputs, mo
     # the trainer is paused (SIGSTOP) until the new driver has adopted it, so round 3 comes after that
     train_sel = "batch.kubernetes.io/job-name=sapd-kill-train-r0"
     paused = cluster.wait_log(train_sel, "round 2 step", 600)
-    assert cluster.kill_pod(paused["metadata"]["name"], signal.SIGSTOP)
+    assert signal_tree(cluster, paused["metadata"]["name"], signal.SIGSTOP)
     try:
         (driver,) = [p for p in pods_of(cluster, "sapd-kill-pipeline-1") if running(p)]
         assert cluster.kill_pod(driver["metadata"]["name"], signal.SIGKILL)
         cluster.wait_for(lambda: "job sapd-kill-train-r0: exists (running, attempt 1), adopting it"
                          in driver_log(cluster, "sapd-kill-pipeline-1"), 600, "the new driver to adopt train-r0")
     finally:
-        cluster.kill_pod(paused["metadata"]["name"], signal.SIGCONT)
+        signal_tree(cluster, paused["metadata"]["name"], signal.SIGCONT)
     # 3. the trainer, mid-training round 3
     trainer = cluster.wait_log(train_sel, "round 3 step", 600)
     assert cluster.kill_pod(trainer["metadata"]["name"], signal.SIGKILL)
