@@ -13,10 +13,8 @@ games recorded with sapd's own collector, in S3; values come as `-f` overlays an
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 import re
 import shutil
 import signal
@@ -380,38 +378,14 @@ def test_helm_upgrade_replaces_the_driver_which_finds_the_run_done(smoke, cluste
 # ------------------------------------------------------------------------------------------ faults
 
 
-def signal_tree(cluster: Cluster, pod: str, sig: int) -> bool:
-    """``sig`` to every process of the pod's running container and to all their descendants: torchrun starts
-    its workers in sessions of their own, which the container's process group does not reach."""
-    run = cluster.kubelet.runs.get((NS, pod))
-    if run is None:
-        return False
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    tree = {c.proc.pid for c in run.main if c.proc is not None and c.exit_code is None}
-    grew = True
-    while grew:
-        more = {pid for pid, ppid in parents.items() if ppid in tree} - tree
-        tree |= more
-        grew = bool(more)
-    hit = False
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-            hit = True
-    return hit
-
-
 def test_killed_pods_end_in_the_same_committed_result(smoke, cluster, inputs, monitoring):
     """The persistent workers of four rounds, killed one after the other, each in the middle of a round:
     SIGKILL a teacher-scores worker while it scores round 1, the driver while round 2 trains, the trainer
-    while it trains round 3. The Indexed Job restarts the worker, which skips what is committed and redoes
+    as it starts round 3. The Indexed Job restarts the worker, which skips what is committed and redoes
     its part; the driver's restart adopts both running Jobs; the driver recreates the train Job, which
     resumes from checkpoint 3. The run completes, to the scores, weights and evaluation of the undisturbed
     smoke run."""
-    from sapd import layout, storage
+    from sapd import checkpoints, layout, storage
     from sapd.data.scored import read_scored
     assert smoke.state == "Complete"
     t0 = time.monotonic()
@@ -428,16 +402,19 @@ def test_killed_pods_end_in_the_same_committed_result(smoke, cluster, inputs, mo
     # the trainer is paused (SIGSTOP) until the new driver has adopted it, so round 3 comes after that
     train_sel = "batch.kubernetes.io/job-name=sapd-kill-train-r0"
     paused = cluster.wait_log(train_sel, "round 2 step", 600)
-    assert signal_tree(cluster, paused["metadata"]["name"], signal.SIGSTOP)
+    assert cluster.kill_pod(paused["metadata"]["name"], signal.SIGSTOP)  # torchrun and its workers
     try:
         (driver,) = [p for p in pods_of(cluster, "sapd-kill-pipeline-1") if running(p)]
         assert cluster.kill_pod(driver["metadata"]["name"], signal.SIGKILL)
         cluster.wait_for(lambda: "job sapd-kill-train-r0: exists (running, attempt 1), adopting it"
                          in driver_log(cluster, "sapd-kill-pipeline-1"), 600, "the new driver to adopt train-r0")
     finally:
-        signal_tree(cluster, paused["metadata"]["name"], signal.SIGCONT)
-    # 3. the trainer, mid-training round 3
-    trainer = cluster.wait_log(train_sel, "round 3 step", 600)
+        cluster.kill_pod(paused["metadata"]["name"], signal.SIGCONT)
+    # 3. the trainer, in round 3: paused as it starts the round (its weights kept from round 2), seen not to
+    # have committed checkpoint 4, killed (its workers with it: the container's every process)
+    trainer = cluster.wait_log(train_sel, "weights: checkpoint 3 kept in memory", 600)
+    assert cluster.kill_pod(trainer["metadata"]["name"], signal.SIGSTOP)
+    assert not checkpoints.is_committed(root, 4)
     assert cluster.kill_pod(trainer["metadata"]["name"], signal.SIGKILL)
 
     assert cluster.wait_job("sapd-kill-pipeline-1", 1200) == "Complete", cluster.describe()
