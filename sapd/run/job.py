@@ -36,7 +36,7 @@ from sapd.metrics import Metrics
 from sapd.progress import Progress
 from sapd.run import plan
 from sapd.run.check import preflight
-from sapd.stages.context import Engines, Stage, StageContext, Step, is_main_process, run_stage
+from sapd.stages.context import Engines, Stage, StageContext, Startup, Step, is_main_process, run_stage
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,8 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
     rounds a persistent worker serves (from ``step.round`` on; default: ``step`` alone)."""
 
     def body() -> None:
+        startup = Startup()
+        startup.mark("imports")  # the door's module, and the stage's with it, are imported: main() runs
         cfg = config_from_args(args)
         main = is_main_process()
         log = log_line if main else (lambda line: None)
@@ -112,13 +114,12 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
         # a persistent worker keeps every engine for the next round; its device is its own (no release)
         engines = Engines(keep=persistent, release=False, keep_trainer=persistent)
         ctx = StageContext(cfg, log=progress.log, progress=progress, metrics=metrics, engines=engines,
-                           options=options(cfg) if options else {}, main=main)
+                           options=options(cfg) if options else {}, main=main, startup=startup)
 
         def report(line: str, seconds: dict[str, float]) -> None:
             ctx.log(line)
             metrics.record_startup(seconds)
-        ctx.startup.report = report
-        ctx.startup.mark("imports")
+        startup.report = report
         steps = rounds.steps(step.stage, cfg) if rounds is not None else [step]
         if persistent:
             assert rounds is not None
