@@ -39,6 +39,16 @@ others. The sections:
 * ``pi_old_once``: π_old per round from the step logs (``old_logp_seconds``, ``old_logp_forward_passes``
   of each round's first record): the forward passes must equal the round's micro-batches, and the time
   is set beside one plain no-grad forward over the same sequences and beside the training loop.
+* ``rank_placement`` (2 GPUs; the dry run: 2 CPU processes): the train job (``python -m jobs.train``)
+  under ``torchrun --nproc-per-node 2``, DeepSpeed ZeRO-2, on a round of its own: each rank's device at
+  the model load (``cuda:LOCAL_RANK``, the process's current device), where its parameters landed, what
+  it had allocated on every GPU right after the load (nothing on the other rank's), and its peak memory.
+  On one GPU it is skipped, saying so.
+* ``vllm_teacher_scoring`` (vLLM on a GPU; the dry run: vLLM's CPU build through ``--vllm-python``):
+  ``bench/teacher_scoring.py --backend vllm`` on ALFWorld-shaped groups (P = 264, G = 8, R ≈ 77): the
+  teacher's tokens computed per group with each prompt read from vLLM's prefix cache, against the
+  prompt recomputed per response and the references G·(P + R) and P + G·R, the time per group, and the
+  log-prob difference between the two paths.
 * ``throughput_mfu``: achieved model FLOP/s of training (6·N per token, N = non-embedding parameters,
   plus the LM head at response positions and causal attention; activation recomputation not counted),
   π_old (one forward), sampling and scoring (one forward, the prompt shared by its group), and their
@@ -100,6 +110,13 @@ def _section(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]
 
 class _Skip(Exception):
     pass
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _importable(name: str) -> bool:
@@ -394,6 +411,44 @@ def _vllm_reuse_only(work: str, target: str) -> int:
     return 0
 
 
+def _rank_worker(config: str, out: str) -> int:
+    """``--rank-worker CONFIG OUT`` (one torchrun rank of ``rank_placement``): the train job's door on round 0,
+    observing the student's load — the device the stage passes, the current CUDA device, where the
+    parameters landed, this process's allocations on every GPU right after — and the rank's peak memory.
+    Writes ``OUT.rank<R>.json``."""
+    import resource
+
+    import torch
+
+    from sapd import checkpoints
+    rec: dict[str, Any] = {"rank": int(os.environ["RANK"]), "local_rank": int(os.environ["LOCAL_RANK"])}
+    load = checkpoints.load_checkpoint_model
+
+    def observed(root: str, k: int, dtype: Any = "float32", device: str = "cpu", trainable: bool = False) -> Any:
+        if "load_device" not in rec:  # the trained student (checkpoint 0 for a KL term would come later)
+            rec["load_device"] = str(device)
+            if torch.cuda.is_available():
+                rec["current_device_at_load"] = torch.cuda.current_device()
+        model = load(root, k, dtype, device, trainable)
+        if "params_device" not in rec:
+            rec["params_device"] = str(next(model.parameters()).device)
+            if torch.cuda.is_available():
+                rec["allocated_after_load_by_gpu"] = [torch.cuda.memory_allocated(i)
+                                                      for i in range(torch.cuda.device_count())]
+        return model
+
+    checkpoints.load_checkpoint_model = observed  # observes only: the model it returns is the stage's own
+    from jobs.train import main as train_main
+    rec["rc"] = train_main(["--config", config, "--round", "0", "--no-progress"])
+    if torch.cuda.is_available():
+        rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    else:
+        rec["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Path(f"{out}.rank{rec['rank']}.json").write_text(json.dumps(rec))
+    return int(rec["rc"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shape, short responses: checks the script")
@@ -416,11 +471,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-memory-before", metavar="REV", default=None,
                     help="checkpoint_memory also measures the code at git revision REV (needs the git history)")
     ap.add_argument("--vllm-reuse-only", nargs=2, metavar=("WORK", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--rank-worker", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's peak dense bf16 TFLOP/s for MFU (default: a small table by device name)")
     args = ap.parse_args(argv)
     if args.vllm_reuse_only:
         return _vllm_reuse_only(*args.vllm_reuse_only)
+    if args.rank_worker:
+        return _rank_worker(*args.rank_worker)
 
     import torch
 
@@ -793,13 +851,100 @@ def main(argv: list[str] | None = None) -> int:
                                f"{(proc.stdout + proc.stderr)[-1500:]}")
         return json.loads(target.read_text())
 
+    def rank_placement() -> dict[str, Any]:
+        """Two training processes (torchrun, the train job's door, DeepSpeed ZeRO-2) on a round sampled and
+        scored here: each rank must load the student onto cuda:LOCAL_RANK (its current device at the
+        load) and allocate nothing on the other rank's GPU; each one's device and peak memory reported.
+        The dry run: 2 CPU processes (gloo), devices "cpu"."""
+        from sapd import storage
+        from sapd.config import dump_config
+        from sapd.models.loading import load_tokenizer
+        from sapd.stages import teacher_scores
+        from sapd.stages.build_prefixes import ensure_initial_checkpoint, ensure_prefixes
+        if not _importable("deepspeed"):
+            raise _Skip("DeepSpeed is not installed here (pip install deepspeed)")
+        if not dry and torch.cuda.device_count() < 2:
+            raise _Skip(f"needs 2 GPUs (this machine has {torch.cuda.device_count()}); run it on a 2-GPU machine")
+        root = work / "rank-placement"
+        raw = run_config(root, paths["student"], paths["teacher"], backend="hf", engine="deepspeed", dry=dry,
+                         device=device, dtype=dtype, rounds=1, zero_stage=2, checkpointing=ckpt)
+        raw["train"].update(trajectories_per_round=1, minibatch_prefixes=4, micro_batch_prefixes=1)
+        raw["sampling"]["max_new_tokens"] = 16 if dry else 64
+        cfg = config_from_dict(raw)
+        tok = load_tokenizer(paths["student"])
+        ensure_prefixes(cfg, tok, **quiet)
+        ensure_initial_checkpoint(cfg, lambda s: None)
+        teacher_scores.run_worker(cfg, 0, 0, teacher_scores.student_generator(cfg, 0, tok),
+                                  teacher_scores.teacher_scorer(cfg, tok), tok, **quiet)
+        config = work / "rank-placement.yaml"
+        config.write_text(dump_config(cfg))
+        out = work / "rank-placement"
+        port = str(_free_port())
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+               **({"DS_ACCELERATOR": "cpu"} if dry else {})}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", port, str(Path(__file__).resolve()), "--rank-worker", str(config), str(out)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        seconds = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"torchrun of the train job failed: {(proc.stdout + proc.stderr)[-2000:]}")
+        ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+        problems = []
+        for r in ranks:
+            want = "cpu" if dry else f"cuda:{r['local_rank']}"
+            if r["load_device"] != want or r["params_device"] != want:
+                problems.append(f"rank {r['rank']} loaded onto {r['load_device']} (parameters on "
+                                f"{r['params_device']}), not {want}")
+            if not dry:
+                if r.get("current_device_at_load") != r["local_rank"]:
+                    problems.append(f"rank {r['rank']}: current CUDA device {r.get('current_device_at_load')} "
+                                    "at the load")
+                elsewhere = [i for i, b in enumerate(r["allocated_after_load_by_gpu"]) if i != r["local_rank"] and b]
+                if elsewhere:
+                    problems.append(f"rank {r['rank']} allocated memory on GPU {elsewhere} at the load")
+        if not checkpoints.is_committed(str(root), 1) or not storage.exists(str(root / "logs" / "round-000000.jsonl")):
+            problems.append("checkpoint 1 was not committed")
+        if problems:
+            raise RuntimeError("rank placement: " + "; ".join(problems))
+        return {"world_size": 2, "ranks": ranks, "torchrun_seconds": seconds}
+
+    def vllm_teacher_scoring() -> dict[str, Any]:
+        """The teacher's vLLM scoring (``bench/teacher_scoring.py --backend vllm``): tokens computed and time
+        per group, each prompt read from the prefix cache against recomputed per response; here where vLLM
+        imports (the GPU image: on the run's teacher, in its dtype), else — the dry run — in the interpreter
+        ``--vllm-python`` names, on a model of its own. In a subprocess of its own: its GPU memory is
+        returned when it ends."""
+        if _importable("vllm") and not dry:
+            python, model = sys.executable, ["--model", paths["teacher"], "--dtype", dtype]
+        elif args.vllm_python:
+            python, model = args.vllm_python, []
+        else:
+            raise _Skip("vLLM is not installed here" + ("" if not dry else " (pass --vllm-python for the CPU build)"))
+        target = work / "vllm-teacher-scoring.json"
+        shape = ["--prompt-tokens", "264", "--response-tokens", "77", "--group", "8",
+                 "--groups", "4" if dry else "32", "--repeats", "2"]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        proc = subprocess.run([python, str(REPO / "bench" / "teacher_scoring.py"), "--backend", "vllm", *model, *shape,
+                               "--json", str(target)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench/teacher_scoring.py --backend vllm failed: {(proc.stdout + proc.stderr)[-1500:]}")
+        out = json.loads(target.read_text())
+        tolerance = 1e-4 if out["dtype"] == "float32" else 5e-2
+        if not (out["shared_computed_tokens_per_group"] < out["naive_computed_tokens_per_group"]
+                and out["max_abs_logprob_diff"] <= tolerance):
+            raise RuntimeError(f"vLLM teacher scoring: {json.dumps(out)}")
+        return {**out, "tolerance": tolerance}
+
     sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("hf_torch", hf_torch), ("engine_reuse", engine_reuse), ("vllm", vllm_sampling),
         # before DeepSpeed sets this process's torch.distributed variables, which vLLM's workers would inherit
-        ("vllm_engine_reuse", vllm_engine_reuse), ("shared_prompt_ab", shared_prompt_ab),
+        ("vllm_engine_reuse", vllm_engine_reuse), ("vllm_teacher_scoring", vllm_teacher_scoring),
+        ("shared_prompt_ab", shared_prompt_ab),
         ("deepspeed_zero2", deepspeed_zero2), ("deepspeed_zero3", deepspeed_zero3),
         ("sharded_checkpoint", sharded_checkpoint), ("checkpoint_memory", checkpoint_memory),
-        ("pi_old_once", pi_old_once), ("throughput_mfu", throughput_mfu)]
+        ("pi_old_once", pi_old_once), ("throughput_mfu", throughput_mfu), ("rank_placement", rank_placement)]
     wanted = {name for name, _ in sections}
     if args.only:
         asked = {x.strip() for x in args.only.split(",") if x.strip()}
@@ -941,6 +1086,30 @@ def render_table(results: dict[str, Any]) -> str:
             f"{vr['freed_by_release_gib']:.1f} GiB, generate while asleep refused: "
             f"{vr.get('generate_refused_while_asleep', '—')}; wake + reload {vr['wake_reload_seconds']:.2f} s, "
             f"tokens still match: {vr['tokens_match_after_release']}")))
+    rp = results.get("rank_placement")
+    if rp is not None:
+        if rp["status"] != "ok":
+            lines.append(f"\nrank placement (2 training processes): {not_ok(rp)}")
+        else:
+            lines += [f"\nrank placement: 2 training processes (torchrun, the train job, ZeRO-2), "
+                      f"{rp['torchrun_seconds']:.0f} s", "",
+                      "| rank | loads onto | parameters on | allocated per GPU after the load | peak |",
+                      "|---|---|---|---|---|"]
+            for r in rp["ranks"]:
+                per_gpu = ", ".join(f"{b / 2**30:.2f}" for b in r.get("allocated_after_load_by_gpu", [])) or "—"
+                peak = r.get("peak_allocated_bytes", r.get("peak_rss_bytes", 0)) / 2**30
+                kind = "allocated" if "peak_allocated_bytes" in r else "RSS"
+                lines.append(f"| {r['rank']} | {r['load_device']} | {r['params_device']} | {per_gpu} GiB "
+                             f"| {peak:.2f} GiB {kind} |")
+    ts = results.get("vllm_teacher_scoring")
+    if ts is not None:
+        lines.append("\nvLLM teacher scoring: " + (not_ok(ts) if ts["status"] != "ok" else (
+            f"ok; {ts['device']} {ts['dtype']}, KV block {ts['block_size']}; tokens computed per group "
+            f"{ts['shared_computed_tokens_per_group']:.0f} with each prompt once (P + G·R = "
+            f"{ts['shared_prompt_tokens_per_group']:.0f}) vs {ts['naive_computed_tokens_per_group']:.0f} with the "
+            f"prompt per response (G·(P + R) = {ts['per_response_tokens_per_group']:.0f}); "
+            f"{1e3 * ts['shared_seconds_per_group']:.1f} vs {1e3 * ts['naive_seconds_per_group']:.1f} ms per group; "
+            f"max |Δ log-prob| {ts['max_abs_logprob_diff']:.1e}")))
     if "max_memory_allocated_gib" in results:
         lines.append(f"\npeak GPU memory allocated: {results['max_memory_allocated_gib']:.1f} GiB")
     lines.append(f"\ntotal {results['seconds']:.0f} s")

@@ -1,10 +1,10 @@
 """Checkpoints: HF-format model folders plus trainer state, committed by a marker written last.
 
 ``checkpoints/NNNNNN/model/`` is what ``AutoModelForCausalLM.from_pretrained`` loads (config,
-safetensors shards with their index, tokenizer with its chat template); ``state/trainer.pt`` holds
-the optimizer, scheduler, RNG states and data cursor; ``state/_COMMITTED`` (JSON with a fresh commit
-id) is written last. An uncommitted checkpoint folder is leftover from a crash and is cleared before
-being written again.
+safetensors shards with their index, tokenizer with its chat template); ``state/`` holds the sharded
+optimizer state and ``trainer.pt`` (below); ``state/_COMMITTED`` (JSON with a fresh commit id) is written
+last (every file: docs/reference/run-root.md). An uncommitted checkpoint folder is leftover from a crash
+and is cleared before being written again.
 
 Weights are streamed shard by shard (at most ``max_shard_bytes`` each): under ZeRO-3 every rank gathers
 one shard's parameters at a time and rank 0 writes it straight to storage, so no process ever holds the

@@ -704,7 +704,7 @@ def test_config_map_content_per_overlay(tmp_path):
     assert cfg("base", extra={"config": {"train": {"lr": 5e-7, "weight_decay": 1e20}}}).train.lr == 5e-7
     # a job's own config lands in its overlay only
     per_job = cfg("base", "evaluate.yaml", extra={"evaluate": {"config": {"sampling": {"max_new_tokens": 64}}}})
-    assert per_job.sampling.max_new_tokens == 64 and cfg("base").sampling.max_new_tokens == 256
+    assert per_job.sampling.max_new_tokens == 64 and cfg("base").sampling.max_new_tokens == 512
 
 
 def test_overlays_list_only_differences():

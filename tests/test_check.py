@@ -136,7 +136,7 @@ def test_storage_credentials_and_reachability_on_real_s3(s3_server, tmp_path, mo
 def test_checks_run_for_one_stage_only(tmp_path, models):
     cfg = config_from_dict(tiny_config(str(tmp_path / "run"), *models))
     names = [o.name for o in run_checks(cfg, stage="train", log=lambda s: None)]
-    assert names == ["storage", "run root", "student", "memory"]
+    assert names == ["storage", "run root", "ranks", "student", "memory"]
 
 
 def test_webshop_is_bring_your_own_server_probed_in_seconds(tmp_path, models, monkeypatch, capsys):

@@ -3,7 +3,8 @@ from a config, the HF pipeline timed, DeepSpeed ZeRO-2 and ZeRO-3 on the same sc
 the torch engine, ZeRO-3's student built partitioned, the sharded optimizer checkpoint resumed under
 another ZeRO stage and engine, the checkpoint-memory bench, π_old computed once per round, FLOP/s with the
 peak unknown on a CPU, the vLLM student engine's in-place weight sync — native path and deadline — in
-vLLM's CPU environment where there is one, vLLM sampling reported as skipped) and writes its table; and its
+vLLM's CPU environment where there is one, vLLM sampling reported as skipped, 2 training processes' devices
+and peak memory, the vLLM teacher's tokens computed per group) and writes its table; and its
 FLOP accounting and peak table, checked by hand."""
 
 from __future__ import annotations
@@ -140,6 +141,21 @@ def test_gpu_check_dry_run(tmp_path):
         assert "weight sync path: native; deadline probe: kept" in (tmp_path / "gpu_check.md").read_text()
     else:
         assert vreuse["status"] == "skipped" and "--vllm-python" in vreuse["reason"]
+
+    rp = res["rank_placement"]  # 2 training processes through the train job under torchrun (CPU: gloo)
+    assert rp["status"] == "ok", rp
+    assert [r["rank"] for r in rp["ranks"]] == [0, 1] and all(r["rc"] == 0 for r in rp["ranks"])
+    assert all(r["load_device"] == r["params_device"] == "cpu" and r["peak_rss_bytes"] > 0 for r in rp["ranks"])
+    assert "rank placement: 2 training processes" in (tmp_path / "gpu_check.md").read_text()
+    ts = res["vllm_teacher_scoring"]
+    if VLLM_PYTHON:  # vLLM's CPU build: the prompt read from the prefix cache, scores equal to recomputing it
+        assert ts["status"] == "ok", ts
+        assert ts["shared_prompt_tokens_per_group"] <= ts["shared_computed_tokens_per_group"] \
+            < ts["naive_computed_tokens_per_group"] == ts["per_response_tokens_per_group"]
+        assert ts["max_abs_logprob_diff"] <= 1e-4
+        assert "vLLM teacher scoring: ok" in (tmp_path / "gpu_check.md").read_text()
+    else:
+        assert ts["status"] == "skipped" and "--vllm-python" in ts["reason"]
 
     sc = res["sharded_checkpoint"]  # ZeRO-3's sharded checkpoint resumed under ZeRO-2 and the torch engine
     assert sc["status"] == "ok", sc

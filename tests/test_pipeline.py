@@ -112,8 +112,21 @@ def test_resolved_config_roundtrips():
 def test_pipeline_end_to_end_and_rerun_is_a_noop(tmp_path, models):
     root = str(tmp_path / "run")
     cfg = config_from_dict(tiny_config(root, *models))
-    result = run_pipeline(cfg, **QUIET)
+    from sapd.metrics import Metrics
+    metrics = Metrics("pipeline")
+    result = run_pipeline(cfg, metrics=metrics, **QUIET)
     assert result["checkpoints"] == [0, 1, 2]
+    # each round records the share of its responses cut at sampling.max_new_tokens (12 here): in its
+    # manifest, its step log and the sapd_response_truncated_ratio gauge (the last round's)
+    from sapd.data.scored import read_scored
+    for k in (0, 1):
+        reasons = [r for row in read_scored(root, k).to_pylist() for r in row["finish_reason"]]
+        manifest = shards.read_manifest(layout.scored_dir(root, k))
+        assert (manifest["truncated_responses"], manifest["responses"]) == (reasons.count("length"), len(reasons))
+        share = reasons.count("length") / len(reasons)
+        assert {s["truncated_share"] for s in read_step_log(root) if s["round"] == k} == {share}
+    assert share == 1.0  # a random tiny model never closes </action> within 12 tokens (0.25: the scripted round)
+    assert metrics.registry.get_sample_value("sapd_response_truncated_ratio") == share
     assert yaml.safe_load(storage.read_text(layout.config_uri(root)))["variant"] == "sapd"
     steps = read_step_log(root)
     assert [s["step"] for s in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 4
@@ -145,15 +158,29 @@ def test_one_student_engine_across_rounds_samples_like_fresh_engines(tmp_path, m
     """The local pipeline builds its student sampler once and loads each round's checkpoint into it in
     place; round 1's scored shard equals that of a run which builds a fresh engine every round."""
     from sapd.models.generation import HFGenerator
-    from sapd.stages import teacher_scores
+    from sapd.models.scoring import HFScorer
+    from sapd.stages import teacher_scores, train
 
     built, reloaded = [], []
     real_init, real_load = HFGenerator.__post_init__, HFGenerator.load_weights
     monkeypatch.setattr(HFGenerator, "__post_init__", lambda self: (built.append(self), real_init(self))[1])
     monkeypatch.setattr(HFGenerator, "load_weights", lambda self, d: (reloaded.append(str(d)), real_load(self, d))[1])
+    # both kept engines give the device back before each training stage (on a GPU: vLLM sleeps, an HF
+    # model moves to host memory; on this CPU the calls change nothing), and the teacher serves again after
+    events: list[str] = []
+    for cls, name in ((HFGenerator, "student"), (HFScorer, "teacher")):
+        real_release = cls.release
+        monkeypatch.setattr(cls, "release", lambda self, f=real_release, n=name: (events.append(f"release {n}"),
+                                                                                   f(self))[1])
+    real_call, real_train = HFScorer.__call__, train.run_train_stage
+    monkeypatch.setattr(HFScorer, "__call__", lambda self, *a, **k: (events.append("score"), real_call(self, *a, **k))[1])
+    monkeypatch.setattr(train, "run_train_stage", lambda cfg, k, **kw: (events.append(f"train {k}"),
+                                                                        real_train(cfg, k, **kw))[1])
     reuse_root = str(tmp_path / "reuse")
     run_pipeline(config_from_dict(tiny_config(reuse_root, *models)), **QUIET)
     assert len(built) == 1 and len(reloaded) == 1  # rounds 0 and 1: one engine, checkpoint 1 loaded in place
+    assert events == ["score", "release student", "release teacher", "train 0",
+                      "score", "release student", "release teacher", "train 1"], events
     assert reloaded[0] == str(checkpoints.checkpoint_model_path(reuse_root, 1))
 
     real_student = teacher_scores.student_generator
@@ -202,7 +229,8 @@ class ScriptedGenerator:
             for j in range(params.n):
                 text = self.TEXTS[(i + j) % len(self.TEXTS)]
                 ids = self.tok(text, add_special_tokens=False)["input_ids"]
-                group.append(Sample(ids, [0.0] * len(ids), text, "stop"))
+                # the text without an action stands for a response cut at the token limit
+                group.append(Sample(ids, [0.0] * len(ids), text, "stop" if "<action>" in text else "length"))
             out.append(group)
         return out
 
@@ -230,8 +258,10 @@ def test_pinned_loss_terms_of_a_scored_round(tmp_path, models):
     res = teacher_scores.run_worker(cfg, 0, 0, ScriptedGenerator(tok), teacher_scores.teacher_scorer(cfg, tok), tok,
                                     **QUIET)
     assert res.committed  # the only worker is the last one: it commits the round
+    assert (res.truncated, res.responses) == (res.rows, 4 * res.rows)  # one of each group's 4 texts
     run_train_stage(cfg, 0, **QUIET)
     steps = read_step_log(root)
+    assert {s["truncated_share"] for s in steps} == {0.25}
     terms = [[s[k] for k in ("loss_tok", "loss_step", "loss_rule", "grad_norm")] for s in steps]
     # the scripted groups carry real step and rule signal: both terms move once the weights have moved
     assert all(s["step_adv_abs_mean"] > 0 and s["rule_adv_abs_mean"] > 0 for s in steps)
@@ -290,12 +320,12 @@ def test_sdar_regularisers_in_a_real_round(tmp_path, models):
     assert cfg.loss_cfg.kl_coef == 0.5 and cfg.loss_cfg.no_action_step == "penalty"
     run_pipeline(cfg, **QUIET)
     steps = read_step_log(root)
-    assert steps[0]["kl"] == 0.0 and "ref_logp_seconds" in steps[0]
-    assert max(s["kl"] for s in steps[1:]) > 0.0
-    assert all(s["entropy"] > 0.0 and "dual_clip_fraction" in s and "all_no_action_groups" in s for s in steps)
+    assert steps[0]["loss_kl"] == 0.0 and "ref_logp_seconds" in steps[0]
+    assert max(s["loss_kl"] for s in steps[1:]) > 0.0
+    assert all(s["loss_entropy"] > 0.0 and "dual_clip_fraction" in s and "all_no_action_groups" in s for s in steps)
     plain = str(tmp_path / "plain")
     run_pipeline(config_from_dict(tiny_config(plain, *models, train={"rounds": 1})), **QUIET)
-    assert "kl" not in read_step_log(plain)[0] and "ref_logp_seconds" not in read_step_log(plain)[0]
+    assert "loss_kl" not in read_step_log(plain)[0] and "ref_logp_seconds" not in read_step_log(plain)[0]
 
 
 def test_sft_variant_lowers_the_loss(tmp_path, models):

@@ -405,7 +405,7 @@ class Driver:
     # ---------------------------------------------------------------------------------- persistent stage Jobs
 
     def _pool_stages(self) -> list[str]:
-        scores = objective_of(self.cfg.loss_cfg).data == "scored"
+        scores = objective_of(self.cfg.loss_cfg).data == "scored"  # the plan's rule (sapd.run.plan.steps)
         return [st for st in POOL_STAGES if self.templates.has(st) and (scores or st == "train")]
 
     def _start_pools(self, k: int) -> tuple[list[Pool], int]:

@@ -95,7 +95,7 @@ def input_step(cfg: RunConfig, step: Step) -> Step | None:
         return None
     k = step.round
     assert k is not None
-    if step.stage == "train" and objective_of(cfg.loss_cfg).data == "scored":
+    if step.stage == "train" and objective_of(cfg.loss_cfg).data != "recorded":
         return Step("teacher-scores", k)
     if step.stage == "teacher-scores":
         k = sampler_checkpoint(cfg, k)

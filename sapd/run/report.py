@@ -1,5 +1,7 @@
 """``sapd report RUN``: loss terms, advantage statistics and stage timings of a run, as PNG plots and a
-small JSON summary, from the per-step logs and the round manifests in the run root."""
+small JSON summary, from the per-step logs and the round manifests in the run root. Every ``loss`` and
+``loss_*`` key the objective logged is plotted (a new objective's terms need no edit here); the summary
+names the series of each panel (``plotted``)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,21 @@ def round_timings(root: str) -> list[dict[str, Any]]:
     return out
 
 
+def loss_keys(steps: list[dict[str, Any]]) -> list[str]:
+    """``loss`` and every ``loss_*`` key of the step records, in the order first logged (a term a round
+    added later, e.g. a regulariser turned on, is kept too).
+
+    >>> loss_keys([{"loss": 1.0, "loss_tok": 0.5, "lr": 1e-6}, {"loss": 0.9, "loss_kl": 0.1}])
+    ['loss', 'loss_tok', 'loss_kl']
+    """
+    keys: dict[str, None] = {}
+    for rec in steps:
+        for key, value in rec.items():
+            if (key == "loss" or key.startswith("loss_")) and isinstance(value, (int, float)):
+                keys.setdefault(key)
+    return list(keys)
+
+
 def write_report(root: str, out: str | None = None) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -42,11 +59,11 @@ def write_report(root: str, out: str | None = None) -> list[str]:
     for rec in steps:
         rec.setdefault("old_logp_seconds", 0.0)
     x = [r["step"] for r in steps]
+    plotted: dict[str, list[str]] = {"loss terms": loss_keys(steps), "signals": []}
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     ax = axes[0][0]
-    for key in ("loss", "loss_tok", "loss_step", "loss_rule", "loss_sft"):
-        if key in steps[0]:
-            ax.plot(x, [r[key] for r in steps], label=key)
+    for key in plotted["loss terms"]:
+        ax.plot(x, [r.get(key, float("nan")) for r in steps], label=key)
     ax.set_title("loss terms")
     ax.set_xlabel("optimizer step")
     ax.legend()
@@ -54,6 +71,7 @@ def write_report(root: str, out: str | None = None) -> list[str]:
     for key in ("teacher_student_gap", "step_adv_abs_mean", "clip_fraction"):
         if key in steps[0]:
             ax.plot(x, [r[key] for r in steps], label=key)
+            plotted["signals"].append(key)
     ax.set_title("signals")
     ax.set_xlabel("optimizer step")
     ax.legend()
@@ -82,7 +100,7 @@ def write_report(root: str, out: str | None = None) -> list[str]:
     fig.tight_layout()
     summary = {"steps": len(steps), "rounds": len(rounds), "final": {k: v for k, v in steps[-1].items()
                                                                       if isinstance(v, (int, float))},
-               "round_timings": rounds}
+               "round_timings": rounds, "plotted": plotted}
     dest = out or storage.join(root, "report")
     with tempfile.TemporaryDirectory() as tmp:
         png = Path(tmp) / "training.png"

@@ -50,10 +50,12 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 import torch
 
 from sapd import checkpoints, layout, storage
-from sapd.config import RunConfig, sampler_checkpoint
+from sapd.config import ConfigError, RunConfig, micro_batch_problem, sampler_checkpoint
 from sapd.data.batches import round_batch
 from sapd.data.scored import ScoredPrefix, read_scored, scored_prefixes
+from sapd.data.scored import committed_manifest as scored_manifest
 from sapd.method.objective import LossInputs, loss_for, objective_of, required_inputs
+from sapd.models.devices import bind_rank_device, rank_device
 from sapd.models.loading import load_tokenizer
 from sapd.models.scoring import response_logprobs, response_logprobs_and_entropy
 from sapd.progress import QUIET, Progress
@@ -278,7 +280,7 @@ def recompute_old_logprobs(model, prefixes: list[ScoredPrefix], pad_id: int, mic
 def load_reference(cfg: RunConfig, log: Callable[[str], None] = print):
     """Checkpoint 0 (the initial policy), for the KL term."""
     t0 = time.perf_counter()
-    ref = checkpoints.load_checkpoint_model(cfg.run_root, 0, cfg.model.dtype, cfg.model.device)
+    ref = checkpoints.load_checkpoint_model(cfg.run_root, 0, cfg.model.dtype, rank_device(cfg.model.device))
     ref.eval()
     log(f"model load: reference checkpoint 0 for loss.kl_coef ({time.perf_counter() - t0:.1f}s)")
     return ref
@@ -353,6 +355,35 @@ def _rng_state() -> dict[str, Any]:
     return {"python": random.getstate(), "torch": torch.get_rng_state()}
 
 
+def micro_batches(minibatch: list, micro: int) -> list[list]:
+    """A minibatch cut into micro-batches of ``micro`` prefixes (the last one shorter)."""
+    return [minibatch[s:s + micro] for s in range(0, len(minibatch), micro)]
+
+
+@dataclass
+class _Rank:
+    rank: int
+    world_size: int
+
+
+def round_passes(n_prefixes: int, cfg: RunConfig, world_size: int) -> tuple[int, int]:
+    """(forward/backward passes that carry weight, all passes) of one epoch over ``n_prefixes`` on
+    ``world_size`` ranks: the minibatches and micro-batches :func:`optimizer_steps` cuts, shared by
+    :func:`micro_batch_share`. 16 ranks, minibatch 16 of 143 prefixes: 36 of 144 with micro-batches of 4,
+    143 of 144 with one prefix each."""
+    tc = cfg.train
+    items = list(range(n_prefixes))
+    weighted = total = 0
+    for start in range(0, n_prefixes, tc.minibatch_prefixes):
+        mb = items[start:start + tc.minibatch_prefixes]
+        chunks = micro_batches(mb, tc.micro_batch_prefixes)
+        for r in range(world_size):
+            for _, weight, _ in micro_batch_share(chunks, len(mb), _Rank(r, world_size)):  # type: ignore[arg-type]
+                total += 1
+                weighted += weight > 0
+    return weighted, total
+
+
 def micro_batch_share(chunks: list, n: int, engine: Engine) -> list[tuple[Any, float, float]]:
     """This rank's micro-batches of a minibatch of ``n`` prefixes: (chunk, loss weight, metric weight).
 
@@ -400,7 +431,7 @@ def optimizer_steps(cfg: RunConfig, k: int, engine: Engine, items: list, micro_l
         for mb_start in range(0, len(order), tc.minibatch_prefixes):
             t_step = time.perf_counter()
             mb = [items[i] for i in order[mb_start:mb_start + tc.minibatch_prefixes]]
-            chunks = [mb[s:s + tc.micro_batch_prefixes] for s in range(0, len(mb), tc.micro_batch_prefixes)]
+            chunks = micro_batches(mb, tc.micro_batch_prefixes)
             parts = []
             for chunk, weight, metric_weight in micro_batch_share(chunks, len(mb), engine):
                 loss, metrics = micro_loss(chunk)
@@ -462,6 +493,10 @@ def train_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, prefixes: lis
     if "ref_logp_P_G_T" in need:
         extra["ref_logp_seconds"] = compute_reference_logprobs(cfg, prefixes, pad, engine, reference, log)
     model.train()
+    if engine.world_size > 1:
+        weighted, total = round_passes(len(prefixes), cfg, engine.world_size)
+        log(f"round {k}: {engine.world_size} ranks, {weighted} of {total} forward/backward passes per epoch carry "
+            f"weight ({weighted / total:.0%})")
     label = "sft" if objective_of(cfg.loss_cfg).data == "recorded" else "training"
     records, global_step = optimizer_steps(
         cfg, k, engine, prefixes, lambda chunk: _micro_loss(model, cfg, chunk, pad, stale),
@@ -516,16 +551,18 @@ def load_trainer(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | None
     partitions), the engine, the trainer state, each rank's share of the optimizer state."""
     root = cfg.run_root
     t0 = time.perf_counter()
+    # this rank's own GPU (cuda:LOCAL_RANK) is its current device before any byte is allocated
+    device = bind_rank_device(cfg.model.device)
     ckpt_path = checkpoints.checkpoint_model_path(root, k)
     tokenizer = load_tokenizer(str(ckpt_path))
     if cfg.train.engine == "deepspeed" and cfg.train.zero_stage == 3 and engine_factory is None:
         model = load_partitioned(str(ckpt_path), cfg)  # each rank builds and loads only its partitions
     else:
-        model = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, cfg.model.device, trainable=True)
+        model = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, device, trainable=True)
     log(f"model load: student checkpoint {k} for training ({time.perf_counter() - t0:.1f}s)")
     if startup is not None:
         startup.mark("models_loaded")
-    if cfg.train.gradient_checkpointing:
+    if cfg.checkpointing_on():
         # transformers ≥ 5.x names it activation checkpointing (the old name warns, then goes in v6)
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     engine = (engine_factory or engine_factory_for(cfg))(model, cfg)
@@ -549,6 +586,8 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
     if checkpoints.is_committed(root, k + 1):
         log(f"round {k}: checkpoint {k + 1} already committed")
         return checkpoints.read_marker(root, k + 1)
+    if (problem := micro_batch_problem(cfg, int(os.environ.get("WORLD_SIZE", "1")))) is not None:
+        raise ConfigError(problem, "train.micro_batch_prefixes")
     keep = engines is not None and engines.keep_trainer
     trainer: Trainer | None = engines.trainer if keep and engines is not None else None
     if trainer is not None and trainer.checkpoint == k:
@@ -577,7 +616,11 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
     # several ranks: rank 0 writes the log and checkpoint k+1, once every rank is done reading round k
     engine.barrier()
     if engine.is_main:
-        write_round_log(root, k, records, {"variant": cfg.variant})
+        extra: dict[str, Any] = {"variant": cfg.variant}
+        manifest = scored_manifest(root, k)
+        if manifest is not None and manifest.get("responses"):  # the round's share cut at max_new_tokens
+            extra["truncated_share"] = manifest["truncated_responses"] / manifest["responses"]
+        write_round_log(root, k, records, extra)
     # every rank takes part (ZeRO-3 gathers one shard's parameters at a time) and writes its own share of
     # the optimizer state; rank 0 writes the rest and commits
     checkpoints.save_checkpoint(root, k + 1, engine.module, tokenizer, new_state, {"round": k, "steps": len(records)},
