@@ -266,7 +266,7 @@ def test_a_kept_deepspeed_trainer_on_two_ranks_ends_where_per_round_trainers_do(
     import shutil
 
     from tests.conftest import free_port
-    train = {"rounds": 2, "trajectories_per_round": 3, "minibatch_prefixes": 6, "micro_batch_prefixes": 2,
+    train = {"rounds": 2, "trajectories_per_round": 3, "minibatch_prefixes": 4, "micro_batch_prefixes": 2,
              "engine": "deepspeed", "zero_stage": zero_stage, **({"checkpoint_shard_mb": 0.1} if zero_stage == 3 else {})}
     source = str(tmp_path / "scored")  # every round scored by `sapd run` (its own trainer), then copied
     run_pipeline(config_from_dict(tiny_config(source, *models, train={**train, "engine": "torch"})), log=lambda s: None,
