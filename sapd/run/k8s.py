@@ -787,7 +787,7 @@ class Driver:
 
 
 class JobWatch:
-    """One incarnation of a stage Job (or JobSet) watched one read at a time (:meth:`poll`): its log lines,
+    """One incarnation of a stage Job (or JobSet) watched one read at a time (:meth:`JobWatch.poll`): its log lines,
     its time limit, and what became of it. A Job that Kueue keeps suspended is queued: the stage timeout
     (the Job's activeDeadlineSeconds + 600 s, which the Job controller also counts from its admission)
     starts when it runs, and again after a JobSet restarts its group. ``gang``: the pods of a torchrun
