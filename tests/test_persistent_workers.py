@@ -164,6 +164,8 @@ def test_startup_marks_each_phase_once_and_reports_at_first_work():
     assert set(secs) == {"imports", "models_loaded", "engines_ready", "first_work"}
     assert re.fullmatch(r"startup: imports \d+\.\ds, models loaded \d+\.\ds, engines ready \d+\.\ds, first work "
                         r"\d+\.\ds \(since the process started\)", line), line
+    s.waited = 12.34
+    assert s.line().endswith("(since the process started; 12.3s of it waiting for the first input)")
     s.mark("first_work")
     assert len(reported) == 1
     with pytest.raises(ValueError, match="unknown start-up phase"):

@@ -133,6 +133,8 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
                     continue
                 waited = plan.wait_for_input(cfg, s, poll_seconds=rounds.poll_seconds, log=ctx.log,
                                              timeout_seconds=rounds.timeout_seconds)
+                if waited and "first_work" not in startup.seconds:
+                    startup.waited += waited  # the start-up line says how much of it was waiting
                 if main and waited:
                     metrics.input_wait.labels(stage=s.stage.replace("-", "_")).observe(waited)
             outcome = run_stage(stage, ctx, s)

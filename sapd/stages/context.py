@@ -100,6 +100,7 @@ class Startup:
     started_at: float = field(default_factory=process_started_at)
     seconds: dict[str, float] = field(default_factory=dict)
     report: Callable[[str, dict[str, float]], None] | None = None
+    waited: float = 0.0  # of it, seconds a persistent worker waited for its first round's input (said in the line)
 
     def mark(self, phase: str) -> None:
         if phase not in STARTUP_PHASES:
@@ -114,8 +115,9 @@ class Startup:
             self.report(self.line(), dict(self.seconds))
 
     def line(self) -> str:
+        waited = f"; {self.waited:.1f}s of it waiting for the first input" if self.waited else ""
         return "startup: " + ", ".join(f"{p.replace('_', ' ')} {self.seconds[p]:.1f}s" for p in STARTUP_PHASES
-                                       if p in self.seconds) + " (since the process started)"
+                                       if p in self.seconds) + f" (since the process started{waited})"
 
 
 @dataclass
