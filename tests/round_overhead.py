@@ -130,11 +130,12 @@ def run_sapd(prefix: str, s3: S3Server, tmp: Path, release: str, rounds: int, lo
     cfg = yaml.safe_load(cm["data"]["pipeline.yaml"])
     config = tmp / f"{release}.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "SAPD_S3_ENDPOINT_URL": s3.endpoint_url, "AWS_ACCESS_KEY_ID": s3.access_key,
-           "AWS_SECRET_ACCESS_KEY": s3.secret_key, "AWS_DEFAULT_REGION": "us-east-1", "PYTHONPATH": str(REPO),
+    # a pod's environment, not this process's (no OMP_NUM_THREADS or the like: the pods' threads are torch's own)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp), "PYTHONPATH": str(REPO),
+           "SAPD_S3_ENDPOINT_URL": s3.endpoint_url, "AWS_ACCESS_KEY_ID": s3.access_key,
+           "AWS_SECRET_ACCESS_KEY": s3.secret_key, "AWS_DEFAULT_REGION": "us-east-1",
            "SAPD_CACHE_DIR": str(tmp / f"{release}-cache"), "HF_HOME": str(tmp / f"{release}-hf"),
            "PYTHONUNBUFFERED": "1"}
-    env.pop("SAPD_PUSHGATEWAY_URL", None)
     python = image_env("cpu") / "bin" / "python"  # the smoke overlay's image, as its pods run
     t0 = time.monotonic()
     watch = CommitWatch(cfg["run_root"], rounds, t0)
