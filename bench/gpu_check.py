@@ -49,6 +49,13 @@ others. The sections:
   teacher's tokens computed per group with each prompt read from vLLM's prefix cache, against the
   prompt recomputed per response and the references G·(P + R) and P + G·R, the time per group, and the
   log-prob difference between the two paths.
+* ``bf16_master``: a bf16 run learns like a float32 run (the fp32 master, docs/DESIGN.md). One round of the
+  same scored data at lr 1e-6, trained in float32 and in bf16 (torch engine, and DeepSpeed ZeRO-2 where
+  installed) on the device: the bf16 run's fp32 master must move as the float32 run's weights do
+  (cosine ≥ 0.98, norm within 5 %), checkpoint 0's master be the student's weights, checkpoint 1's folder
+  the master's bf16 rounding, and the round log show the computed update applied; the table also gives
+  the share of bf16 weights each run changed (the float32 run's rounded to bf16). Self-contained: its own
+  float32 run samples and scores the round.
 * ``throughput_mfu``: achieved model FLOP/s of training (6·N per token, N = non-embedding parameters,
   plus the LM head at response positions and causal attention; activation recomputation not counted),
   π_old (one forward), sampling and scoring (one forward, the prompt shared by its group), and their
@@ -287,6 +294,77 @@ def training_flops(root: str, dims: dict[str, int], peak: float | None) -> dict[
             "train_flops": flops, "train_flops_per_s": achieved,
             "train_mfu": achieved / peak if peak else None,
             "old_logp_flops_per_s": old_achieved, "old_logp_mfu": old_achieved / peak if peak and old_s else None}
+
+
+def bf16_master_check(work: Path, student: str, teacher: str, *, dry: bool, device: str,
+                      checkpointing: bool | None, shared_prompt: str) -> dict[str, Any]:
+    """The ``bf16_master`` section: one round of the same scored data trained in float32 and in bf16 at
+    lr 1e-6; the bf16 runs' fp32 master update against the float32 run's weight update."""
+    import torch
+
+    from sapd import checkpoints
+    from sapd.config import config_from_dict
+    from sapd.run.local import run_pipeline
+    from sapd.run.report import read_step_log
+    quiet: dict[str, Any] = dict(log=lambda s: None, show_progress=False)
+
+    def config(root: Path, engine: str, dtype: str, zero_stage: int = 2) -> Any:
+        return config_from_dict(run_config(root, student, teacher, backend="hf", engine=engine, dry=dry,
+                                           device=device, dtype=dtype, rounds=1, zero_stage=zero_stage,
+                                           checkpointing=checkpointing, shared_prompt=shared_prompt))
+
+    def weights(root: Path, k: int, dtype: DType = "float32") -> list[Any]:
+        return [p.detach().clone() for p in checkpoints.load_checkpoint_model(str(root), k, dtype).parameters()]
+
+    def masters(root: Path, k: int) -> list[Any]:
+        state = checkpoints.consolidated_optimizer_state(str(root), k)
+        if state is None or "master" not in state["state"][0]:
+            raise RuntimeError(f"{root}: checkpoint {k} holds no fp32 master")
+        return [state["state"][i]["master"] for i in range(len(state["state"]))]
+
+    def flat(tensors: list[Any]) -> Any:
+        return torch.cat([t.double().reshape(-1) for t in tensors])
+
+    def changed(a: list[Any], b: list[Any]) -> float:
+        x, y = flat([t.to(torch.bfloat16) for t in a]), flat([t.to(torch.bfloat16) for t in b])
+        return float((x != y).double().mean())
+
+    fp32 = work / "float32"
+    run_pipeline(config(fp32, "torch", "float32"), **quiet)
+    w0, w1 = weights(fp32, 0), weights(fp32, 1)
+    reference = flat(w1) - flat(w0)
+    arms = {"torch": ("torch", 2)}
+    if _importable("deepspeed"):
+        arms["deepspeed_zero2"] = ("deepspeed", 2)
+    out: dict[str, Any] = {"lr": 1e-6, "optimizer_steps": len(read_step_log(str(fp32))),
+                           "float32_update_norm": float(reference.norm()),
+                           "float32_changed_share_bf16": changed(w0, w1), "arms": {},
+                           "skipped": [] if "deepspeed_zero2" in arms else ["deepspeed_zero2: DeepSpeed not installed"]}
+    for name, (engine, stage) in arms.items():
+        root = work / name
+        for part in ("prefixes", "rounds/000000"):  # the float32 run's scored round: the same data
+            shutil.copytree(fp32 / part, root / part)
+        t0 = time.perf_counter()
+        run_pipeline(config(root, engine, "bfloat16", stage), **quiet)
+        seconds = time.perf_counter() - t0
+        m0, m1 = masters(root, 0), masters(root, 1)
+        update = flat(m1) - flat(m0)
+        folder0, folder1 = weights(root, 0, "bfloat16"), weights(root, 1, "bfloat16")
+        last = [r for r in read_step_log(str(root)) if "round_update_rel" in r][-1]
+        arm = {"cosine_vs_float32": float(update @ reference / (update.norm() * reference.norm())),
+               "norm_vs_float32": float(update.norm() / reference.norm()),
+               "master0_is_the_student": all(bool(torch.equal(a, b)) for a, b in zip(m0, w0)),
+               "folder_is_master_rounding": all(bool(torch.equal(f, m.to(torch.bfloat16)))
+                                                for f, m in zip(folder1, m1)),
+               "changed_share_bf16": changed(folder0, folder1),
+               "round_update_rel": last["round_update_rel"],
+               "round_update_applied_ratio": last["round_update_applied_ratio"], "seconds": seconds}
+        out["arms"][name] = arm
+        if not (arm["cosine_vs_float32"] >= 0.98 and abs(arm["norm_vs_float32"] - 1) <= 0.05
+                and arm["master0_is_the_student"] and arm["folder_is_master_rounding"]
+                and arm["round_update_applied_ratio"] > 0.99):
+            raise RuntimeError(f"bf16 ({name}) does not learn like float32: {json.dumps(arm)}")
+    return out
 
 
 def vllm_reuse_check(student: str, teacher: str, dtype: DType, *, gpu: bool) -> dict[str, Any]:
@@ -833,6 +911,10 @@ def main(argv: list[str] | None = None) -> int:
             raise _Skip("no training section finished")
         return out
 
+    def bf16_master() -> dict[str, Any]:
+        return bf16_master_check(work / "bf16-master", paths["student"], paths["teacher"], dry=dry, device=device,
+                                 checkpointing=ckpt, shared_prompt=args.shared_prompt)
+
     def vllm_engine_reuse() -> dict[str, Any]:
         """The vLLM student engine kept across rounds (:func:`vllm_reuse_check`): here where vLLM imports
         (the GPU image), else — the dry run — in the interpreter ``--vllm-python`` names (vLLM's CPU build
@@ -944,7 +1026,8 @@ def main(argv: list[str] | None = None) -> int:
         ("shared_prompt_ab", shared_prompt_ab),
         ("deepspeed_zero2", deepspeed_zero2), ("deepspeed_zero3", deepspeed_zero3),
         ("sharded_checkpoint", sharded_checkpoint), ("checkpoint_memory", checkpoint_memory),
-        ("pi_old_once", pi_old_once), ("throughput_mfu", throughput_mfu), ("rank_placement", rank_placement)]
+        ("pi_old_once", pi_old_once), ("throughput_mfu", throughput_mfu), ("rank_placement", rank_placement),
+        ("bf16_master", bf16_master)]
     wanted = {name for name, _ in sections}
     if args.only:
         asked = {x.strip() for x in args.only.split(",") if x.strip()}
@@ -1110,6 +1193,23 @@ def render_table(results: dict[str, Any]) -> str:
             f"prompt per response (G·(P + R) = {ts['per_response_tokens_per_group']:.0f}); "
             f"{1e3 * ts['shared_seconds_per_group']:.1f} vs {1e3 * ts['naive_seconds_per_group']:.1f} ms per group; "
             f"max |Δ log-prob| {ts['max_abs_logprob_diff']:.1e}")))
+    bf = results.get("bf16_master")
+    if bf is not None:
+        if bf["status"] != "ok":
+            lines.append(f"\nbf16 master (bf16 learns like float32): {not_ok(bf)}")
+        else:
+            lines += [f"\nbf16 master: one round of the same scored data at lr {bf['lr']:g} "
+                      f"({bf['optimizer_steps']} optimizer steps); the bf16 run's fp32 master update against the "
+                      f"float32 run's weight update; bf16 weights changed: float32 run rounded to bf16 "
+                      f"{100 * bf['float32_changed_share_bf16']:.2f} %", "",
+                      "| bf16 run | cosine | norm ratio | ckpt 0 master = student | folder = master's rounding "
+                      "| bf16 weights changed | applied / computed | s |", "|---|---|---|---|---|---|---|---|"]
+            for name, a in bf["arms"].items():
+                lines.append(f"| {name} | {a['cosine_vs_float32']:.4f} | {a['norm_vs_float32']:.4f} "
+                             f"| {a['master0_is_the_student']} | {a['folder_is_master_rounding']} "
+                             f"| {100 * a['changed_share_bf16']:.2f} % | {a['round_update_applied_ratio']:.4f} "
+                             f"| {a['seconds']:.1f} |")
+            lines += [f"({s})" for s in bf["skipped"]]
     if "max_memory_allocated_gib" in results:
         lines.append(f"\npeak GPU memory allocated: {results['max_memory_allocated_gib']:.1f} GiB")
     lines.append(f"\ntotal {results['seconds']:.0f} s")

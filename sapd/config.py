@@ -38,11 +38,17 @@ class DataConfig:
     reopd_kappa: float | None = None
 
 
+FLOAT16_NOT_TRAINED = ("model.dtype: float16 is not trained: its gradients need dynamic loss scaling, which sapd "
+                       "does not do; use bfloat16 (the same memory; an fp32 master of the weights is kept) or float32")
+
+
 @dataclass
 class ModelConfig:
     student: str = ""  # HF folder or s3:// prefix: the initial student (checkpoint 0)
     teacher: str = ""  # HF folder or s3:// prefix: the frozen teacher (must share the student's tokenizer)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights of every stage (bfloat16 at scale)
+    # bfloat16: checkpoints, sampling and scoring in bf16, training on an fp32 master kept in the optimizer
+    # state (docs/DESIGN.md); float16 is refused by training (FLOAT16_NOT_TRAINED)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"  # cpu | cuda | cuda:N
 
 
@@ -52,7 +58,9 @@ class SamplingConfig:
     group_size: int = 8  # G responses per prefix (paper: 8)
     temperature: float = 1.0  # of the student samples (paper: 1.0)
     top_p: float = 1.0  # nucleus sampling of the student samples; 1.0 = off
-    max_new_tokens: int = 512  # response budget of each sample (the verl-agent scripts SDAR builds on); each round logs the share cut at it
+    # response budget of each sample: 512 as in the verl-agent scripts SDAR builds on; each round logs the
+    # share cut at it
+    max_new_tokens: int = 512
     prompts_per_batch: int = 4  # HF: prompts prefilled together (each becomes G decode rows)
     gpu_memory_utilization: float = 0.4  # vLLM: share of GPU memory for each engine (student sampler, teacher)
     tensor_parallel_size: int = 1  # vLLM: GPUs the student sampler's engine spans

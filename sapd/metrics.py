@@ -68,6 +68,14 @@ class Metrics:
         self.truncated = Gauge("sapd_response_truncated_ratio",
                                "Share (0-1) of the round's sampled responses cut at sampling.max_new_tokens",
                                registry=r)
+        # the size of a round's update in the weights the optimizer keeps (the fp32 master in bf16), not in the
+        # bf16 copy that samples: a run whose weights do not move shows here (sapd.stages.train.UpdateProbe)
+        self.weight_update = Gauge("sapd_weight_update_ratio",
+                                   "||w_end - w_start|| / ||w_start|| of the weights the optimizer keeps, last round",
+                                   registry=r)
+        self.update_applied = Gauge("sapd_update_applied_ratio",
+                                    "Share of the update the optimizer computed that its kept weights took, last "
+                                    "round (1: all; near 0: lost to rounding)", registry=r)
         self.optimizer_steps = Counter("sapd_optimizer_steps_total", "Optimizer steps taken", registry=r)
         self.eval_success = Gauge("sapd_eval_success_ratio", "Task success (or exact match) of the newest evaluation",
                                   ["benchmark", "category"], registry=r)
@@ -109,6 +117,9 @@ class Metrics:
             self.gap.set(rec["teacher_student_gap"])
         if "clip_fraction" in rec:
             self.clip_fraction.set(rec["clip_fraction"])
+        if "round_update_rel" in rec:  # the round's last step
+            self.weight_update.set(rec["round_update_rel"])
+            self.update_applied.set(rec["round_update_applied_ratio"])
         self.round.set(rec.get("round", 0))
         self.optimizer_steps.inc()
         self.observe_stage("train_step", rec.get("step_seconds", 0.0))

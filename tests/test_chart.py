@@ -889,7 +889,8 @@ def test_grafana_dashboard_uses_sapd_metrics_by_convention():
                 metrics.add(word)
     assert metrics and all(m.startswith("sapd_") for m in metrics), metrics
     for needed in ("sapd_stage_duration_seconds_sum", "sapd_tokens_total", "sapd_loss", "sapd_clip_ratio",
-                   "sapd_teacher_student_gap", "sapd_eval_success_ratio"):
+                   "sapd_teacher_student_gap", "sapd_eval_success_ratio", "sapd_weight_update_ratio",
+                   "sapd_update_applied_ratio"):
         assert needed in metrics
     assert "sapd_clip_fraction" not in metrics and "histogram_quantile" not in json.dumps(exprs)
     # rate() only over what Prometheus scrapes (rank 0's /metrics), never over one-shot pushed series

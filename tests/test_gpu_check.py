@@ -1,7 +1,8 @@
 """bench/gpu_check.py in its CPU dry-run mode: the GPU proof script itself works end to end (models built
 from a config, the HF pipeline timed, DeepSpeed ZeRO-2 and ZeRO-3 on the same scored round agreeing with
 the torch engine, ZeRO-3's student built partitioned, the sharded optimizer checkpoint resumed under
-another ZeRO stage and engine, the checkpoint-memory bench, π_old computed once per round, FLOP/s with the
+another ZeRO stage and engine, the checkpoint-memory bench, π_old computed once per round, bf16 training
+moving its fp32 master as float32 moves its weights (torch engine and ZeRO-2), FLOP/s with the
 peak unknown on a CPU, the vLLM student engine's in-place weight sync — native path and deadline — in
 vLLM's CPU environment where there is one, vLLM sampling reported as skipped, 2 training processes' devices
 and peak memory, the vLLM teacher's tokens computed per group) and writes its table; and its
@@ -167,7 +168,15 @@ def test_gpu_check_dry_run(tmp_path):
     assert set(cm["by_code"][next(iter(cm["by_code"]))]) == {"1", "2"}
     assert cm["last_line"].startswith("checkpoint memory: rank-0 peak / whole state = ")
     assert cm["last_line"].endswith("(2 ranks)")
+    bf = res["bf16_master"]  # one round of the same scored data: the bf16 master moves as float32's weights
+    assert bf["status"] == "ok", bf
+    assert set(bf["arms"]) == {"torch", "deepspeed_zero2"} and bf["optimizer_steps"] >= 1
+    for arm in bf["arms"].values():
+        assert arm["cosine_vs_float32"] >= 0.98 and abs(arm["norm_vs_float32"] - 1) <= 0.05
+        assert arm["master0_is_the_student"] is True and arm["folder_is_master_rounding"] is True
+        assert arm["round_update_applied_ratio"] > 0.99
     md = (tmp_path / "gpu_check.md").read_text()
+    assert "bf16 master: one round of the same scored data at lr 1e-06" in md and "| deepspeed_zero2 | 0.9" in md
     assert "| hf_torch | ok |" in md and "| deepspeed_zero2 | ok |" in md and "| vllm | skipped" in md
     assert "| deepspeed_zero3 | ok |" in md and "ZeRO-3 partitioned init (zero.Init, world size 1)" in md
     assert "π_old once per round" in md and "| hf_torch | 1 |" in md

@@ -358,7 +358,7 @@ def test_helm_test_preflight_passes(smoke, cluster):
     (result,) = cluster.helm.test("sapd-smoke", timeout=120)
     assert result == ("sapd-smoke-preflight", "Succeeded"), cluster.describe()
     out = cluster.logs("sapd-smoke-preflight")
-    assert "check run root: ok" in out and "check pushgateway: ok" in out and "check: 9/9 passed" in out
+    assert "check run root: ok" in out and "check pushgateway: ok" in out and "check: 10/10 passed" in out
 
 
 def test_helm_upgrade_replaces_the_driver_which_finds_the_run_done(smoke, cluster):

@@ -3,7 +3,7 @@ loading a weight (``sapd check``, and each train pod against its own GPU before 
 Parameters are counted from the shapes of a Llama/Qwen2-style decoder (embeddings, attention with
 grouped KV heads, gated MLP, norms). The training activations use measured figures
 (``bench/activation_memory.py``, results in ``bench/results/activation_memory.txt``): what one decoder
-layer keeps per token for backward (:data:`SAVED_PER_TOKEN_LAYER`), the layer inputs alone under gradient
+layer keeps per token for backward (``SAVED_PER_TOKEN_LAYER``), the layer inputs alone under gradient
 checkpointing plus one layer recomputed at a time, and the logits at the response positions only (the
 training forward projects to the vocabulary there: :class:`sapd.models.scoring.HeadOnlyLM`). Prompts are
 taken at the longest one the prefix build kept, when a build is committed. The allocator's overhead and
@@ -103,7 +103,7 @@ def kv_cache_bytes(shape: Shape, tokens: int, dtype_bytes: int) -> float:
 
 
 def saved_per_token_layer(shape: Shape, dtype: str) -> float:
-    """Bytes one decoder layer of ``shape`` keeps for backward per token (:data:`SAVED_PER_TOKEN_LAYER`)."""
+    """Bytes one decoder layer of ``shape`` keeps for backward per token (``SAVED_PER_TOKEN_LAYER``)."""
     a, c = SAVED_PER_TOKEN_LAYER[dtype]
     return a * shape.hidden + c * shape.intermediate
 
@@ -154,10 +154,10 @@ def estimate(cfg: Any, student: Shape, teacher: Shape | None, train_processes: i
     if cfg.sampling.backend == "vllm":
         ts.note += f"; vLLM reserves sampling.gpu_memory_utilization={cfg.sampling.gpu_memory_utilization} per engine"
     out.append(ts)
-    # training: weights, gradients, AdamW's two float32 moments (plus float32 master weights under
-    # DeepSpeed with half precision), activations of micro_batch_prefixes × G sequences
+    # training: weights, gradients, AdamW's two float32 moments (plus the float32 master weights every engine
+    # keeps with half precision), activations of micro_batch_prefixes × G sequences
     n = student.params
-    optimizer = 8.0 * n + (4.0 * n if cfg.train.engine == "deepspeed" and b == 2 else 0.0)
+    optimizer = 8.0 * n + (4.0 * n if b == 2 else 0.0)
     weights, gradients = float(n * b), float(n * b)
     if cfg.train.engine == "deepspeed" and train_processes > 1:
         zero = cfg.train.zero_stage

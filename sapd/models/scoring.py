@@ -329,7 +329,7 @@ class ScoringStats:
 
 class HFScorer:
     """The frozen teacher on HF transformers: :func:`score_groups` (each group's prompt once) as a callable,
-    and :meth:`release`, which moves the model to host memory before a training stage in the same process
+    and :meth:`HFScorer.release`, which moves the model to host memory before a training stage in the same process
     on an accelerator (it moves back at the next call)."""
 
     def __init__(self, model, pad_id: int, device: str = "cpu"):

@@ -491,8 +491,8 @@ class VLLMScorer:
     ``skip_reading_prefix_cache`` (older than 0.32), every request is scored whole, as before.
 
     vLLM needs room for the dummy output token, so prompt + response must fit in ``max_model_len − 1``;
-    longer ones raise :class:`~sapd.models.scoring.TeacherScoringError` before anything is sent (vLLM would reject the whole
-    batch, and a truncated sequence would be scored wrongly). ``groups_per_call`` bounds one
+    longer ones raise :class:`~sapd.models.scoring.TeacherScoringError` before anything is sent (vLLM would
+    reject the whole batch, and a truncated sequence would be scored wrongly). ``groups_per_call`` bounds one
     ``LLM.generate``. :meth:`release` puts the engine to sleep before training where sleep mode is on
     (level 1: the frozen weights go to host memory, the KV cache is dropped); the next call wakes it.
     """

@@ -18,6 +18,9 @@ Checks (each prints one line; every check runs even after one failed):
   to change;
 - **ranks**: the training ranks (``WORLD_SIZE``, or ``SAPD_TRAIN_PROCESSES`` that the chart sets) divide
   each minibatch's micro-batches evenly, so none runs weightless passes;
+- **precision**: ``train.lr`` against the weights' floating-point spacing (:func:`check_precision`): a
+  warning when even the fp32 weights the optimizer keeps would round most updates away; ``model.dtype:
+  float16`` fails (training refuses it);
 - **webshop** (benchmark webshop only): the WebShop server the evaluation talks to (``SAPD_WEBSHOP_URL``,
   else sapd's default ``http://127.0.0.1:3000``; the chart sets it from ``evaluate.webshop.url``) answers
   with WebShop's instruction page, within seconds: unreachable is exit 75, anything else that answers
@@ -31,6 +34,7 @@ user error (fix the config, the input, the credentials), 75 a service was unreac
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import urllib.error
@@ -41,7 +45,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sapd import layout, storage
-from sapd.config import ConfigError, RunConfig, committed_config, committed_config_problem, locate, micro_batch_problem
+from sapd.config import (
+    FLOAT16_NOT_TRAINED,
+    ConfigError,
+    RunConfig,
+    committed_config,
+    committed_config_problem,
+    locate,
+    micro_batch_problem,
+)
 from sapd.data.loaders import LoadOptions, load_trajectories
 from sapd.data.prefix_table import longest_prompt
 from sapd.entry import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USER_ERROR, exit_code
@@ -56,11 +68,11 @@ STAGE_CHECKS: dict[str, tuple[str, ...]] = {
     "build-prefixes": ("storage", "run root", "data", "student", "teacher", "tokenizers"),
     "teacher-scores": ("storage", "run root", "student", "teacher", "tokenizers", "memory"),
     "teacher-scores-commit": ("storage", "run root"),  # it joins the workers' parts, no model
-    "train": ("storage", "run root", "ranks", "student", "memory"),
+    "train": ("storage", "run root", "ranks", "student", "memory", "precision"),
     "evaluate": ("storage",),  # it loads the run's checkpoints, not model.student
     # the cluster's pipeline driver, before it creates any stage Job: everything but memory, which each
     # stage pod checks against its own device (the driver's pod has none of theirs)
-    "driver": ("storage", "run root", "ranks", "data", "student", "teacher", "tokenizers"),
+    "driver": ("storage", "run root", "ranks", "data", "student", "teacher", "tokenizers", "precision"),
 }
 SAMPLE_RECORDS = 20
 
@@ -77,6 +89,10 @@ class Skipped(Exception):
     """A check that cannot run because one it depends on failed (not a failure of its own)."""
 
 
+class Warned(Exception):
+    """A check that passes with a warning: the run can go on, but probably not as the user meant."""
+
+
 @dataclass
 class Outcome:
     name: str
@@ -84,10 +100,13 @@ class Outcome:
     detail: str
     code: int = EXIT_OK
     skipped: bool = False
+    warned: bool = False
 
     def line(self) -> str:
         if self.skipped:
             return f"check {self.name}: skipped ({self.detail})"
+        if self.warned:
+            return f"check {self.name}: WARNING: {self.detail}"
         return f"check {self.name}: ok ({self.detail})" if self.ok else f"check {self.name}: FAILED: {self.detail}"
 
 
@@ -285,6 +304,44 @@ def check_ranks(cfg: RunConfig) -> str:
             "per full minibatch")
 
 
+SIGNIFICAND_BITS = {"float32": 24, "bfloat16": 8, "float16": 11}
+NORM_SCALE = 4.0
+"""Size up to which the weights the optimizer keeps should take an lr-sized update: RMSNorm / LayerNorm
+scales sit around 1–3 in trained models (Qwen2.5-0.5B's median is 2.2), the largest weights most models
+have that training must still move."""
+
+
+def movable_below(lr: float, dtype: str) -> float:
+    """The size below which an update of ``lr`` moves a weight stored in ``dtype``: a weight w changes only
+    if the update exceeds half its spacing, 2^(⌊log₂|w|⌋ − p) for p significand bits (round to nearest)."""
+    return 2.0 ** math.ceil(math.log2(lr) + SIGNIFICAND_BITS[dtype])
+
+
+def check_precision(cfg: RunConfig) -> str:
+    """``train.lr`` against the spacing of the weights the optimizer keeps. One AdamW step moves a weight by
+    about lr. Kept in float32 (a float32 model's weights, or the fp32 master sapd keeps for a bfloat16
+    one) it lands on every weight below :func:`movable_below`; a warning (:class:`Warned`) when that
+    leaves out weights of :data:`NORM_SCALE`. bfloat16 itself keeps 8 significant bits: at lr 1e-6 only
+    weights below 4.9e-4 would move, which is why the master exists; the line says what the served copy
+    does. float16 fails: the engines refuse to train it (no loss scaling)."""
+    lr, dtype = cfg.train.lr, cfg.model.dtype
+    if dtype == "float16":
+        raise ConfigError(FLOAT16_NOT_TRAINED, "model.dtype")
+    if lr <= 0:
+        return f"train.lr {lr:g}: the weights never move"
+    kept = movable_below(lr, "float32")
+    where = "the fp32 master sapd keeps of the bfloat16 weights" if dtype == "bfloat16" else "float32 weights"
+    if kept < NORM_SCALE:
+        raise Warned(f"train.lr {lr:g} moves {where} only below {kept:g} in size: updates to larger weights, such "
+                     f"as norm scales (~1-3), are lost to rounding even in float32; raise train.lr")
+    line = f"train.lr {lr:g} moves {where} below {kept:g} in size"
+    if dtype == "bfloat16":
+        line += (f"; bfloat16 weights alone would take it only below {movable_below(lr, 'bfloat16'):.2g}, so the "
+                 "bfloat16 copy that samples and is evaluated changes where the master has crossed half a "
+                 "bfloat16 step")
+    return line
+
+
 def check_pushgateway() -> str:
     url = os.environ.get("SAPD_PUSHGATEWAY_URL")
     if not url:
@@ -349,6 +406,8 @@ def run_checks(cfg: RunConfig, *, stage: str | None = None, sample_records: int 
             o = Outcome(name, True, fn())
         except Skipped as e:
             o = Outcome(name, True, str(e), skipped=True)
+        except Warned as e:
+            o = Outcome(name, True, str(e), warned=True)
         except Exception as e:  # noqa: BLE001 - every check reports; none stops the others
             code = _code(e)
             if code == EXIT_FAILED and not isinstance(e, (OSError, ValueError, RuntimeError)):
@@ -358,7 +417,7 @@ def run_checks(cfg: RunConfig, *, stage: str | None = None, sample_records: int 
                 log(f"check memory: WARNING: {o.detail}")
                 o = Outcome(name, True, "may not fit (warned)")
         outcomes.append(o)
-        if verbose or not o.ok:
+        if verbose or not o.ok or o.warned:
             log(o.line())
 
     def model(who: str) -> str:
@@ -403,6 +462,7 @@ def run_checks(cfg: RunConfig, *, stage: str | None = None, sample_records: int 
     if verbose:
         for line in memory_lines:
             log(f"  {line}")
+    run("precision", lambda: check_precision(cfg))
     if wanted is None and cfg.data.benchmark == "webshop":
         run("webshop", check_webshop)
     if wanted is None and pushgateway:

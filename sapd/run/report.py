@@ -1,7 +1,7 @@
-"""``sapd report RUN``: loss terms, advantage statistics and stage timings of a run, as PNG plots and a
-small JSON summary, from the per-step logs and the round manifests in the run root. Every ``loss`` and
-``loss_*`` key the objective logged is plotted (a new objective's terms need no edit here); the summary
-names the series of each panel (``plotted``)."""
+"""``sapd report RUN``: loss terms, advantage statistics, stage timings and the size of each update (in the
+weights the optimizer keeps) of a run, as PNG plots and a small JSON summary, from the per-step logs and
+the round manifests in the run root. Every ``loss`` and ``loss_*`` key the objective logged is plotted (a
+new objective's terms need no edit here); the summary names the series of each panel (``plotted``)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,13 @@ def loss_keys(steps: list[dict[str, Any]]) -> list[str]:
     return list(keys)
 
 
+def round_updates(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each round's update of the weights the optimizer keeps (the round's last step record carries it;
+    logs written before sapd measured it have none): ‖Δw‖/‖w‖ and the share of the computed update applied."""
+    return [{"round": r["round"], "step": r["step"], "update_rel": r["round_update_rel"],
+             "applied_ratio": r["round_update_applied_ratio"]} for r in steps if "round_update_rel" in r]
+
+
 def write_report(root: str, out: str | None = None) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -60,7 +67,7 @@ def write_report(root: str, out: str | None = None) -> list[str]:
         rec.setdefault("old_logp_seconds", 0.0)
     x = [r["step"] for r in steps]
     plotted: dict[str, list[str]] = {"loss terms": loss_keys(steps), "signals": []}
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10.5))
     ax = axes[0][0]
     for key in plotted["loss terms"]:
         ax.plot(x, [r.get(key, float("nan")) for r in steps], label=key)
@@ -97,10 +104,32 @@ def write_report(root: str, out: str | None = None) -> list[str]:
         ax.legend()
     ax.set_title("stage time per round (s)")
     ax.set_xlabel("round")
+    # the update, in the weights the optimizer keeps (the fp32 master in bf16): a run whose weights do not
+    # move shows here although its losses and gradient norms look normal
+    updates = round_updates(steps)
+    measured = [r for r in steps if "update_rel" in r]
+    plotted["update"] = ["update_rel", "update_applied_ratio"] if measured else []
+    ax = axes[2][0]
+    if measured:
+        ax.plot([r["step"] for r in measured], [r["update_rel"] for r in measured], label="per step")
+        ax.plot([u["step"] for u in updates], [u["update_rel"] for u in updates], "o", label="per round")
+        ax.set_yscale("log")
+        ax.legend()
+    ax.set_title("‖Δw‖/‖w‖ of the kept weights")
+    ax.set_xlabel("optimizer step")
+    ax = axes[2][1]
+    if measured:
+        ax.plot([r["step"] for r in measured], [r["update_applied_ratio"] for r in measured], label="per step")
+        ax.plot([u["step"] for u in updates], [u["applied_ratio"] for u in updates], "o", label="per round")
+        ax.axhline(0.5, color="grey", linestyle=":", label="warning below")
+        ax.set_ylim(0, max(1.1, max(r["update_applied_ratio"] for r in measured) * 1.05))
+        ax.legend()
+    ax.set_title("update applied / update computed")
+    ax.set_xlabel("optimizer step")
     fig.tight_layout()
     summary = {"steps": len(steps), "rounds": len(rounds), "final": {k: v for k, v in steps[-1].items()
                                                                       if isinstance(v, (int, float))},
-               "round_timings": rounds, "plotted": plotted}
+               "round_timings": rounds, "round_updates": updates, "plotted": plotted}
     dest = out or storage.join(root, "report")
     with tempfile.TemporaryDirectory() as tmp:
         png = Path(tmp) / "training.png"

@@ -93,7 +93,8 @@ def release_student(generator: Generator | None) -> None:
 
 def teacher_scorer(cfg: RunConfig, tokenizer) -> TeacherScorer:
     """The frozen teacher behind ``sampling.backend``, loaded once: vLLM scoring each group's prompt once
-    through its prefix cache (:class:`VLLMScorer`), or the HF shared-prefix scorer (:class:`HFScorer`).
+    through its prefix cache (:class:`~sapd.models.vllm_backend.VLLMScorer`), or the HF shared-prefix scorer
+    (:class:`~sapd.models.scoring.HFScorer`).
     Both can :func:`release_teacher` the device for training."""
     if cfg.sampling.backend == "vllm":
         return VLLMScorer.from_path(cfg.model.teacher, dtype=cfg.model.dtype,
