@@ -88,6 +88,56 @@ def test_a_kept_trainer_ends_where_a_trainer_reloaded_every_round_does(tmp_path,
     assert ctx.engines.trainer.checkpoint == 3
 
 
+def test_a_kept_bf16_trainer_keeps_its_fp32_master_in_memory_and_measures_each_round(tmp_path, models):
+    """In bf16 the optimizer updates an fp32 master (docs/DESIGN.md "The fp32 master"). A persistent trainer
+    keeps that master in memory: the same tensors, never rebuilt from the bf16 weights nor read back from
+    a checkpoint, after three rounds equal bit for bit to the master checkpoint 3 stores, and to the one
+    `sapd run` (a trainer reloaded every round, the master read back each time) stores. The bf16 weights
+    are its rounding. Each round's UpdateProbe still measures that round alone: the per-step and
+    per-round update figures equal `sapd run`'s, and every round logs its own update line."""
+    train_cfg = {"rounds": 3, "lr": 1e-5}  # small steps: most of them are below half a bf16 spacing
+    ref_root, root = str(tmp_path / "reloaded"), str(tmp_path / "kept")
+    run_pipeline(config_from_dict(tiny_config(ref_root, *models, model={"dtype": "bfloat16"}, train=train_cfg)),
+                 log=lambda s: None, show_progress=False)
+    cfg = config_from_dict(tiny_config(root, *models, model={"dtype": "bfloat16"}, train=train_cfg))
+    lines: list[str] = []
+    ctx = keep_everything(cfg, lines)
+    kept_masters: list[list[torch.Tensor]] = []
+    for step in plan.steps(cfg):
+        run_stage(STAGES[step.stage], ctx, step)
+        if step.stage == "train":
+            kept_masters.append(ctx.engines.trainer.engine.masters)
+    assert layout.committed_checkpoints(root) == [0, 1, 2, 3]
+    masters = kept_masters[0]
+    assert masters and all(m is masters for m in kept_masters)  # one list of tensors, kept from round to round
+    assert all(m.dtype == torch.float32 for m in masters)
+    model = ctx.engines.trainer.engine.model
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    for name, r in (("kept", root), ("reloaded", ref_root)):
+        stored = checkpoints.consolidated_optimizer_state(r, 3)
+        assert stored is not None
+        for i, m in enumerate(masters):
+            assert torch.equal(stored["state"][i]["master"].reshape(m.shape), m), (name, i)
+    for p, m in zip(model.parameters(), masters, strict=True):
+        assert torch.equal(p, m.to(torch.bfloat16))  # the weights are the master's rounding
+    # the master holds what bf16 cannot: it differs from its own rounding, and from checkpoint 0's weights
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters)
+    assert_same_weights(root, ref_root, (1, 2, 3))
+    for k in range(3):
+        a, b = ([{key: v for key, v in json.loads(ln).items() if not key.endswith("_seconds")}
+                 for ln in Path(layout.round_log_uri(r, k)).read_text().splitlines()] for r in (ref_root, root))
+        assert a == b, k
+        assert all(rec["update_rel"] > 0 for rec in b)
+        assert b[-1]["round_update_rel"] > 0 and b[-1]["round_update_applied_ratio"] > 0.5, b[-1]
+        assert all("round_update_rel" not in rec for rec in b[:-1])
+    updates = [ln for ln in lines if re.match(r"round \d update of the weights the optimizer keeps", ln)]
+    assert [ln.split(" update")[0] for ln in updates] == ["round 0", "round 1", "round 2"], updates
+    assert all("(its fp32 master)" in ln for ln in updates)
+    assert [re.sub(r" \(.*", "", ln) for ln in lines if ln.startswith("model load:")] == [
+        f"model load: teacher {models[1]}", "model load: student checkpoint 0 for sampling round 0",
+        "model load: student checkpoint 0 for training"]
+
+
 def test_a_kept_trainer_that_finds_another_checkpoint_loads_it(tmp_path, models):
     """A trainer kept at checkpoint 1 asked for round 2 (checkpoint 2 written by someone else meanwhile)
     loads checkpoint 2 rather than train on stale weights."""
@@ -181,13 +231,14 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", ["off", "one_step"])
-def test_the_persistent_doors_side_by_side_end_where_sapd_run_does(tmp_path, models, overlap):
+@pytest.mark.parametrize("overlap, dtype", [("off", "bfloat16"), ("one_step", "float32")])
+def test_the_persistent_doors_side_by_side_end_where_sapd_run_does(tmp_path, models, overlap, dtype):
     """The chart's persistent pods, as processes: build-prefixes, then one teacher-scores worker and one
     trainer started together, each serving every round (`--rounds 0`) and waiting for its input. They end
-    with `sapd run`'s checkpoints bit for bit (with train.overlap: one_step too), each process logged one
-    `model load:` per model and its start-up phases."""
-    data = tiny_config(str(tmp_path / "pods"), *models, train={"rounds": 3, "overlap": overlap})
+    with `sapd run`'s checkpoints bit for bit (in bf16, its fp32 master included; with train.overlap:
+    one_step too), each process logged one `model load:` per model and its start-up phases, and the trainer
+    one update line per round, measured in the weights the optimizer keeps (bf16: the fp32 master)."""
+    data = tiny_config(str(tmp_path / "pods"), *models, model={"dtype": dtype}, train={"rounds": 3, "overlap": overlap})
     ref = str(tmp_path / "sapd-run")
     run_pipeline(config_from_dict({**data, "run_root": ref}), log=lambda s: None, show_progress=False)
     config = tmp_path / "config.yaml"
@@ -211,6 +262,15 @@ def test_the_persistent_doors_side_by_side_end_where_sapd_run_does(tmp_path, mod
     assert re.findall(r"^model load: (\w+)", trainer, re.M) == ["student"], trainer
     assert len(re.findall(r"^weights: student checkpoint \d in place", scorer, re.M)) == (2 if overlap == "off" else 1)
     assert len(re.findall(r"^weights: checkpoint \d kept in memory", trainer, re.M)) == 2
+    kept = "its fp32 master" if dtype == "bfloat16" else "its float32 weights"
+    assert re.findall(rf"^round (\d) update of the weights the optimizer keeps \({kept}\): ‖Δw‖/‖w‖ [\d.e+-]+, "
+                      r"[\d.]+% of the update it computed applied$", trainer, re.M) == ["0", "1", "2"], trainer
+    if dtype == "bfloat16":
+        a, b = (checkpoints.consolidated_optimizer_state(r, 3) for r in (ref, root))
+        assert a is not None and b is not None
+        for i, (sa, sb) in enumerate(zip(a["state"].values(), b["state"].values(), strict=True)):
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(sa[key], sb[key]), (i, key)
     for log in (scorer, trainer):
         assert len(re.findall(r"^startup: imports [\d.]+s, models loaded [\d.]+s, engines ready [\d.]+s, first work",
                               log, re.M)) == 1, log
@@ -259,11 +319,12 @@ def test_overlap_one_step_samples_round_k_with_checkpoint_k_minus_1_and_weights_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_a_kept_deepspeed_trainer_on_two_ranks_ends_where_per_round_trainers_do(tmp_path, models, zero_stage):
+@pytest.mark.parametrize("zero_stage, dtype", [(2, "float32"), (3, "bfloat16")])
+def test_a_kept_deepspeed_trainer_on_two_ranks_ends_where_per_round_trainers_do(tmp_path, models, zero_stage, dtype):
     """DeepSpeed ZeRO on 2 processes: one torchrun of `python -m jobs.train --round 0 --rounds 0` keeps its
-    engine (the partitions, the optimizer state) for both rounds; two torchruns of one round each rebuild
-    it from checkpoints 0 and 1. Same scored rounds in, the same checkpoints out, bit for bit."""
+    engine (the partitions, the optimizer state, in bf16 DeepSpeed's fp32 master partitions) for both
+    rounds; two torchruns of one round each rebuild it from checkpoints 0 and 1. Same scored rounds in, the
+    same checkpoints out, bit for bit, the stored master included; each round logs its own update."""
     pytest.importorskip("deepspeed")
     import shutil
 
@@ -281,7 +342,7 @@ def test_a_kept_deepspeed_trainer_on_two_ranks_ends_where_per_round_trainers_do(
             rel = os.path.relpath(uri, source)
             shutil.copytree(Path(source) / rel, root / rel)
         config = tmp_path / f"{name}.yaml"
-        config.write_text(yaml.safe_dump(tiny_config(str(root), *models, train=train)))
+        config.write_text(yaml.safe_dump(tiny_config(str(root), *models, model={"dtype": dtype}, train=train)))
         roots[name] = (str(root), config)
 
     def torchrun(config: Path, *args: str) -> str:
@@ -305,5 +366,7 @@ def test_a_kept_deepspeed_trainer_on_two_ranks_ends_where_per_round_trainers_do(
     a, b = (consolidated_optimizer_state(roots[n][0], 2) for n in ("per-round", "kept"))
     assert a is not None and b is not None
     for i, (sa, sb) in enumerate(zip(a["state"].values(), b["state"].values())):
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in ("exp_avg", "exp_avg_sq", *(("master",) if dtype == "bfloat16" else ())):
             assert torch.equal(sa[key], sb[key]), (i, key)
+    kept_what = "its fp32 master" if dtype == "bfloat16" else "its float32 weights"
+    assert re.findall(rf"^round (\d) update of the weights the optimizer keeps \({kept_what}\)", kept, re.M) == ["0", "1"]
