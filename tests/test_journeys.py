@@ -200,7 +200,7 @@ def test_smoke_install_finishes_four_rounds_and_an_evaluation(smoke, cluster):
     assert created_order(log) == [f"sapd-smoke-{s}" for s in ORDER], log
     assert f"pipeline done: checkpoints {CHECKPOINTS} committed" in log
     # its first step: the checks, on the real S3 server, before it created any Job
-    assert log.index("preflight: 7 checks passed") < log.index("pipeline: release")
+    assert log.index("preflight: 8 checks passed") < log.index("pipeline: release")
     for s in ORDER:
         assert cluster.job_state(f"sapd-smoke-{s}") == "Complete", s
     assert layout.committed_checkpoints(smoke.root) == CHECKPOINTS
@@ -299,7 +299,7 @@ def test_the_readme_and_notes_kubectl_commands_show_the_run(smoke, cluster):
         f"sapd-smoke-evaluate-r{ROUNDS}": ("Complete", "1/1")}
     # the driver's whole log (one pod, so no "Found N pods" choice), as `logs -f` prints it once it ended
     assert driver == driver_log(cluster, "sapd-smoke-pipeline-1")
-    assert "preflight: 7 checks passed" in driver and f"pipeline done: checkpoints {CHECKPOINTS} committed" in driver
+    assert "preflight: 8 checks passed" in driver and f"pipeline done: checkpoints {CHECKPOINTS} committed" in driver
     worker0 = [p for p in pods_of(cluster, "sapd-smoke-teacher-scores-r0")
                if p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] == "0"]
     # NOTES' first by-label command names completion index 0: that worker's log (with a selector kubectl
