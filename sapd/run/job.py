@@ -6,11 +6,11 @@ The body: the run config from ``--config``/``--run-root``; the stage's share of 
 ``--no-check``: :func:`sapd.run.check.preflight`); the metrics (served on ``/metrics`` by rank 0 while the
 stage runs when ``SAPD_METRICS_PORT`` is set — the chart sets it for training — and pushed to the
 Pushgateway at the end); progress (a bar on a terminal, a line every 30 s in a pod's log, plain lines
-with ``--no-progress``); the stage through :func:`sapd.stages.context.run_stage` (the config written or
-checked, the stage timed), its one-line outcome; errors as one line and an exit code (:mod:`sapd.entry`).
-Under torchrun only rank 0 logs and pushes. The process's start-up (imports, models loaded, engines
-ready, first work: :class:`~sapd.stages.context.Startup`) is one ``startup:`` line and the gauge
-``sapd_startup_seconds{phase}``.
+with ``--no-progress``); the run root's lease (:func:`stage_lease`); the stage through
+:func:`sapd.stages.context.run_stage` (the config written or checked, the stage timed), its one-line
+outcome; errors as one line and an exit code (:mod:`sapd.entry`). Under torchrun only rank 0 logs, holds
+the lease and pushes. The process's start-up (imports, models loaded, engines ready, first work:
+:class:`~sapd.stages.context.Startup`) is one ``startup:`` line and the gauge ``sapd_startup_seconds{phase}``.
 
 **A worker that stays up** (:class:`Rounds`, the doors' ``--rounds N``: the cluster's persistent
 teacher-scores and train workers): one process runs the stage for rounds K, K+1, … (N of them; 0: to the
@@ -20,16 +20,18 @@ the round's input is committed (:func:`sapd.run.plan.wait_for_input`: checkpoint
 manifest), polling every ``poll_seconds``, a line every 30 s, at most ``timeout_seconds`` (then exit 75:
 the pod is retried); a round whose output is committed already is skipped, and a worker's own part that
 is written is not redone, so a replacement of a killed worker picks up where it stopped and every round
-is committed once. The metrics are pushed after every round.
+is committed once. The metrics are pushed after every round; the lease is held for all of its rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from sapd import lease
 from sapd.config import RunConfig
 from sapd.entry import add_config_flags, config_from_args, log_line, run_main
 from sapd.metrics import Metrics
@@ -126,23 +128,53 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
             ctx.log(f"{step.stage} worker: rounds {steps[0].round}–{steps[-1].round} of {cfg.train.rounds}, "
                     "each once its input is committed" if steps else
                     f"{step.stage} worker: no round from {rounds.first} on (the run has {cfg.train.rounds})")
-        for s in steps:
-            if rounds is not None:  # a worker started ahead of its input: wait for it, skip what is done
-                if plan.missing(cfg, s) is None:
-                    ctx.log(f"stage {s}: committed, skipping")
-                    continue
-                waited = plan.wait_for_input(cfg, s, poll_seconds=rounds.poll_seconds, log=ctx.log,
-                                             timeout_seconds=rounds.timeout_seconds)
-                if waited and "first_work" not in startup.seconds:
-                    startup.waited += waited  # the start-up line says how much of it was waiting
-                if main and waited:
-                    metrics.input_wait.labels(stage=s.stage.replace("-", "_")).observe(waited)
-            outcome = run_stage(stage, ctx, s)
-            ctx.log(outcome.summary)
-            if main and persistent:
-                metrics.push()
+        with stage_lease(cfg, step.stage, prog, main=main, log=log, force=getattr(args, "force_takeover", False)):
+            for s in steps:
+                if rounds is not None:  # a worker started ahead of its input: wait for it, skip what is done
+                    if plan.missing(cfg, s) is None:
+                        ctx.log(f"stage {s}: committed, skipping")
+                        continue
+                    waited = plan.wait_for_input(cfg, s, poll_seconds=rounds.poll_seconds, log=ctx.log,
+                                                 timeout_seconds=rounds.timeout_seconds)
+                    if waited and "first_work" not in startup.seconds:
+                        startup.waited += waited  # the start-up line says how much of it was waiting
+                    if main and waited:
+                        metrics.input_wait.labels(stage=s.stage.replace("-", "_")).observe(waited)
+                outcome = run_stage(stage, ctx, s)
+                ctx.log(outcome.summary)
+                if main and persistent:
+                    metrics.push()
         if main:
             metrics.mark_success()
             metrics.push()
 
     return run_main(prog, body)
+
+
+@contextlib.contextmanager
+def stage_lease(cfg: RunConfig, stage: str, prog: str, *, main: bool, log: Callable[[str], None],
+                force: bool = False) -> Iterator[None]:
+    """How a stage door run alone takes part in the run root's lease (docs/FAULTS.md, "A second writer"):
+
+    - a stage that writes the run's state (build-prefixes, teacher-scores, train) holds it for the stage:
+      a door started by hand claims it as itself (and gives it back at the end); a stage Job of a release
+      claims it as the release (``SAPD_LEASE_OWNER``, which the chart sets in every pod), sharing it with
+      the release's driver and its other Jobs, and leaves it to them;
+    - an evaluation only adds ``evals/K/`` files beside a running run (the CronJob does exactly that): it
+      takes no lease; given an owner (``SAPD_LEASE_OWNER``) it refuses a root another owner holds.
+
+    Either way another owner's live lease is refused with one line naming it (``--force-takeover`` takes it
+    over). Only the main process of a torchrun group (rank 0) takes part."""
+    if not main:
+        yield
+        return
+    claimant = lease.Claimant.this_process(prog)
+    hint = "run it again with --force-takeover"
+    if stage == "evaluate":
+        if not claimant.local:
+            lease.check_not_held(cfg.run_root, claimant)
+        yield
+        return
+    with lease.holding(cfg.run_root, claimant, ttl_s=cfg.storage.lease_ttl_s, log=log, force=force, takeover_hint=hint,
+                       give_back="mine" if claimant.local else "no"):
+        yield

@@ -29,7 +29,9 @@ A permanent failure (exit code 2: the podFailurePolicy's exit-code rule, or JobS
 ``FailJobSetFailurePolicyAction``) is not retried. A Job that Kueue keeps suspended is logged as queued,
 and the driver's own limit on a stage (its ``activeDeadlineSeconds`` + 600 s) counts from its admission.
 A failed final evaluation is reported and leaves the run complete: its checkpoints are committed.
-Every wait is bounded; every decision is one plain log line.
+Every wait is bounded; every decision is one plain log line. Given the run root's lease (``lease``, which
+``jobs.pipeline`` holds for the release), the driver stops (exit 2) once another run holds it: it checks
+between its polls and before it creates a Job.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from sapd import layout, yamlio
+from sapd import layout, storage, yamlio
 from sapd.config import RunConfig
 from sapd.data import scored, shards
 from sapd.method.objective import objective_of
@@ -200,7 +202,8 @@ class Driver:
                  stage_timeout_seconds: float | None = None, delete_timeout_seconds: float = 600.0,
                  owner: str | None = None, log: Callable[[str], None] = print,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
-                 api_attempts: int = 5, stage_jobs: str = "persistent", rounds_per_job: int = 0):
+                 api_attempts: int = 5, lease: Any = None, stage_jobs: str = "persistent",
+                 rounds_per_job: int = 0):
         if stage_jobs not in STAGE_JOBS:
             raise DriverError(f"stage jobs {stage_jobs!r}: expected one of {', '.join(STAGE_JOBS)}")
         if rounds_per_job < 0:
@@ -221,6 +224,7 @@ class Driver:
         self.owner, self.log, self.sleep, self.clock = owner, log, sleep, clock
         self.api_attempts = api_attempts
         self.stats = DriverStats()
+        self.lease = lease  # the run root's sapd.lease.RunLease this driver holds (jobs.pipeline), if any
         self._owner_ref: dict[str, Any] | None = None
         self.evaluation_failed: str | None = None
         self._pools_since = 0.0  # when the persistent stage Jobs of the current rounds were started (or adopted)
@@ -298,9 +302,25 @@ class Driver:
 
     def wait_for_input(self, step: plan.Step) -> None:
         """Poll until ``step``'s input is committed (:func:`sapd.run.plan.wait_for_input`), a line every
-        ``log_every_seconds``. Bounded by the pod's own activeDeadlineSeconds."""
+        ``log_every_seconds``, the lease checked between the polls. Bounded by the pod's own
+        activeDeadlineSeconds."""
+
+        def sleep(seconds: float) -> None:
+            self._still_holding(strict=False)
+            self.sleep(seconds)
         plan.wait_for_input(self.cfg, step, poll_seconds=self.poll, log=self.log, log_every_seconds=self.log_every,
-                            sleep=self.sleep, clock=self.clock)
+                            sleep=sleep, clock=self.clock)
+
+    def _still_holding(self, *, strict: bool) -> None:
+        """Stop (``LeaseLost``, exit 2) once another run holds the run root's lease; ``strict``: also when it
+        cannot be confirmed now (before creating a Job), else an outage is left to the lease's own thread."""
+        if self.lease is None:
+            return
+        try:
+            self.lease.check()
+        except storage.StorageUnavailable:
+            if strict:
+                raise
 
     def _run_step(self, step: plan.Step) -> None:
         cfg = self.cfg
@@ -448,6 +468,7 @@ class Driver:
             if scoring and all(p.done for p in scoring) and (j := self._first_missing("teacher-scores", k, end)) \
                     is not None:  # an adopted Job served fewer rounds than this train Job needs
                 pools.append(self._open_pool("teacher-scores", j, end))
+            self._still_holding(strict=False)
             self.sleep(self.poll)
 
     def _open_pool(self, stage: str, k: int, end: int, found: tuple[str, int, int, Any] | None = None) -> Pool:
@@ -616,6 +637,7 @@ class Driver:
 
     def _create_job(self, stage: str, k: int | None, name: str, attempt: int, rounds: int | None = None) -> None:
         """Create the stage's Job (``rounds``: a persistent Job serving that many rounds from k)."""
+        self._still_holding(strict=True)
         body = self.manifest(stage, k, attempt, rounds or 1, pool=rounds is not None)
         try:
             if name in self._jobsets:
@@ -667,6 +689,7 @@ class Driver:
         """Poll until the Job is Complete or Failed (or gone): :class:`JobWatch`, one read per poll."""
         watch = JobWatch(self, name, gang)
         while (out := watch.poll()) is None:
+            self._still_holding(strict=False)
             self.sleep(self.poll)
         return out
 
