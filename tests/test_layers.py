@@ -84,7 +84,7 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "sapd.data": {"pyarrow"},  # never a model library: data is contracts and transforms
     "sapd.models": {"torch", "transformers", "tokenizers", "safetensors", "vllm"},
     "sapd.checkpoints": {"torch", "safetensors"},
-    "sapd.envs": {"textworld", "scienceworld", "alfworld", "bm25s", "Stemmer", "numpy"},
+    "sapd.envs": {"textworld", "scienceworld", "alfworld", "fast_downward", "bm25s", "Stemmer", "numpy"},
     "sapd.stages": {"torch", "pyarrow", "deepspeed", "transformers"},
     "sapd.entry": set(),
     "sapd.panel_flags": set(),
@@ -97,8 +97,8 @@ THIRD_PARTY: dict[str, set[str] | None] = {
 }
 YAML_READER = "sapd.yamlio"  # the one module that imports yaml (YAML 1.2 numbers, key lines for errors)
 # heavy or optional packages: only inside functions in sapd/ and jobs/, so every module is cheap to import
-LAZY = {"vllm", "deepspeed", "textworld", "scienceworld", "alfworld", "matplotlib", "bm25s", "Stemmer",
-        "transformers", "tokenizers", "safetensors"}
+LAZY = {"vllm", "deepspeed", "textworld", "scienceworld", "alfworld", "fast_downward", "matplotlib", "bm25s",
+        "Stemmer", "transformers", "tokenizers", "safetensors"}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -44,6 +44,9 @@ class PanelSpec:
     # hand-coded expert's move/put fix (sapd.envs.alfworld_env.set_expert_fix)
     alfworld_expert: str | None = None
     alfworld_expert_fix: bool = True
+    # ALFWorld: the engine's start-up cached and paid once per process (sapd.envs.alfworld_cache); False =
+    # TextWorld as shipped. Episodes are the same either way (tested), so it is not part of the identity
+    alfworld_engine_cache: bool = True
     webshop_url: str | None = None
     limit: int | None = None  # search QA / ALFWorld / WebShop: at most this many episodes
     per_source: int | None = None  # search QA: per data source; ALFWorld: per category
@@ -86,7 +89,8 @@ def episode_specs(panel: PanelSpec) -> list[EpisodeSpec]:
     if b == "alfworld":  # game files: data_dir, else $ALFWORLD_DATA (alfworld-download or sapd alfworld-games)
         return alfworld_specs(panel.data_dir, ALFWORLD_SPLITS.get(panel.split, panel.split), panel.limit,
                               per_category=panel.per_source, expert=panel.alfworld_expert,
-                              expert_fix=panel.alfworld_expert_fix, seed=panel.seed)
+                              expert_fix=panel.alfworld_expert_fix, seed=panel.seed,
+                              engine_cache=panel.alfworld_engine_cache)
     if b == "webshop":  # a running WebShop server
         return webshop_specs(panel.webshop_url or DEFAULT_URL, panel.limit, start=panel.seed)
     raise ValueError(f"no environment for benchmark '{b}': expected one of {', '.join(PANEL_BENCHMARKS)}")
