@@ -350,6 +350,7 @@ def test_a_queued_stage_waits_for_admission_without_its_deadline_running(queue_c
     assert layout.committed_checkpoints(f"{inputs.prefix}/runs/sapd-q") == [0, 1, 2]
     # every Job of the release went through the queue: the driver's own, the stages', in creation order
     admitted = [e["name"] for e in c.store.events if e["reason"] == "QuotaReserved"]
-    assert admitted[0] == driver and admitted[1:] == ["sapd-q-build-prefixes", "sapd-q-teacher-scores-r0",
-                                                      "sapd-q-train-r0", "sapd-q-evaluate-r2"], admitted
+    # (the persistent scoring Job is created with the prefix build: Kueue may admit either first)
+    assert admitted[0] == driver and set(admitted[1:3]) == {"sapd-q-build-prefixes", "sapd-q-teacher-scores-r0"} \
+        and admitted[3:] == ["sapd-q-train-r0", "sapd-q-evaluate-r2"], admitted
     print(f"\nqueued journey: {time.monotonic() - t0:.0f}s")
