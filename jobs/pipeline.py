@@ -2,13 +2,18 @@
 waiting for them, and resuming from what is committed in the run root (sapd/run/k8s.py).
 
 Order: the run's plan (sapd/run/plan.py, the one `sapd run` follows): build-prefixes (unless prefixes and
-checkpoint 0 are committed); per round k < train.rounds whose checkpoint k+1 is not committed:
-teacher-scores-r<k> (an Indexed Job whose last worker commits the round; skipped for sft or when already
-committed), then train-r<k>; finally evaluate-r<R> if the chart renders an evaluate template.
+checkpoint 0 are committed); then the rounds k < train.rounds whose checkpoint k+1 is not committed;
+finally evaluate-r<R> if the chart renders an evaluate template. The rounds (--stage-jobs):
+- persistent (the default): teacher-scores-r<k> (an Indexed Job) and train-r<k>, created together at the
+  first round k not done, whose pods stay up for --rounds-per-job rounds (0: the rest of the run), keep
+  their models loaded and start each round once its input is committed (the last scoring worker commits
+  a round, the trainer every checkpoint); the driver logs each round's commits and recreates a Job that
+  fails or commits nothing within one round's time limit once that round's input is committed;
+- per-round: per round, teacher-scores-r<k> (skipped for sft or when already committed), then train-r<k>.
 Stage manifests come from --templates (the chart's pipeline-templates ConfigMap); the stage Jobs are
 made dependents of --owner (the chart: that ConfigMap, which every Helm revision keeps, so an upgrade
 never deletes a running stage Job and `helm uninstall` removes them all). A restarted or replaced driver
-adopts the current round's Job instead of creating a duplicate and skips every committed stage. A Job
+adopts the running stage Jobs instead of creating duplicates and skips every committed stage. A Job
 that fails, or completes without committing its output, is deleted and created again at most
 --retries times (a preempted train pod or a train group that never assembled is not counted); a failed
 final evaluation is reported and the run still completes. The evaluation starts once the Jobs it needs
@@ -49,7 +54,7 @@ from kubernetes.config.config_exception import ConfigException
 from sapd import lease
 from sapd.entry import add_config_flags, config_from_args, log_line, run_main
 from sapd.run.check import preflight
-from sapd.run.k8s import STAGES, Driver, KubeError, StageTemplates, current_namespace, load_api_client
+from sapd.run.k8s import STAGE_JOBS, STAGES, Driver, KubeError, StageTemplates, current_namespace, load_api_client
 from sapd.run.plan import Step
 
 
@@ -74,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evaluate-after-job", action="append", default=[], metavar="JOB",
                    help="a Job of the release the evaluation needs complete first (repeatable; the chart: the "
                         "ALFWorld data fill); one that is not there is taken as done and deleted after its TTL")
+    p.add_argument("--stage-jobs", choices=STAGE_JOBS, default="persistent",
+                   help="persistent (default): one teacher-scores Job and one train Job whose pods stay up for "
+                        "--rounds-per-job rounds, keeping their models loaded; per-round: two Jobs per round")
+    p.add_argument("--rounds-per-job", type=int, default=0,
+                   help="with --stage-jobs persistent: rounds one Job serves before the next is created (default 0: "
+                        "every round left)")
     p.add_argument("--stage", choices=STAGES, default=None,
                    help="run this step only, once its input is committed (the chart's manual mode)")
     p.add_argument("--round", type=int, default=None, help="the round of --stage (not for build-prefixes)")
@@ -106,7 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 driver = Driver(cfg, templates, load_api_client(args.kubeconfig), namespace, retries=args.retries,
                                 poll_seconds=args.poll_seconds, log_every_seconds=args.log_every_seconds,
                                 stage_timeout_seconds=args.stage_timeout_seconds, owner=args.owner, log=log_line,
-                                lease=held, evaluate_after=args.evaluate_after_job)
+                                lease=held, evaluate_after=args.evaluate_after_job,
+                                stage_jobs=args.stage_jobs if args.stage is None else "per-round",
+                                rounds_per_job=args.rounds_per_job)
                 if args.stage is None:
                     driver.run()
                 else:

@@ -103,6 +103,10 @@ class TrainConfig:
     # largest safetensors shard of a checkpoint; shards are gathered (ZeRO-3) and written one at a time
     checkpoint_shard_mb: float = 2048.0
     seed: int = 0  # seeds each round's sampling (per worker) and minibatch order
+    # "one_step": round k+1 is sampled and scored with checkpoint k while round k trains (the cluster's
+    # persistent workers then keep both pools busy). Not the paper's: π_old is one step stale, corrected by
+    # a truncated behaviour weight in the loss (docs/SAPD.md §6). "off": every round samples its own checkpoint
+    overlap: Literal["off", "one_step"] = "off"
 
 
 @dataclass
@@ -375,6 +379,24 @@ def validate(cfg: RunConfig) -> None:
                           "of it)", "storage.lease_ttl_s")
     if cfg.data.reopd_kappa is not None and cfg.data.reopd_kappa <= 0:
         raise ConfigError("data.reopd_kappa: must be positive", "data.reopd_kappa")
+    if tc.overlap == "one_step" and not ({"old_logp_P_G_T", "behaviour_logp_P_G_T"}
+                                         <= objective_of(cfg.loss_cfg).accepts):
+        raise ConfigError(f"train.overlap: one_step samples a round with the previous checkpoint, which the objective "
+                          f"must correct for (it takes old_logp_P_G_T and behaviour_logp_P_G_T, as sapd does); "
+                          f"variant {cfg.variant} (objective {cfg.loss_cfg.objective}) needs train.overlap: off",
+                          "train.overlap")
+
+
+def sampler_checkpoint(cfg: RunConfig, k: int) -> int:
+    """The checkpoint that samples round ``k`` (its behaviour policy): checkpoint k, the paper's on-policy
+    rounds; with ``train.overlap: one_step``, checkpoint k−1 from round 1 on, so round k is scored while
+    round k−1 trains (round 0 and 1 both sample checkpoint 0).
+
+    >>> c = RunConfig(); c.train.overlap = "one_step"
+    >>> [sampler_checkpoint(RunConfig(), k) for k in range(3)], [sampler_checkpoint(c, k) for k in range(3)]
+    ([0, 1, 2], [0, 0, 1])
+    """
+    return k - 1 if cfg.train.overlap == "one_step" and k > 0 else k
 
 
 def apply_storage_settings(cfg: RunConfig, log: Callable[[str], None] | None = None) -> None:

@@ -103,6 +103,12 @@ class Metrics:
                                   ["benchmark", "category"], registry=r)
         self.last_success = Gauge("sapd_job_last_success_timestamp_seconds",
                                   "Unix time the job last finished successfully", registry=r)
+        self.startup = Gauge("sapd_startup_seconds",
+                             "Seconds from the stage process's start to each start-up phase: imports done, models "
+                             "loaded, engines ready, first work (once per process)", ["phase"], registry=r)
+        self.input_wait = Histogram("sapd_input_wait_seconds", "Time a persistent stage worker waited for its "
+                                    "round's input to be committed", ["stage"], buckets=_DURATION_BUCKETS,
+                                    registry=r)
 
     @classmethod
     def from_env(cls, job: str) -> "Metrics":
@@ -145,6 +151,10 @@ class Metrics:
         self.eval_success.labels(benchmark=benchmark, category="all").set(overall)
         for cat, v in (by_category or {}).items():
             self.eval_success.labels(benchmark=benchmark, category=cat).set(v)
+
+    def record_startup(self, seconds: dict[str, float]) -> None:
+        for phase, value in seconds.items():
+            self.startup.labels(phase=phase).set(value)
 
     def mark_success(self) -> None:
         self.last_success.set(time.time())

@@ -8,6 +8,7 @@ own server that it may kill and restart.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -247,9 +248,11 @@ class S3Server:
     server: WeedServer
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = WeedServer(tmp_path_factory.mktemp("seaweedfs"))
+@contextlib.contextmanager
+def running_s3_server(root: Path) -> Iterator[S3Server]:
+    """A started server in ``root`` with a fresh bucket, stopped on exit (the session's, or a script's:
+    tests/round_overhead.py)."""
+    server = WeedServer(root)
     server.start()
     try:
         bucket = f"sapd-test-{uuid.uuid4().hex[:8]}"
@@ -259,6 +262,12 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     finally:
         server.stop()
         server.cleanup_sockets()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with running_s3_server(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
 
 
 @pytest.fixture

@@ -36,6 +36,7 @@ OVERLAYS = ["alfworld", "webshop", "searchqa", "textworld", "smoke"]
 VALUE_SETS = ["base", *OVERLAYS]
 GPU = "nvidia.com/gpu"
 ROUND_PLACEHOLDER = "__SAPD_ROUND__"  # what the pipeline driver replaces in its stage templates
+ROUNDS_PLACEHOLDER = "__SAPD_ROUNDS__"  # … and the rounds a (persistent) stage Job serves
 STAGES = ("build-prefixes", "teacher-scores", "train", "evaluate")
 JOBSET_SCHEMA = crd_schema(BY_KIND["JobSet"])
 
@@ -67,7 +68,8 @@ def render(values: dict, release: str = "sapd-test", with_templates: bool = True
 def stage_templates(docs: list[dict], round_: int = 0) -> list[tuple[str, dict]]:
     found = [d for d in docs if d["kind"] == "ConfigMap"
              and d["metadata"]["labels"]["app.kubernetes.io/component"] == "pipeline-templates"]
-    return [(key.removesuffix(".yaml"), yaml.safe_load(text.replace(ROUND_PLACEHOLDER, str(round_))))
+    return [(key.removesuffix(".yaml"), yaml.safe_load(text.replace(ROUND_PLACEHOLDER, str(round_))
+                                                       .replace(ROUNDS_PLACEHOLDER, "1")))
             for cm in found for key, text in sorted(cm["data"].items())]
 
 
@@ -417,7 +419,7 @@ def test_train_as_a_jobset_restarts_the_group_and_the_driver_may_create_it():
     assert res["requests"] == res["limits"]
     assert "Service" not in {d["kind"] for d in docs}  # JobSet creates its own
     (role,) = by_kind(docs, "Role").values()
-    assert {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["create", "get", "delete"]} in role["rules"]
+    assert {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["create", "get", "list", "delete"]} in role["rules"]
     # manual mode: the same JobSet template, created by the train gate
     m = render(manual(values))
     assert job(m, "train")["kind"] == "JobSet" and job(m, "gate-train")["kind"] == "Job"
@@ -588,9 +590,10 @@ def test_pipeline_driver_rbac_is_what_it_calls():
     docs = render({})
     (role,) = by_kind(docs, "Role").values()
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): r["verbs"] for r in role["rules"]}
-    # the calls of sapd/run/k8s.py: read/create/delete job, read its owner (the templates ConfigMap, no
-    # other), read/create service, list pods, read a log
-    assert rules == {(("batch",), ("jobs",)): ["create", "get", "delete"], (("",), ("services",)): ["get", "create"],
+    # the calls of sapd/run/k8s.py: read/list/create/delete job (a restarted driver lists the persistent stage
+    # Jobs of its run), read its owner (the templates ConfigMap, no other), read/create service, list pods, read
+    # a log
+    assert rules == {(("batch",), ("jobs",)): ["create", "get", "list", "delete"], (("",), ("services",)): ["get", "create"],
                      (("",), ("configmaps",)): ["get"], (("",), ("pods",)): ["list"], (("",), ("pods/log",)): ["get"]}
     (cm_rule,) = [r for r in role["rules"] if r["resources"] == ["configmaps"]]
     assert cm_rule["resourceNames"] == ["sapd-test-pipeline-templates"]
@@ -607,6 +610,27 @@ def test_pipeline_driver_rbac_is_what_it_calls():
         assert job(mdocs, f"gate-{stage}")["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
     for component in STAGES:
         assert job(docs, component)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_persistent_stage_jobs_are_the_default_and_per_round_jobs_a_value():
+    """pipeline.stageJobs: the driver's flag (persistent by default); the teacher-scores and train commands
+    take the rounds the driver fills in, the input poll, and a wait bound of one round of each pool."""
+    for values, flag in (({}, "persistent"), ({"pipeline": {"stageJobs": "perRound", "roundsPerJob": 3}}, "per-round")):
+        docs = render(values, with_templates=False)
+        args = container(job(docs, "pipeline")["spec"])["args"]
+        assert args[args.index("--stage-jobs") + 1] == flag
+        assert args[args.index("--rounds-per-job") + 1] == str(values.get("pipeline", {}).get("roundsPerJob", 0))
+    cm = by_kind(render({"pipeline": {"inputPollSeconds": 0.5}}, with_templates=False), "ConfigMap")
+    texts = cm["sapd-test-pipeline-templates"]["data"]
+    for stage in ("teacher-scores", "train"):
+        cargs = container(yaml.safe_load(texts[f"{stage}.yaml"])["spec"])["args"]
+        tail = cargs[cargs.index("--round"):]
+        assert tail == ["--round", ROUND_PLACEHOLDER, "--rounds", ROUNDS_PLACEHOLDER, "--poll-seconds", "0.5",
+                        "--input-timeout-seconds", str(21600 + 43200)], tail
+    for stage in ("build-prefixes", "evaluate"):
+        assert ROUNDS_PLACEHOLDER not in texts[f"{stage}.yaml"]
+    with pytest.raises(helm.HelmValuesError, match="stageJobs"):
+        render({"pipeline": {"stageJobs": "perround"}})
 
 
 def test_pipeline_driver_creates_the_stage_jobs_from_the_same_templates_as_manual_mode():

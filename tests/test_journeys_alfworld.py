@@ -114,10 +114,10 @@ def run(cluster, inputs) -> Run:
     root = f"{p}/runs/{REL}"
     fill_job = next(j["metadata"]["name"] for j in cluster.store.list("Job", NS)
                     if j["metadata"]["name"].startswith(f"{REL}-alfworld-fill-"))
-    # round 1's training, paused from its start (SIGSTOP) until the CronJob's evaluation is done: the tiny
-    # model trains in seconds, and the evaluation must find checkpoint 1 the newest
-    trainer = cluster.wait_pod(f"batch.kubernetes.io/job-name={REL}-train-r1",
-                               lambda pod: pod["status"].get("phase") == "Running", 1200)
+    # the trainer (persistent: one pod for both rounds), paused (SIGSTOP) from the moment it committed
+    # checkpoint 1 until the CronJob's evaluation is done: the tiny model trains in seconds, and the evaluation
+    # must find checkpoint 1 the newest
+    trainer = cluster.wait_log(f"batch.kubernetes.io/job-name={REL}-train-r0", "round 0: checkpoint 1 committed", 1200)
     assert cluster.kill_pod(trainer["metadata"]["name"], signal.SIGSTOP)
     try:
         assert checkpoints.is_committed(root, 1) and not checkpoints.is_committed(root, 2)

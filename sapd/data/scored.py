@@ -185,8 +185,12 @@ class ScoredPrefix:
     advantage_G: list[float] | None = None
     old_logp_G_T: list[list[float]] | None = None
     ref_logp_G_T: list[list[float]] | None = None  # the initial policy's, only with loss.kl_coef > 0
+    # the sampler's own log-probs of its tokens (the behaviour policy's): read by the loss only when the round
+    # was sampled by an older checkpoint than the one it trains from (train.overlap: one_step)
+    sampler_logp_G_T: list[list[float]] | None = None
 
 
 def scored_prefixes(table: pa.Table) -> list[ScoredPrefix]:
     return [ScoredPrefix(r["prefix_id"], r["prompt_token_ids"], r["response_token_ids"], r["teacher_logprobs"],
-                         r["action_mask"], r["rule_score"], r["advantage"]) for r in table.to_pylist()]
+                         r["action_mask"], r["rule_score"], r["advantage"], sampler_logp_G_T=r["sampler_logprobs"])
+            for r in table.to_pylist()]

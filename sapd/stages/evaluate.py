@@ -38,7 +38,7 @@ from sapd.models.generation import Generator, HFGenerator, SamplingParams, stops
 from sapd.models.loading import load_tokenizer
 from sapd.models.vllm_backend import VLLMGenerator
 from sapd.progress import Progress
-from sapd.stages.context import Outcome, StageContext, Step
+from sapd.stages.context import Outcome, StageContext, Startup, Step
 
 
 def latest_checkpoint(root: str) -> int:
@@ -85,16 +85,24 @@ def run_checkpoint_episodes(root: str, k: int, specs: list[EpisodeSpec], benchma
                             horizon: int | None = None, max_new_tokens: int = 128, device: str = "cpu",
                             env_timeout_s: float | None = None, progress: Callable[[int], None] | None = None,
                             temperature: float = 0.0, sample_seed: int = 0, dtype: str | None = None,
-                            backend: str | None = None):
+                            backend: str | None = None, startup: Startup | None = None,
+                            log: Callable[[str], None] | None = None):
     """Greedy (or, with ``temperature`` > 0, seeded sampled) episodes of committed checkpoint ``k`` on
     ``specs``, prompted as the run trained (its resolved config), the checkpoint loaded in ``dtype`` and
     generating with ``backend`` (default: the run's ``model.dtype`` and ``sampling.backend``).
     ``env_timeout_s``: each environment in its own process, a call that hangs longer is killed and
-    retried (:mod:`sapd.envs.isolated`). Returns (trajectories, the horizon used)."""
+    retried (:mod:`sapd.envs.isolated`). ``startup`` gets the process's start-up phases; ``log`` the
+    ``model load:`` line. Returns (trajectories, the horizon used)."""
+    t0 = time.perf_counter()
     tokenizer = load_tokenizer(str(checkpoints.checkpoint_model_path(root, k)))
     gen_opts = run_generation_options(root)
     gen_opts.update({key: v for key, v in (("dtype", dtype), ("backend", backend)) if v is not None})
     generator = checkpoint_generator(root, k, tokenizer, device=device, **gen_opts)
+    if log is not None:
+        log(f"model load: checkpoint {k} for evaluation ({gen_opts.get('backend')}, {time.perf_counter() - t0:.1f}s)")
+    if startup is not None:
+        startup.mark("engines_ready")  # the model and its generation engine, built together
+        startup.mark("first_work")
     spec = get_benchmark(benchmark)
     params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision),
                             seed=sample_seed)
@@ -125,7 +133,8 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
                         max_new_tokens: int = 128, device: str = "cpu", env_timeout_s: float | None = None,
                         log: Callable[[str], None] = print, show_progress: bool = True,
                         metrics: Metrics | None = None, temperature: float = 0.0, dtype: str | None = None,
-                        backend: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
+                        backend: str | None = None, progress: Progress | None = None,
+                        startup: Startup | None = None) -> dict[str, Any]:
     """Evaluate checkpoint ``k`` ("latest" for the newest committed one) of the run at ``root`` on ``panel``,
     greedily, or sampled at ``temperature`` (seeded by the panel seed) as SDAR's validation does; the
     checkpoint in ``dtype`` behind ``backend`` (default: the run's ``model.dtype`` and ``sampling.backend``).
@@ -158,7 +167,7 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
                                                       max_new_tokens=max_new_tokens, device=device,
                                                       env_timeout_s=env_timeout_s, progress=bar,
                                                       temperature=temperature, sample_seed=panel.seed,
-                                                      dtype=dtype, backend=backend)
+                                                      dtype=dtype, backend=backend, startup=startup, log=log)
     result = {"checkpoint": k, "benchmark": benchmark, "temperature": temperature, "seed": panel.seed,
               "dtype": dtype, "backend": backend,
               "games_per_family": panel.games_per_family,
@@ -224,7 +233,8 @@ def run(ctx: StageContext, step: Step) -> Outcome:
                                  max_new_tokens=opts.max_new_tokens or cfg.sampling.max_new_tokens,
                                  device=opts.device or cfg.model.device, env_timeout_s=opts.env_timeout_s,
                                  log=ctx.log, progress=ctx.progress, metrics=ctx.metrics,
-                                 temperature=opts.temperature, dtype=cfg.model.dtype, backend=cfg.sampling.backend)
+                                 temperature=opts.temperature, dtype=cfg.model.dtype, backend=cfg.sampling.backend,
+                                 startup=ctx.startup)
     return Outcome(f"checkpoint {k}: {panel.benchmark} success {result['overall']['success']:.3f}"
                    + (" (evaluated before)" if done_before else ""), done_before, result)
 

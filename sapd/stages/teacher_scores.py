@@ -9,21 +9,27 @@ workers finishing together both commit the same round). A rerun of a worker whos
 no-op, so a retried pod redoes only uncommitted work. Sampling is seeded by (seed, round, worker),
 so a redone part is the same part.
 
+Round k is sampled by checkpoint :func:`~sapd.config.sampler_checkpoint` (k; k−1 with
+``train.overlap: one_step``).
+
 Entry: :func:`run` (the stage interface of :mod:`sapd.stages.context`): one worker's share (the Job of an
 Indexed Job's pod), every worker in turn (the local executor, which keeps the teacher and the student
-sampler loaded across rounds in ``ctx.engines``), or only the commit (``--commit``), as :class:`Options` says.
+sampler loaded across rounds in ``ctx.engines``, as a persistent worker does), or only the commit
+(``--commit``), as :class:`Options` says. Every model load is one ``model load: …`` line (a persistent
+worker logs each model once per run; later checkpoints are ``weights: … in place`` lines).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
-from sapd import checkpoints, layout
-from sapd.config import RunConfig
+from sapd import checkpoints, layout, storage
+from sapd.config import RunConfig, sampler_checkpoint
 from sapd.data import scored
 from sapd.data.batches import round_batch, worker_rows
 from sapd.method.benchmarks import get_benchmark
@@ -31,11 +37,11 @@ from sapd.method.rules import RuleWeights
 from sapd.metrics import Metrics
 from sapd.models.devices import rank_device
 from sapd.models.generation import Generator, HFGenerator, SamplingParams, stops_for
-from sapd.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer, pin_model_path
+from sapd.models.loading import check_same_tokenizer, default_cache_dir, load_causal_lm, load_tokenizer, pin_model_path
 from sapd.models.scoring import HFScorer
 from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
 from sapd.progress import Progress
-from sapd.stages.context import Outcome, StageContext, Step
+from sapd.stages.context import Engines, Outcome, StageContext, Step
 
 
 class TeacherScorer(Protocol):
@@ -208,7 +214,9 @@ class Options:
 
 def _scoring_engines(ctx: StageContext, k: int) -> tuple[RunConfig, Generator, TeacherScorer, Any]:
     """(the config with the teacher pinned, round k's sampler, the teacher, the tokenizer), loaded once and
-    kept in ``ctx.engines``: the teacher for the whole run, the sampler taking each round's weights."""
+    kept in ``ctx.engines``: the teacher for the whole run, the sampler taking each round's weights (those of
+    checkpoint :func:`~sapd.config.sampler_checkpoint`). Each model load is a ``model load:`` line; a weight
+    update in place a ``weights:`` line."""
     cfg, e = ctx.cfg, ctx.engines
     if e.tokenizer is None:
         e.tokenizer = load_tokenizer(cfg.model.student)
@@ -219,9 +227,41 @@ def _scoring_engines(ctx: StageContext, k: int) -> tuple[RunConfig, Generator, T
     scoring_cfg = cfg if teacher_path == cfg.model.teacher else dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, teacher=teacher_path))
     if e.teacher is None:
+        t0 = time.perf_counter()
         e.teacher = teacher_scorer(scoring_cfg, e.tokenizer)
-    e.student = student_generator(cfg, k, e.tokenizer, reuse=e.student)
+        ctx.log(f"model load: teacher {teacher_path} ({cfg.sampling.backend}, {time.perf_counter() - t0:.1f}s)")
+    s = sampler_checkpoint(cfg, k)
+    if e.student is None or e.student_checkpoint != s:
+        t0 = time.perf_counter()
+        reused = e.student is not None
+        e.student = student_generator(cfg, s, e.tokenizer, reuse=e.student)
+        e.student_checkpoint = s
+        what = "sampling round" + (f" {k}" if s == k else f" {k} (train.overlap: one_step)")
+        ctx.log(f"{'weights' if reused else 'model load'}: student checkpoint {s}{' in place' if reused else ''} "
+                f"for {what} ({time.perf_counter() - t0:.1f}s)")
+        _forget_old_checkpoints(e, cfg, s, ctx.log)
+    ctx.startup.mark("models_loaded")
+    ctx.startup.mark("engines_ready")
     return scoring_cfg, e.student, e.teacher, e.tokenizer
+
+
+def _forget_old_checkpoints(e: Engines, cfg: RunConfig, s: int, log: Callable[[str], None]) -> None:
+    """A worker that keeps its engines for the whole run downloads one checkpoint per round: the local
+    copies (in the pod's scratch or the node's model cache) of checkpoints before s−1 are removed once
+    checkpoint s is loaded — no stage of this run reads them again (with ``train.overlap: one_step`` a
+    scoring worker may still read s−1, so it is kept) — so a run of many rounds does not fill the disk.
+    Only copies under the model cache, never a local run root."""
+    if not e.keep or not storage.is_s3(cfg.run_root):
+        return
+    e.fetched[s] = checkpoints.checkpoint_model_path(cfg.run_root, s)
+    cache = default_cache_dir().resolve()
+    for j in [j for j in e.fetched if j < s - 1]:
+        folder = e.fetched.pop(j)
+        if cache in folder.resolve().parents:
+            (folder / ".sapd-sync-complete").unlink(missing_ok=True)  # no reader takes a half-removed copy
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.with_name(folder.name + ".lock").unlink(missing_ok=True)
+            log(f"removed the local copy of checkpoint {j} ({folder})")
 
 
 def run(ctx: StageContext, step: Step) -> Outcome:
@@ -241,22 +281,25 @@ def run(ctx: StageContext, step: Step) -> Outcome:
     for w in workers:
         if not 0 <= w < cfg.workers:
             raise ValueError(f"worker index {w} is outside 0..{cfg.workers - 1} (config workers: {cfg.workers})")
-    if not checkpoints.is_committed(cfg.run_root, k):
-        raise FileNotFoundError(f"checkpoint {k} is not committed in {cfg.run_root}; train round {k - 1} first")
+    s = sampler_checkpoint(cfg, k)
+    if not checkpoints.is_committed(cfg.run_root, s):
+        raise FileNotFoundError(f"checkpoint {s} is not committed in {cfg.run_root} (it samples round {k}); "
+                                f"train round {s - 1} first")
     results = []
     for w in workers:
         result = _finished(cfg, k, w, ctx.log)
         if result is None:
             scoring_cfg, generator, teacher, tokenizer = _scoring_engines(ctx, k)
+            ctx.startup.mark("first_work")
             result = run_worker(scoring_cfg, k, w, generator, teacher, tokenizer, log=ctx.log,
                                 progress=ctx.progress)
         record_metrics(ctx.metrics, k, result)
         results.append(result)
-    if ctx.engines.keep:  # the engines stay up; training gets the device
+    if not ctx.engines.keep:
+        ctx.engines.student = ctx.engines.teacher = None
+    elif ctx.engines.release:  # the engines stay up; training gets the device (sapd run)
         release_student(ctx.engines.student)
         release_teacher(ctx.engines.teacher)
-    else:
-        ctx.engines.student = ctx.engines.teacher = None
     round_manifest = scored.committed_manifest(cfg.run_root, k)
     if round_manifest is not None and round_manifest.get("responses"):  # the whole round's share, once committed
         ctx.metrics.truncated.set(round_manifest["truncated_responses"] / round_manifest["responses"])

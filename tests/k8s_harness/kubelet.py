@@ -24,9 +24,12 @@ What a container gets, and how it differs from a real node (each difference is d
   annotations['…'], spec.nodeName/serviceAccountName, status.podIP/hostIP; ``resourceFieldRef``), the
   ``JOB_COMPLETION_INDEX`` an Indexed Job's controller adds. Then the harness adds, for every pod
   alike: ``PATH`` (the target's environment first: ``python``, ``torchrun``), ``PYTHONPATH``,
-  ``HOSTNAME``, ``HOME`` when the pod sets none (the image user's home on the root filesystem), and
+  ``HOSTNAME``, ``HOME`` when the pod sets none (the image user's home on the root filesystem),
   ``KUBECONFIG`` — a kubeconfig naming the harness's API server, its CA and, when a token would be
-  mounted (``automountServiceAccountToken`` not false), the pod's ServiceAccount token. In-cluster
+  mounted (``automountServiceAccountToken`` not false), the pod's ServiceAccount token — and
+  ``SAPD_HARNESS_CONTAINER``, a marker every process of the container inherits: what the container's
+  cgroup is on a node (a signal to the container, its end, a kill reach every process that carries it,
+  torchrun's workers included, which start sessions of their own). In-cluster
   config (KUBERNETES_SERVICE_HOST + the token under /var/run/secrets/…) is not offered: the client
   reads it from fixed absolute paths.
 * **Volumes.** Every volume is a directory under the pod's folder (emptyDir, configMap and secret
@@ -76,6 +79,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -90,6 +94,24 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[2]
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 _TINI = {"tini", "/tini", "/usr/bin/tini", "/sbin/tini", "/usr/local/bin/tini"}
+
+
+MARKER = "SAPD_HARNESS_CONTAINER"
+
+
+def container_pids(marker: str) -> list[int]:
+    """The processes whose environment carries ``marker`` (:data:`MARKER`): every process of one container,
+    as its cgroup would hold them, whichever process group or session each is in."""
+    needle = f"{MARKER}={marker}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if needle in (d / "environ").read_bytes().split(b"\0"):
+                    out.append(int(d.name))
+            except OSError:  # gone meanwhile, or not ours to read
+                pass
+    return out
 
 
 class PodNotReady(Exception):
@@ -149,6 +171,24 @@ class ContainerRun:
     exit_code: int | None = None
     finished: str | None = None
     signal: int | None = None
+    marker: str = ""  # MARKER's value in its environment: how its processes are found (the cgroup's part)
+
+    def signal_all(self, sig: int) -> bool:
+        """``sig`` to every process of the container (its process group and every process with its marker)."""
+        hit = False
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+                hit = True
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in container_pids(self.marker) if self.marker else []:
+            try:
+                os.kill(pid, sig)
+                hit = True
+            except (ProcessLookupError, PermissionError):
+                pass
+        return hit
 
 
 @dataclass
@@ -414,12 +454,14 @@ class Kubelet:
                     cwd = rootfs / workdir.lstrip("/")
                 self._make_node_dirs(cwd)
                 path = os.pathsep.join([str(venv / "bin"), env.get("PATH", "/usr/local/bin:/usr/bin:/bin")])
-                env.update(PATH=path, PYTHONPATH=str(REPO), HOSTNAME=hostname, KUBECONFIG=str(kubeconfig))
+                marker = f"{meta['namespace']}/{meta['name']}/{c['name']}/{uuid.uuid4().hex[:8]}"
+                env.update(PATH=path, PYTHONPATH=str(REPO), HOSTNAME=hostname, KUBECONFIG=str(kubeconfig),
+                           **{MARKER: marker})
                 if "/tmp" in mounts:
                     env["TMPDIR"] = str(mounts["/tmp"])
                 read_only_root = bool((c.get("securityContext") or {}).get("readOnlyRootFilesystem"))
                 out.append(ContainerRun(c["name"], argv, cwd, env, pdir / "logs" / f"{c['name']}.log",
-                                        uid, gid, groups, confined, read_only_root))
+                                        uid, gid, groups, confined, read_only_root, marker=marker))
             return out
 
         grace = spec.get("terminationGracePeriodSeconds", 30)
@@ -533,10 +575,7 @@ class Kubelet:
         if rc < 0:
             c.signal, rc = -rc, 128 - rc
         c.exit_code, c.finished = rc, now_rfc3339()
-        try:  # like the container's cgroup: nothing of it survives its main process
-            os.killpg(c.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        c.signal_all(signal.SIGKILL)  # like the container's cgroup: nothing of it survives its main process
 
     def _step(self, run: PodRun, pod: dict, deleting: bool) -> None:
         current = run.init[run.stage:run.stage + 1] if run.stage < len(run.init) else run.main
@@ -581,11 +620,11 @@ class Kubelet:
     def _kill(self, run: PodRun, sig: int) -> None:
         for c in run.init + run.main:
             if c.proc is not None and c.exit_code is None:
+                if sig == signal.SIGKILL:
+                    c.signal_all(sig)
+                    continue
                 try:
-                    if sig == signal.SIGKILL:
-                        os.killpg(c.proc.pid, sig)
-                    else:
-                        os.kill(c.proc.pid, sig)  # PID 1 (tini) gets SIGTERM and forwards it to its child
+                    os.kill(c.proc.pid, sig)  # PID 1 (tini) gets SIGTERM and forwards it to its child
                 except (ProcessLookupError, PermissionError):
                     pass
 
@@ -598,11 +637,7 @@ class Kubelet:
         hit = False
         for c in run.init + run.main:
             if c.proc is not None and c.exit_code is None:
-                try:
-                    os.killpg(c.proc.pid, sig)
-                    hit = True
-                except ProcessLookupError:
-                    pass
+                hit = c.signal_all(sig) or hit
         return hit
 
     def _publish(self, run: PodRun) -> None:

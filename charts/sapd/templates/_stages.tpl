@@ -1,7 +1,9 @@
 {{/* The stage Jobs, each as one named template rendered into the pipeline-templates ConfigMap, from
      which the driver (mode pipeline) and the gate Jobs (mode manual) create them. Call with
      (dict "root" $ "round" R): R is the round as a string, or "__SAPD_ROUND__", which the driver replaces
-     with the round it starts; "" means no round (build-prefixes).
+     with the round it starts; "" means no round (build-prefixes). The teacher-scores and train commands
+     take `--rounds __SAPD_ROUNDS__`: the rounds the Job serves (1 for per-round Jobs; a persistent Job's
+     workers stay up for all of them, each round once its input is committed: sapd.workerArgs).
      `manual` true (the gate Jobs Helm renders) adds a name suffix from a hash of the release's values:
      Jobs are immutable, so an upgrade that changes any value replaces the gates (new names; Helm deletes
      the old ones, the new ones adopt the stage Jobs, which belong to the ConfigMap) instead of patching
@@ -54,6 +56,16 @@ spec:
             {{- include "sapd.env" $c | nindent 12 }}
 {{- end -}}
 
+{{/* The arguments of a worker that may serve several rounds (jobs/teacher_scores.py, jobs/train.py): the
+     count the driver fills in, how often it checks a round's input, and how long it waits for one: one
+     round of each pool (a scoring worker waits for the trainer's round and the slowest worker's; the
+     trainer for the scoring round), past which it exits 75 and is retried. */}}
+{{- define "sapd.workerArgs" -}}
+{{- $v := .root.Values -}}
+{{- $wait := add (int $v.teacherScores.activeDeadlineSeconds) (int $v.train.activeDeadlineSeconds) -}}
+{{- toJson (list "--rounds" "__SAPD_ROUNDS__" "--poll-seconds" (toString $v.pipeline.inputPollSeconds) "--input-timeout-seconds" (toString $wait)) -}}
+{{- end -}}
+
 {{- define "sapd.teacherScoresResources" -}}
 {{- $v := .root.Values.teacherScores -}}
 {{- $res := deepCopy $v.resources -}}
@@ -89,7 +101,7 @@ spec:
       containers:
         - name: teacher-scores
           {{- include "sapd.containerCommon" $c | nindent 10 }}
-          args: [python, -m, jobs.teacher_scores, --config, /etc/sapd/config.yaml, --round, {{ .round | quote }}]
+          args: {{ concat (list "python" "-m" "jobs.teacher_scores" "--config" "/etc/sapd/config.yaml" "--round" (toString .round)) (include "sapd.workerArgs" . | fromJsonArray) | toJson }}
           env:
             {{- include "sapd.env" $c | nindent 12 }}
 {{- end -}}
@@ -124,6 +136,9 @@ containers:
       - /etc/sapd/config.yaml
       - --round
       - {{ .round | quote }}
+      {{- range include "sapd.workerArgs" . | fromJsonArray }}
+      - {{ . | quote }}
+      {{- end }}
     ports:
       - name: rendezvous
         containerPort: {{ int $t.rendezvousPort }}
