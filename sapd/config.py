@@ -93,6 +93,20 @@ class TrainConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """The student's distance to the teacher on held-out prefixes (``prefixes/val``), measured inside the
+    teacher-scores stage of round k on checkpoint k with the engines already up (docs/DESIGN.md
+    "Validation"): the reverse KL(student ‖ teacher) per sampled token, the forward log-ratio on the
+    recorded responses, the student's and the teacher's sampled action match."""
+
+    every_rounds: int = 1  # checkpoint k is validated when k is a multiple of this, and the last one; 0 = never
+    max_prefixes: int = 64  # a seeded sample of the validation pool, at most this many prefixes (0 = all)
+    group_size: int = 4  # samples per prefix, at temperature 1 (the KL is an expectation under the student)
+    max_new_tokens: int | None = None  # per sample; None = sampling.max_new_tokens
+    seed: int = 0  # which prefixes the cap keeps, and the samples' seed (the same every round)
+
+
+@dataclass
 class RunConfig:
     run_root: str = "runs/default"  # a local folder or s3://bucket/prefix; everything of the run lives here
     # a named setting of the objective (docs/SAPD.md §4): sapd | opd | opd_rule | wo_opd | wo_rule | full_token |
@@ -104,6 +118,7 @@ class RunConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rules: RuleConfig = field(default_factory=RuleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     workers: int = 1  # teacher-scores workers that split one round (Indexed Job completions on Kubernetes)
     # the variant with its `loss` overrides, resolved (and typed) once: by construction and by validate()
     loss_cfg: LossConfig = field(init=False, repr=False, compare=False)
@@ -337,6 +352,15 @@ def validate(cfg: RunConfig) -> None:
     if not cfg.sampling.weight_sync_timeout_s > 0:
         raise ConfigError("sampling.weight_sync_timeout_s: must be a positive number of seconds",
                           "sampling.weight_sync_timeout_s")
+    v = cfg.validation
+    for name, zero in (("every_rounds", "never"), ("max_prefixes", "all of prefixes/val")):
+        if getattr(v, name) < 0:
+            raise ConfigError(f"validation.{name}: must be at least 0 (0 = {zero})", f"validation.{name}")
+    if v.group_size < 1:
+        raise ConfigError("validation.group_size: must be at least 1", "validation.group_size")
+    if v.max_new_tokens is not None and v.max_new_tokens < 1:
+        raise ConfigError("validation.max_new_tokens: must be at least 1 (or null: sampling.max_new_tokens)",
+                          "validation.max_new_tokens")
     if cfg.data.reopd_kappa is not None and cfg.data.reopd_kappa <= 0:
         raise ConfigError("data.reopd_kappa: must be positive", "data.reopd_kappa")
 

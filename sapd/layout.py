@@ -9,6 +9,9 @@ checkpoints/NNNNNN/model/              HF format (config, safetensors, tokenizer
 checkpoints/NNNNNN/state/              trainer state (optimizer, scheduler, RNG, cursor); _COMMITTED last
 logs/round-NNNNNN.jsonl                per-step training log of a round (written with its checkpoint)
 evals/NNNNNN/<benchmark>.json
+validation/NNNNNN.json                 checkpoint k's distance to the teacher on prefixes/val (written last)
+validation/NNNNNN/part-WWWWW.json      one per teacher-scores worker, merged into the file above
+validation/teacher/part-WWWWW.json     the teacher's own samples on the same prefixes (once per run)
 ```
 Checkpoint k is the policy that samples round k (π_old of round k); training round k writes k+1.
 """
@@ -56,6 +59,18 @@ def round_log_uri(root: str, k: int) -> str:
 
 def evals_dir(root: str, k: int) -> str:
     return storage.join(root, "evals", f"{k:06d}")
+
+
+def validation_uri(root: str, k: int) -> str:
+    return storage.join(root, "validation", f"{k:06d}.json")
+
+
+def validation_part_uri(root: str, k: int, worker: int) -> str:
+    return storage.join(root, "validation", f"{k:06d}", f"part-{worker:05d}.json")
+
+
+def teacher_validation_part_uri(root: str, worker: int) -> str:
+    return storage.join(root, "validation", "teacher", f"part-{worker:05d}.json")
 
 
 def committed_checkpoints(root: str) -> list[int]:

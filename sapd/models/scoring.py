@@ -287,6 +287,18 @@ def score_naive(model, prompt_ids: Sequence[int], responses: Sequence[Sequence[i
     return out
 
 
+class ModelScorer:
+    """:func:`score_groups` on one loaded HF model, as a callable (``groups, progress`` → log-probs per
+    response): the teacher scorer of the HF backend, and the student's when it scores given responses."""
+
+    def __init__(self, model, pad_id: int = 0) -> None:
+        self.model, self.pad_id = model, pad_id
+
+    def __call__(self, groups: Sequence[tuple[str, Sequence[int], Sequence[Sequence[int]]]],
+                 progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
+        return score_groups(self.model, groups, pad_id=self.pad_id, progress=progress)
+
+
 def score_groups(model, groups: Sequence[tuple[str, Sequence[int], Sequence[Sequence[int]]]], *,
                  pad_id: int = 0, progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
     """``groups`` = [(prefix_id, prompt_ids, [response_ids × G])] → teacher log-probs per response."""

@@ -508,6 +508,11 @@ class VLLMScorer:
                                       f"(max_model_len {self.max_model_len} − 1); it would be truncated — filter "
                                       "prefixes with --max-prompt-tokens")
 
+    def __call__(self, groups: Sequence[Group],
+                 progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
+        """:meth:`score_groups`: the scorer callable the teacher-scores stage and the validation take."""
+        return self.score_groups(groups, progress)
+
     def score_groups(self, groups: Sequence[Group],
                      progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
         """``groups`` = [(prefix_id, prompt_ids, [response_ids × G])] → teacher log-probs per response."""

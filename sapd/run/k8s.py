@@ -299,17 +299,22 @@ class Driver:
         self.run_job(step.stage, step.round, check)
 
     def _commit_scores(self, step: plan.Step) -> str | None:
-        """After a teacher-scores Job completes: its last worker committed the round; if that worker died
-        between its part and the commit, every part is there and the driver commits it."""
+        """After a teacher-scores Job completes: its last worker committed the round (checkpoint k's validation,
+        then the scored manifest); if that worker died between its part and the commit, every part is there
+        and the driver commits it."""
         if plan.missing(self.cfg, step) is None:
             return None
         assert step.round is not None
         try:
-            manifest = scored.commit_round(self.cfg, step.round)
+            result, manifest = scored.commit_teacher_scores(self.cfg, step.round)
         except shards.ShardError as e:
             return str(e)
-        self.log(f"round {step.round}: committed {manifest['rows']} scored groups from {manifest['workers']} workers")
-        return None
+        if result is not None:
+            self.log(f"checkpoint {step.round}: committed its validation on {result['prefixes']} held-out prefixes")
+        if manifest is not None:
+            self.log(f"round {step.round}: committed {manifest['rows']} scored groups from {manifest['workers']} "
+                     "workers")
+        return plan.missing(self.cfg, step)
 
     # ---------------------------------------------------------------------------------- one stage Job
 

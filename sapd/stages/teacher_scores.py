@@ -24,17 +24,21 @@ from typing import Any, Callable, Protocol, Sequence
 
 from sapd import checkpoints, layout
 from sapd.config import RunConfig
-from sapd.data import scored
+from sapd.data import scored, validation
 from sapd.data.batches import round_batch, worker_rows
 from sapd.method.benchmarks import get_benchmark
 from sapd.method.rules import RuleWeights
 from sapd.metrics import Metrics
 from sapd.models.generation import Generator, HFGenerator, SamplingParams, stops_for
 from sapd.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer, pin_model_path
-from sapd.models.scoring import score_groups
+from sapd.models.scoring import ModelScorer
 from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
 from sapd.progress import Progress
 from sapd.stages.context import Outcome, StageContext, Step
+from sapd.stages.validation import pending as validation_pending
+from sapd.stages.validation import record_metrics as record_validation
+from sapd.stages.validation import summary_line as validation_line
+from sapd.stages.validation import validate_worker
 
 
 class TeacherScorer(Protocol):
@@ -79,13 +83,10 @@ def teacher_scorer(cfg: RunConfig, tokenizer) -> TeacherScorer:
     if cfg.sampling.backend == "vllm":
         return VLLMScorer.from_path(cfg.model.teacher, dtype=cfg.model.dtype,
                                     gpu_memory_utilization=cfg.sampling.gpu_memory_utilization,
-                                    tensor_parallel_size=cfg.sampling.teacher_tensor_parallel_size).score_groups
+                                    tensor_parallel_size=cfg.sampling.teacher_tensor_parallel_size)
     teacher = load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=cfg.model.device)
-
-    def scorer(groups, progress=None):
-        return score_groups(teacher, groups, pad_id=tokenizer.pad_token_id, progress=progress)
-
-    return scorer
+    # a scorer object (not a closure): the validation samples the teacher through the same engine
+    return ModelScorer(teacher, tokenizer.pad_token_id)
 
 
 @dataclass
@@ -164,15 +165,23 @@ def _finished(cfg: RunConfig, k: int, worker: int, log: Callable[[str], None]) -
 
 
 def _commit_if_complete(cfg: RunConfig, k: int, log: Callable[[str], None]) -> bool:
-    """The last worker to finish commits the round (idempotent); False while some part is missing."""
-    if scored.is_committed(cfg.run_root, k):
+    """The last worker to finish commits the round — checkpoint k's validation, then the scored manifest
+    (:func:`sapd.data.scored.commit_teacher_scores`; idempotent); False while some part is missing."""
+    scores, validates = k < cfg.train.rounds, validation.wanted(cfg, k)
+    todo_scores = scores and not scored.is_committed(cfg.run_root, k)
+    todo_validation = validates and not validation.is_committed(cfg.run_root, k)
+    if not (todo_scores or todo_validation):
         return False
-    done = len(scored.workers_done(cfg, k))
+    done = min(len(scored.workers_done(cfg, k)) if todo_scores else cfg.workers,
+               len(validation.workers_done(cfg, k)) if todo_validation else cfg.workers)
     if done < cfg.workers:
         log(f"round {k}: {done}/{cfg.workers} workers done; the last one to finish commits the round")
         return False
-    manifest = scored.commit_round(cfg, k)
-    log(f"round {k}: committed {manifest['rows']} scored groups from {manifest['workers']} workers")
+    result, manifest = scored.commit_teacher_scores(cfg, k)
+    if result is not None and todo_validation:
+        log(validation_line(result))
+    if manifest is not None and todo_scores:
+        log(f"round {k}: committed {manifest['rows']} scored groups from {manifest['workers']} workers")
     return True
 
 
@@ -205,16 +214,27 @@ def _scoring_engines(ctx: StageContext, k: int) -> tuple[RunConfig, Generator, T
 def run(ctx: StageContext, step: Step) -> Outcome:
     """The stage for round ``step.round`` (every door calls it through :func:`sapd.stages.context.run_stage`):
     check the inputs, then each of this door's workers (:class:`Options`) that is not done: build (or reuse)
-    the round's sampler and the teacher, :func:`run_worker`. The last worker to finish commits the round.
-    → the workers' results."""
+    the round's sampler and the teacher, validate checkpoint k on its share of the held-out prefixes when
+    the run validates it (:func:`sapd.stages.validation.validate_worker`), then :func:`run_worker`. The last
+    worker to finish commits the round. Round ``train.rounds`` (the last checkpoint) has nothing to score:
+    it is only validated. → the workers' results."""
     cfg, k = ctx.cfg, step.round
     assert k is not None, "teacher-scores runs for a round"
     opts: Options = ctx.options.get("teacher-scores") or Options()
+    scores, validates = k < cfg.train.rounds, validation.wanted(cfg, k)
+    if not (scores or validates):
+        raise ValueError(f"round {k}: the run has {cfg.train.rounds} rounds (0..{cfg.train.rounds - 1}) and "
+                         f"checkpoint {k} is not validated (validation.every_rounds: {cfg.validation.every_rounds}); "
+                         "nothing to score or validate")
     if opts.commit_only:
-        manifest = scored.commit_round(cfg, k)
+        checked, manifest = scored.commit_teacher_scores(cfg, k)
         ctx.metrics.round.set(k)
-        return Outcome(f"round {k}: committed {manifest['rows']} scored groups from {manifest['workers']} workers",
-                       value=manifest)
+        if checked is not None:
+            record_validation(ctx.metrics, checked)
+        lines = ([validation_line(checked)] if checked is not None else []) + (
+            [f"round {k}: committed {manifest['rows']} scored groups from {manifest['workers']} workers"]
+            if manifest is not None else [])
+        return Outcome("; ".join(lines), value=manifest if manifest is not None else checked)
     workers = list(range(cfg.workers)) if opts.worker is None else [opts.worker]
     for w in workers:
         if not 0 <= w < cfg.workers:
@@ -223,13 +243,26 @@ def run(ctx: StageContext, step: Step) -> Outcome:
         raise FileNotFoundError(f"checkpoint {k} is not committed in {cfg.run_root}; train round {k - 1} first")
     results = []
     for w in workers:
-        result = _finished(cfg, k, w, ctx.log)
-        if result is None:
+        validated = False
+        if validates and validation_pending(cfg, k, w):
             scoring_cfg, generator, teacher, tokenizer = _scoring_engines(ctx, k)
-            result = run_worker(scoring_cfg, k, w, generator, teacher, tokenizer, log=ctx.log,
-                                progress=ctx.progress)
+            part = validate_worker(scoring_cfg, k, w, generator, teacher, tokenizer, log=ctx.log,
+                                   progress=ctx.progress)
+            if part is not None:
+                validated = True
+                ctx.metrics.observe_stage("validation", sum(part["timings"].values()))
+        if scores:
+            result = _finished(cfg, k, w, ctx.log)
+            if result is None:
+                scoring_cfg, generator, teacher, tokenizer = _scoring_engines(ctx, k)
+                result = run_worker(scoring_cfg, k, w, generator, teacher, tokenizer, log=ctx.log,
+                                    progress=ctx.progress)
+        else:  # the last checkpoint: validated, nothing to score
+            result = WorkerResult(not validated, 0, {}, 0, _commit_if_complete(cfg, k, ctx.log))
         record_metrics(ctx.metrics, k, result)
         results.append(result)
+    if validates and validation.is_committed(cfg.run_root, k):
+        record_validation(ctx.metrics, validation.read(cfg.run_root, k))  # restated when found committed too
     if ctx.engines.keep:
         release_student(ctx.engines.student)  # the engine stays up; training gets the device
     else:
@@ -237,8 +270,8 @@ def run(ctx: StageContext, step: Step) -> Outcome:
     who = f"worker {workers[0]}/{cfg.workers}" if len(workers) == 1 else f"{len(workers)} workers"
     done = "already done" if all(r.skipped for r in results) else "done"
     committed = ", round committed" if any(r.committed for r in results) else ""
-    return Outcome(f"round {k} {who}: {done}, {sum(max(r.rows, 0) for r in results)} groups{committed}",
-                   all(r.skipped for r in results), results)
+    what = f"{sum(max(r.rows, 0) for r in results)} groups" if scores else "the last checkpoint validated"
+    return Outcome(f"round {k} {who}: {done}, {what}{committed}", all(r.skipped for r in results), results)
 
 
 def _seed(seed: int, k: int, worker: int) -> int:
