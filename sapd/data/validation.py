@@ -231,7 +231,8 @@ def wilson(p: float, n: float, z: float = Z95) -> tuple[float, float]:
         return 0.0, 1.0
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # at p = 0 (or 1) the bound is 0 (or 1) exactly; the formula leaves a rounding error there
+    return (0.0 if p <= 0 else max(0.0, centre - half)), (1.0 if p >= 1 else min(1.0, centre + half))
 
 
 def _group(records: Iterable[dict[str, Any]], teacher: Iterable[dict[str, Any]]) -> dict[str, Any]:

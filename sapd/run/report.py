@@ -1,5 +1,6 @@
-"""``sapd report RUN``: loss terms, advantage statistics and stage timings of a run, as PNG plots and a
-small JSON summary, from the per-step logs and the round manifests in the run root."""
+"""``sapd report RUN``: loss terms, advantage statistics and stage timings of a run, and each validated
+checkpoint's distance to the teacher on held-out prefixes (:mod:`sapd.data.validation`), as PNG plots and a
+small JSON summary, from the per-step logs, the round manifests and the validation results in the run root."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sapd import layout, storage
-from sapd.data import shards
+from sapd.data import shards, validation
 
 
 def read_step_log(root: str) -> list[dict[str, Any]]:
@@ -30,6 +31,28 @@ def round_timings(root: str) -> list[dict[str, Any]]:
     return out
 
 
+VALIDATION_FIGURES = ("reverse_kl_per_token", "recorded_logratio_per_token", "action_match", "teacher_action_match",
+                      "format_valid")
+
+
+def validation_curve(root: str) -> list[dict[str, Any]]:
+    """Per validated checkpoint: its headline figures (``{value, ci}``), the prefixes, and the seconds it took."""
+    return [{"checkpoint": r["checkpoint"], "prefixes": r["prefixes"], "seconds": r.get("seconds", 0.0),
+             **{key: r["overall"][key] for key in VALIDATION_FIGURES if key in r["overall"]}}
+            for r in validation.committed(root)]
+
+
+def _plot_band(ax, xs: list[int], figures: list[dict[str, Any]], label: str) -> None:
+    """A figure's values against ``xs``, with its 95 % interval as a band where there is one."""
+    pts = [(x, f["value"], f["ci"]) for x, f in zip(xs, figures) if f["value"] is not None]
+    if not pts:
+        return
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    band = [p for p in pts if p[2][0] is not None]
+    if band:
+        ax.fill_between([p[0] for p in band], [p[2][0] for p in band], [p[2][1] for p in band], alpha=0.2)
+
+
 def write_report(root: str, out: str | None = None) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -42,7 +65,8 @@ def write_report(root: str, out: str | None = None) -> list[str]:
     for rec in steps:
         rec.setdefault("old_logp_seconds", 0.0)
     x = [r["step"] for r in steps]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    curve = validation_curve(root)
+    fig, axes = plt.subplots(3 if curve else 2, 2, figsize=(11, 10.5 if curve else 7))
     ax = axes[0][0]
     for key in ("loss", "loss_tok", "loss_step", "loss_rule", "loss_sft"):
         if key in steps[0]:
@@ -79,10 +103,29 @@ def write_report(root: str, out: str | None = None) -> list[str]:
         ax.legend()
     ax.set_title("stage time per round (s)")
     ax.set_xlabel("round")
+    if curve:  # beside the loss terms: the distance they are meant to shrink, on held-out prefixes
+        xs = [c["checkpoint"] for c in curve]
+        ax = axes[2][0]
+        for key, label in (("reverse_kl_per_token", "reverse KL(student ‖ teacher) / sampled token"),
+                           ("recorded_logratio_per_token", "log π_T − log π_S / recorded token")):
+            _plot_band(ax, xs, [c[key] for c in curve], label)
+        ax.axhline(0.0, color="grey", lw=0.5)
+        ax.set_title(f"distance to the teacher, held-out prefixes (n={curve[-1]['prefixes']}; 95 % bands)")
+        ax.set_xlabel("checkpoint (= rounds trained)")
+        ax.set_ylabel("nats")
+        ax.legend(fontsize=8)
+        ax = axes[2][1]
+        for key, label in (("action_match", "student"), ("teacher_action_match", "teacher")):
+            if all(key in c for c in curve):
+                _plot_band(ax, xs, [c[key] for c in curve], label)
+        ax.set_title("sampled action match (T = 1), held-out prefixes")
+        ax.set_xlabel("checkpoint (= rounds trained)")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     summary = {"steps": len(steps), "rounds": len(rounds), "final": {k: v for k, v in steps[-1].items()
                                                                       if isinstance(v, (int, float))},
-               "round_timings": rounds}
+               "round_timings": rounds, "validation": curve}
     dest = out or storage.join(root, "report")
     with tempfile.TemporaryDirectory() as tmp:
         png = Path(tmp) / "training.png"
