@@ -96,15 +96,18 @@ class WorkerResult:
     timings: dict[str, float]
     generated_tokens: int = 0
     committed: bool = False  # this worker committed the round (it found every part written)
+    validation_seconds: float = 0.0  # this worker validated checkpoint k now (its share), in this long
 
 
 def record_metrics(metrics: Metrics, k: int, result: WorkerResult) -> None:
-    """Stage timings (sample, score, masks_rules) and tokens of a worker that did its work."""
+    """Stage timings (sample, score, masks_rules; validation) and tokens of a worker that did its work."""
     if not result.skipped:
         for key, seconds in result.timings.items():
             metrics.observe_stage(key.removesuffix("_seconds"), seconds)
         metrics.add_tokens("sample", result.generated_tokens)
         metrics.add_tokens("score", result.generated_tokens)
+    if result.validation_seconds > 0:
+        metrics.observe_stage("validation", result.validation_seconds)
     metrics.round.set(k)
 
 
@@ -112,10 +115,21 @@ def run_worker(cfg: RunConfig, k: int, worker: int, generator: Generator, teache
                log: Callable[[str], None] = print, show_progress: bool = True,
                progress: Progress | None = None) -> WorkerResult:
     """Sample, score and write worker ``worker``'s part of round ``k``; commit the round when every part
-    is written. ``progress`` counts the prefixes sampled and scored."""
+    is written. First, when the run validates checkpoint k (:func:`sapd.data.validation.wanted`), this
+    worker's share of that validation with the same engines (:func:`sapd.stages.validation.validate_worker`),
+    written before its scored part, so a worker whose scored part is there has validated. Round
+    ``train.rounds`` (the last checkpoint) is only validated. ``progress`` counts the prefixes sampled and
+    scored."""
     progress = progress or Progress.of(log, show_progress)
+    validated = None
+    if validation.wanted(cfg, k):
+        validated = validate_worker(cfg, k, worker, generator, teacher, tokenizer, log=log, progress=progress)
+    seconds = sum(validated["timings"].values()) if validated else 0.0
+    if k >= cfg.train.rounds:  # the last checkpoint: nothing to score
+        return WorkerResult(validated is None, 0, {}, 0, _commit_if_complete(cfg, k, log), seconds)
     done = _finished(cfg, k, worker, log)
     if done is not None:
+        done.validation_seconds = seconds
         return done
     out_dir = layout.scored_dir(cfg.run_root, k)
     spec = get_benchmark(cfg.data.benchmark)
@@ -150,7 +164,7 @@ def run_worker(cfg: RunConfig, k: int, worker: int, generator: Generator, teache
                                       teacher=cfg.model.teacher)
     log(f"round {k} worker {worker}: wrote {n_rows} groups, {n_tokens} generated tokens "
         f"(sample {timings['sample_seconds']:.1f}s, teacher {timings['score_seconds']:.1f}s)")
-    return WorkerResult(False, n_rows, timings, n_tokens, _commit_if_complete(cfg, k, log))
+    return WorkerResult(False, n_rows, timings, n_tokens, _commit_if_complete(cfg, k, log), seconds)
 
 
 def _finished(cfg: RunConfig, k: int, worker: int, log: Callable[[str], None]) -> WorkerResult | None:
@@ -243,22 +257,14 @@ def run(ctx: StageContext, step: Step) -> Outcome:
         raise FileNotFoundError(f"checkpoint {k} is not committed in {cfg.run_root}; train round {k - 1} first")
     results = []
     for w in workers:
-        validated = False
-        if validates and validation_pending(cfg, k, w):
+        result = None
+        if not (validates and validation_pending(cfg, k, w)):  # nothing to validate: maybe nothing to do
+            result = _finished(cfg, k, w, ctx.log) if scores else WorkerResult(
+                True, 0, {}, 0, _commit_if_complete(cfg, k, ctx.log))
+        if result is None:
             scoring_cfg, generator, teacher, tokenizer = _scoring_engines(ctx, k)
-            part = validate_worker(scoring_cfg, k, w, generator, teacher, tokenizer, log=ctx.log,
-                                   progress=ctx.progress)
-            if part is not None:
-                validated = True
-                ctx.metrics.observe_stage("validation", sum(part["timings"].values()))
-        if scores:
-            result = _finished(cfg, k, w, ctx.log)
-            if result is None:
-                scoring_cfg, generator, teacher, tokenizer = _scoring_engines(ctx, k)
-                result = run_worker(scoring_cfg, k, w, generator, teacher, tokenizer, log=ctx.log,
-                                    progress=ctx.progress)
-        else:  # the last checkpoint: validated, nothing to score
-            result = WorkerResult(not validated, 0, {}, 0, _commit_if_complete(cfg, k, ctx.log))
+            result = run_worker(scoring_cfg, k, w, generator, teacher, tokenizer, log=ctx.log,
+                                progress=ctx.progress)
         record_metrics(ctx.metrics, k, result)
         results.append(result)
     if validates and validation.is_committed(cfg.run_root, k):

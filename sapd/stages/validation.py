@@ -46,7 +46,9 @@ def engine_scorer(generator: Generator, pad_id: int) -> Scorer:
         return ModelScorer(generator.model, pad_id)
     if isinstance(generator, VLLMGenerator):
         return VLLMScorer(generator.llm)
-    raise TypeError(f"{type(generator).__name__}: no scorer on this generator's engine")
+    raise TypeError(f"{type(generator).__name__}: the validation scores the recorded responses with the "
+                    "sampler's own engine (an HFGenerator or a VLLMGenerator); this one has none "
+                    "(validation.every_rounds: 0 turns the validation off)")
 
 
 def engine_sampler(scorer: Any, tokenizer, *, prompts_per_batch: int = 4, device: str = "cpu") -> Generator:
@@ -55,7 +57,9 @@ def engine_sampler(scorer: Any, tokenizer, *, prompts_per_batch: int = 4, device
         return HFGenerator(scorer.model, tokenizer, prompts_per_batch=prompts_per_batch, device=device)
     if isinstance(scorer, VLLMScorer):
         return VLLMGenerator(scorer.llm, tokenizer=tokenizer)
-    raise TypeError(f"{type(scorer).__name__}: no sampler on this scorer's engine")
+    raise TypeError(f"{type(scorer).__name__}: the validation samples the teacher through the engine it scores "
+                    "with (a ModelScorer or a VLLMScorer); this scorer has none (validation.every_rounds: 0 "
+                    "turns the validation off)")
 
 
 def _ids(tokenizer, text: str) -> list[int]:
