@@ -36,7 +36,7 @@ def models(tmp_path_factory):
 
 def _rec(pid, cat, samples, tokens, kl, match, valid=None, rec_tokens=4, rec_s=-8.0, rec_t=-6.0):
     return {"prefix_id": pid, "category": cat, "samples": samples, "tokens": tokens, "reverse_kl": kl,
-            "action_match": match, "format_valid": samples if valid is None else valid, "finish_length": 0,
+            "action_tokens": tokens // 5, "reverse_kl_action": kl / 2, "action_match": match, "format_valid": samples if valid is None else valid, "finish_length": 0,
             "recorded_tokens": rec_tokens, "recorded_student_logp": rec_s, "recorded_teacher_logp": rec_t}
 
 
@@ -54,6 +54,7 @@ def test_the_figures_by_hand():
     se = math.sqrt(3 / 2 * sum(r * r for r in resid)) / 60
     assert kl["ci"] == pytest.approx([0.1 - 1.959964 * se, 0.1 + 1.959964 * se], rel=1e-5)
     assert o["reverse_kl_per_sample"]["value"] == pytest.approx(6 / 12)
+    assert o["reverse_kl_per_action_token"]["value"] == pytest.approx(3 / 12)  # (1 + 2 + 0) / (4 + 2 + 6)
     # action match 4 / 12, the teacher's 9 / 12; forward log-ratio on the recorded tokens (2 + 0 + 2) / 12
     assert o["action_match"]["value"] == pytest.approx(4 / 12) and o["teacher_action_match"]["value"] == 0.75
     assert o["recorded_logratio_per_token"]["value"] == pytest.approx(4 / 12)
@@ -66,6 +67,16 @@ def test_the_figures_by_hand():
     assert ratio_interval([0.0], [0.0])[0] is None
     lo, hi = wilson(0.0, 12)
     assert lo == 0.0 and 0.2 < hi < 0.3  # every sample missed: the interval still spans what 12 samples allow
+
+
+def test_a_paired_difference_by_hand():
+    from sapd.data.validation import paired_ratio_difference
+    # model a: 6 / 4 = 1.5 nats per token, model b: 3 / 4 = 0.75, on the same two prefixes
+    d = paired_ratio_difference([2.0, 4.0], [2.0, 2.0], [1.0, 2.0], [2.0, 2.0])
+    # dᵢ = (aᵢ − 1.5·bᵢ)/4 − (cᵢ − 0.75·eᵢ)/4 = ∓0.125; se = √(2 · 2 · 0.125²) = 0.25
+    assert d["diff"] == 0.75 and d["ci"] == pytest.approx([0.75 - 1.959964 * 0.25, 0.75 + 1.959964 * 0.25])
+    same = paired_ratio_difference([2.0, 4.0], [2.0, 2.0], [2.0, 4.0], [2.0, 2.0])
+    assert same["diff"] == 0.0 and same["ci"] == [0.0, 0.0]  # a model against itself: no uncertainty at all
 
 
 def test_config_checks_name_the_field():
@@ -122,6 +133,7 @@ def test_the_distance_equals_a_direct_full_softmax_computation(rows_and_models):
     tokens; and the sampled reverse KL agrees with the exact per-position KL Σ_v π_S(v) log π_S(v)/π_T(v)
     summed over the sampled positions (the same expectation, no sampling noise at each position) within its
     sampling error: the estimator is unbiased, not just self-consistent."""
+    from sapd.method.action_mask import action_token_mask
     from sapd.models.generation import HFGenerator, SamplingParams
     from sapd.models.scoring import ModelScorer
     from sapd.stages.validation import distance_records
@@ -136,13 +148,16 @@ def test_the_distance_equals_a_direct_full_softmax_computation(rows_and_models):
     diffs = []
     for r, rec, group in zip(rows, records, samples):
         prompt = tok(r["prompt"], add_special_tokens=False)["input_ids"]
-        sampled = exact = 0.0
+        sampled = exact = on_actions = 0.0
         for s in group:
             full_s, lp_s = _full_logp(student, prompt, s.token_ids)
             full_t, lp_t = _full_logp(teacher, prompt, s.token_ids)
             sampled += float((lp_s - lp_t).sum())
             exact += float((full_s.exp() * (full_s - full_t)).sum())
+            mask = torch.tensor(action_token_mask(tok, s.token_ids, "alfworld"))
+            on_actions += float((lp_s - lp_t)[mask].sum())  # (the random models rarely act: see the next test)
         assert rec["reverse_kl"] == pytest.approx(sampled, abs=2e-4 * rec["tokens"]), r["prefix_id"]
+        assert rec["reverse_kl_action"] == pytest.approx(on_actions, abs=2e-4 * max(rec["action_tokens"], 1))
         assert rec["tokens"] == sum(len(s.token_ids) for s in group) and rec["samples"] == 16
         diffs.append(sampled - exact)
         recorded = tok(r["recorded_response"], add_special_tokens=False)["input_ids"]
@@ -157,6 +172,48 @@ def test_the_distance_equals_a_direct_full_softmax_computation(rows_and_models):
     assert total_kl > 0.05  # the two tiny models differ: there is a distance to measure
     print(f"sampled − exact per prefix: {mean:.4f} ± {se:.4f}; sampled KL per prefix {total_kl:.3f}")
     assert abs(mean) < 4 * se + 1e-6, (mean, se, total_kl)
+
+
+def test_action_tokens_matches_and_format_on_samples_that_act(rows_and_models):
+    """Samples with actions (the tiny random models never write one): per prefix the recorded action, another
+    action and no action at all, carrying the student's own log-probs. The action-token part of the distance
+    sums exactly the action mask's tokens; the match and well-formed counts are the parser's."""
+    from sapd.method.action_mask import action_token_mask
+    from sapd.models.generation import Sample, SamplingParams
+    from sapd.models.scoring import ModelScorer
+    from sapd.stages.validation import distance_records
+    rows, student, teacher, tok = rows_and_models
+    rows = rows[:3]
+
+    class Acting:
+        def generate(self, prompts, params, progress=None):
+            out = []
+            for r, prompt in zip(rows, prompts):
+                p = tok(prompt, add_special_tokens=False)["input_ids"]
+                group = []
+                for text in (f"<think>there</think>\n<action>{r['recorded_action']}</action>",
+                             "<think>hm</think>\n<action>inventory now</action>", "no action at all"):
+                    ids = tok(text, add_special_tokens=False)["input_ids"]
+                    group.append(Sample(ids, _full_logp(student, p, ids)[1].tolist(), text, "stop"))
+                out.append(group)
+            return out
+
+    pad = tok.pad_token_id
+    records, _ = distance_records(rows, Acting(), ModelScorer(teacher, pad), ModelScorer(student, pad), tok, "alfworld",
+                                  SamplingParams(n=3, temperature=1.0, top_p=1.0))
+    for r, rec, group in zip(rows, records, Acting().generate([x["prompt"] for x in rows], None)):
+        assert (rec["samples"], rec["format_valid"], rec["action_match"]) == (3, 2, 1), r["recorded_action"]
+        p = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+        on, n = 0.0, 0
+        for smp in group:
+            mask = torch.tensor(action_token_mask(tok, smp.token_ids, "alfworld"))
+            d = torch.tensor(smp.logprobs, dtype=torch.float64) - _full_logp(teacher, p, smp.token_ids)[1]
+            on, n = on + float(d[mask].sum()), n + int(mask.sum())
+        assert n > 0 and rec["action_tokens"] == n
+        assert rec["reverse_kl_action"] == pytest.approx(on, abs=1e-4 * n)
+    with pytest.raises(ValueError, match="temperature 1"):
+        distance_records(rows, Acting(), ModelScorer(teacher, pad), ModelScorer(student, pad), tok, "alfworld",
+                         SamplingParams(n=3, temperature=0.7))
 
 
 def test_the_distance_is_zero_against_itself_and_offline_eval_reports_it(rows_and_models):

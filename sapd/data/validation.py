@@ -15,6 +15,8 @@ y ~ π_S(·|h) at temperature 1 and, summed over their tokens:
   (teacher-forced), whose difference per token is the forward direction on the recorded responses
   (log π_T − log π_S where the logs, not the student, chose the tokens; it equals KL(π_T ‖ π_S) only where
   the recorded responses are the teacher's own samples).
+- ``reverse_kl_action`` / ``action_tokens``: the same sum over the samples' action tokens only (the action
+  mask of SAPD's step score, Eq. 6), to tell a distance in the actions from one in the thoughts.
 - ``action_match`` / ``format_valid``: samples whose action is the recorded one (normalised as
   :func:`sapd.stages.evaluate.offline_eval` compares) / that are well-formed; the teacher's own samples on
   the same prefixes give ``teacher_action_match`` (written once per run: the teacher is frozen).
@@ -40,8 +42,8 @@ SCHEMA_VERSION = 1
 Z95 = 1.959963984540054
 
 # per-prefix record fields summed over samples (student) — the merge sums them per category
-STUDENT_FIELDS = ("samples", "tokens", "reverse_kl", "action_match", "format_valid", "finish_length",
-                  "recorded_tokens", "recorded_student_logp", "recorded_teacher_logp")
+STUDENT_FIELDS = ("samples", "tokens", "reverse_kl", "action_tokens", "reverse_kl_action", "action_match",
+                  "format_valid", "finish_length", "recorded_tokens", "recorded_student_logp", "recorded_teacher_logp")
 TEACHER_FIELDS = ("samples", "action_match", "format_valid")
 
 
@@ -207,6 +209,28 @@ def ratio_interval(num: Sequence[float], den: Sequence[float]) -> tuple[float | 
     return r, math.sqrt(n / (n - 1) * ss) / total, total
 
 
+def paired_ratio_difference(num_a: Sequence[float], den_a: Sequence[float], num_b: Sequence[float],
+                            den_b: Sequence[float]) -> dict[str, Any]:
+    """Σa/Σb of one model minus the same of another, over the same clusters (prefixes): ``{diff, ci}`` with
+    the delta method's paired standard error √(n/(n−1) · Σ dᵢ²), dᵢ = (aᵢ − R_a bᵢ)/B_a − (cᵢ − R_c eᵢ)/E_c.
+    ``ci`` [None, None] with fewer than two clusters; ``diff`` None when either total is 0.
+
+    >>> d = paired_ratio_difference([2.0, 4.0], [2.0, 2.0], [1.0, 2.0], [2.0, 2.0])
+    >>> d["diff"], [round(x, 3) for x in d["ci"]]
+    (0.75, [0.26, 1.24])
+    """
+    ra, _, ta = ratio_interval(num_a, den_a)
+    rb, _, tb = ratio_interval(num_b, den_b)
+    if ra is None or rb is None:
+        return {"diff": None, "ci": [None, None]}
+    n = len(num_a)
+    if n < 2:
+        return {"diff": ra - rb, "ci": [None, None]}
+    d = [(a - ra * b) / ta - (c - rb * e) / tb for a, b, c, e in zip(num_a, den_a, num_b, den_b)]
+    se = math.sqrt(n / (n - 1) * sum(x * x for x in d))
+    return {"diff": ra - rb, "ci": [ra - rb - Z95 * se, ra - rb + Z95 * se]}
+
+
 def _figure(num: Sequence[float], den: Sequence[float], proportion: bool = False) -> dict[str, Any]:
     """``{value, ci}`` of Σnum/Σden: ±1.96 se for a ratio; for a proportion the Wilson interval at the
     effective sample size p(1 − p)/se² (Σden when se = 0: every prefix agreed)."""
@@ -245,6 +269,8 @@ def _group(records: Iterable[dict[str, Any]], teacher: Iterable[dict[str, Any]])
         # the headline: reverse KL(student ‖ teacher) per sampled token, and per whole response
         "reverse_kl_per_token": _figure(col["reverse_kl"], col["tokens"]),
         "reverse_kl_per_sample": _figure(col["reverse_kl"], col["samples"]),
+        # … over the action tokens only (inside the first complete action block; none in a malformed sample)
+        "reverse_kl_per_action_token": _figure(col["reverse_kl_action"], col["action_tokens"]),
         # the forward direction on the recorded responses: log π_T − log π_S per recorded token
         "recorded_logratio_per_token": _figure(forward, col["recorded_tokens"]),
         "recorded_student_nll_per_token": _figure([-x for x in col["recorded_student_logp"]], col["recorded_tokens"]),

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 from sapd.config import RunConfig
 from sapd.data import validation
+from sapd.method.action_mask import action_token_mask
 from sapd.method.benchmarks import BenchmarkSpec, alfworld_action_key, get_benchmark, parse_decision
 from sapd.method.rules import normalize_action
 from sapd.metrics import Metrics
@@ -113,7 +114,12 @@ def distance_records(rows: Sequence[dict[str, Any]], sampler: Generator, teacher
                                                    rec_student_P):
         rec["tokens"] = sum(len(s.token_ids) for s in group)
         # Σ over the G samples' tokens of log π_S − log π_T: the sampler's own log-probs against the teacher's
-        rec["reverse_kl"] = sum(s_lp - t_lp for s, t in zip(group, t_logp_G_T) for s_lp, t_lp in zip(s.logprobs, t))
+        d_G_T = [[s_lp - t_lp for s_lp, t_lp in zip(s.logprobs, t)] for s, t in zip(group, t_logp_G_T)]
+        rec["reverse_kl"] = sum(x for d in d_G_T for x in d)
+        # the same over the action tokens only (the action mask SAPD's step score sums over, Eq. 6)
+        masks_G_T = [action_token_mask(tokenizer, s.token_ids, spec) for s in group]
+        rec["action_tokens"] = sum(sum(m) for m in masks_G_T)
+        rec["reverse_kl_action"] = sum(x for d, m in zip(d_G_T, masks_G_T) for x, on in zip(d, m) if on)
         rec["recorded_tokens"] = len(rt)
         rec["recorded_teacher_logp"], rec["recorded_student_logp"] = sum(rt), sum(rs)
     return records, timings
