@@ -41,7 +41,9 @@ from research.powered import Claims, Ledger, weights_hash
 from research.signals import signal_probe
 from sapd import checkpoints, layout, yamlio
 from sapd.config import ConfigError, apply_file_overlay, apply_overlay, config_from_dict, read_yaml_mapping
+from sapd.data import shards
 from sapd.data.prefixes import PrefixOptions, build_prefixes, read_prefixes
+from sapd.data.validation import read as validation_read
 from sapd.data.validation import sample_rows, summarize
 from sapd.demo.games import generate_games, panels
 from sapd.demo.main import ARMS, DemoConfig, Paths, arm_config, run_demo
@@ -333,6 +335,40 @@ class DistanceStudy:
                      f"{g.get('auc_action_sum', float('nan')):.3f}")
         out["seconds"] = time.perf_counter() - t0
         return self.ledger.put("mismatch", out)
+
+    # -- what the product's validation costs per round ---------------------------------------------------
+
+    def cost(self, rounds: int = 4) -> dict[str, Any]:
+        """The cost of ``sapd run``'s own validation, measured: the demo's SAPD arm for a few rounds with a
+        validation pool (``data.val_fraction`` 0.3 of the logs, so the default cap of 64 prefixes applies)
+        and the product's default validation settings, every round; per round, the validation's seconds
+        (its timings) against the round's sampling, scoring and training seconds."""
+        if (done := self.ledger.get("cost")) is not None:
+            return done
+        self.setup()
+        root = str(self.cache / "runs" / "cost")
+        cfg = config_from_dict(_merge(self.run_config("sapd", "base", 0), {
+            "run_root": root, "data": {"val_fraction": 0.3}, "train": {"rounds": rounds},
+            "validation": {"every_rounds": 1}}))
+        t0 = time.perf_counter()
+        run_pipeline(cfg, log=lambda s: None, show_progress=False)
+        wall = time.perf_counter() - t0
+        steps = read_step_log(root)
+        per_round = []
+        for k in range(rounds + 1):
+            v = validation_read(root, k)
+            m = shards.read_manifest(layout.scored_dir(root, k)) or {} if k < rounds else {}
+            train_s = sum(x["step_seconds"] + x.get("old_logp_seconds", 0.0) for x in steps if x["round"] == k)
+            per_round.append({"checkpoint": k, "validation_seconds": v["seconds"], "validation_timings": v["timings"],
+                              "prefixes": v["prefixes"], "samples": v["overall"]["samples"],
+                              "round_sample_seconds": m.get("timings", {}).get("sample_seconds"),
+                              "round_score_seconds": m.get("timings", {}).get("score_seconds"),
+                              "round_train_seconds": train_s if k < rounds else None,
+                              "round_samples": (m.get("rows", 0) * cfg.sampling.group_size) if m else None})
+        out = {"rounds": rounds, "wall_seconds": wall, "settings": asdict(cfg.validation), "per_round": per_round}
+        self.log("cost: " + ", ".join(f"ckpt {r['checkpoint']} validation {r['validation_seconds']:.1f} s"
+                                      for r in per_round))
+        return self.ledger.put("cost", out)
 
     # -- status ----------------------------------------------------------------------------------------
 

@@ -329,6 +329,17 @@ def test_every_n_rounds_and_workers_split_the_sample(tmp_path, models):
     assert plan.next_step(cfg) is None
 
 
+def test_a_build_without_validation_prefixes_validates_nothing(tmp_path, models):
+    """data.val_fraction 0 (every trajectory trains, as the demo's arms): nothing to measure on, so no checkpoint
+    is validated and the last checkpoint gets no step of its own."""
+    root = str(tmp_path / "run")
+    cfg = config_from_dict(tiny_config(root, *models, train={"rounds": 1}, data={"val_fraction": 0.0}))
+    assert plan.steps(cfg)[-1] == plan.Step("teacher-scores", 1)  # before the build: not known yet
+    run_pipeline(cfg, **QUIET)
+    assert not storage.list_files(storage.join(root, "validation"))
+    assert plan.steps(cfg)[-1] == plan.Step("train", 0) and plan.next_step(cfg) is None
+
+
 @pytest.mark.slow
 def test_sapd_run_and_report_from_the_command_line(tmp_path, models):
     """The way a user runs it: ``sapd run CONFIG`` prints each checkpoint's distance, writes

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Sequence
 from sapd import layout, storage
 from sapd.config import RunConfig
 from sapd.data import shards
-from sapd.data.prefix_table import read_prefixes
+from sapd.data.prefix_table import committed_build, read_prefixes
 from sapd.method.objective import objective_of
 
 SCHEMA_VERSION = 1
@@ -49,11 +49,16 @@ TEACHER_FIELDS = ("samples", "action_match", "format_valid")
 
 def wanted(cfg: RunConfig, k: int) -> bool:
     """Whether checkpoint ``k`` is validated: a run whose objective has a teacher (it scores rounds),
-    ``validation.every_rounds`` > 0 and k a multiple of it, or k the run's last checkpoint."""
+    ``validation.every_rounds`` > 0 and k a multiple of it, or k the run's last checkpoint — unless the
+    committed prefix build has no validation prefixes at all (``data.val_fraction`` 0, or one trajectory):
+    then there is nothing to measure on, and nothing is validated."""
     every = cfg.validation.every_rounds
     if every <= 0 or objective_of(cfg.loss_cfg).data != "scored":
         return False
-    return k % every == 0 or k == cfg.train.rounds
+    if not (k % every == 0 or k == cfg.train.rounds):
+        return False
+    build = committed_build(layout.prefixes_dir(cfg.run_root))
+    return build is None or build.get("stats", {}).get("val", 1) > 0
 
 
 def settings(cfg: RunConfig) -> dict[str, Any]:

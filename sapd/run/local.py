@@ -56,6 +56,7 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
                 raise RuntimeError(f"{step}: finished without committing its output ({why})")
             metrics.push()
             bar.update()
+            bar.set_total(len(plan.steps(cfg)))  # the last validation step goes when the build has no val prefixes
     metrics.mark_success()
     metrics.push()
     return {"run_root": cfg.run_root, "checkpoints": layout.committed_checkpoints(cfg.run_root)}

@@ -10,7 +10,8 @@ Both executors follow it — :mod:`sapd.run.local` (``sapd run``: every stage in
    the teacher-scores stage of round k also validates checkpoint k (:mod:`sapd.data.validation`) and
    commits that before the manifest;
 3. ``teacher-scores`` R (R = ``train.rounds``) when the last checkpoint is validated: no round to score, only
-   checkpoint R's distance to the teacher, until ``validation/R.json`` is written;
+   checkpoint R's distance to the teacher, until ``validation/R.json`` is written (nothing to do when the
+   prefix build turned out to have no validation prefixes);
 4. optionally ``evaluate`` R until ``evals/R/<benchmark>.json`` is written.
 
 :func:`missing` says, in one line, what a step has not committed yet (None once it is done); an
@@ -62,7 +63,7 @@ def missing(cfg: RunConfig, step: Step) -> str | None:
     k = step.round
     assert k is not None
     if step.stage == "teacher-scores" and k >= cfg.train.rounds:  # the last checkpoint: validation only
-        if validation.is_committed(root, k):
+        if validation.is_committed(root, k) or not validation.wanted(cfg, k):  # (no validation prefixes)
             return None
         return f"checkpoint {k}'s validation is not committed ({layout.validation_uri(root, k)})"
     if step.stage == "teacher-scores":
