@@ -219,8 +219,12 @@ class DistanceStudy:
                      f"{student[name]['overall']['reverse_kl_per_token']['value']:.3f}, action match "
                      f"{student[name]['overall']['action_match']['value']:.3f}, teacher's "
                      f"{_v(teacher_rows[name].get('teacher_action_match'))}")
+        noise = self.noise_of()
         return self.ledger.put("setup", {
             "demo_seconds": demo_s, "reference_seconds": time.perf_counter() - t0, "student": student,
+            # the train panel's prefixes: is the recorded action the noise, is there noise in the history
+            "train_noise": {pid: [int(noise[pid]["turn"]), int(noise[pid]["history"])]
+                            for pid in student["train"]["per_prefix"]},
             "teacher": teacher_rows, "weights": {"student": weights_hash(self.student_dir()),
                                                  "teacher": weights_hash(self.teacher_dir())},
             "config": asdict(self.cfg)})
