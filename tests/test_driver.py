@@ -578,6 +578,30 @@ def test_sft_runs_no_teacher_scores(tmp_path, monkeypatch):
     assert e.kube.posted_jobs() == [ORDER[0], ORDER[2], ORDER[4], ORDER[6]]
 
 
+def test_a_run_extended_past_its_last_validation_scores_that_round_in_a_new_job(tmp_path, monkeypatch):
+    """A 1-round run ends with teacher-scores-r1 validating checkpoint 1 (nothing to score). Given 2 rounds
+    (`helm upgrade --set config.train.rounds=2`), round 1 must be scored under the same Job name: the finished
+    validation-only Job is replaced, not adopted as if it had scored the round, and not counted as a retry."""
+    e = Env(tmp_path, monkeypatch, {"config": {"train": {"rounds": 1}}})
+    e.lines = []
+    e.driver().run()
+    first = e.kube.jobs[f"{RELEASE}-teacher-scores-r1"]
+    assert first["metadata"]["annotations"]["sapd.io/validation-only"] == "true"
+    assert validation.is_committed(e.root, 1) and not shards.read_manifest(layout.scored_dir(e.root, 1))
+    e.config.write_text(e.config.read_text().replace("rounds: 1", "rounds: 2"))
+    e.cfg = load_config(e.config, overrides={"run_root": e.root})
+    assert e.cfg.train.rounds == 2
+    e.lines = []
+    result = e.driver().run()
+    name = f"{RELEASE}-teacher-scores-r1"
+    assert f"job {name}: exists, but it only validated checkpoint 1, the last of a shorter run; the run now " \
+           "scores round 1: creating it anew" in e.lines
+    assert result["created"][:3] == [name, f"{RELEASE}-train-r1", f"{RELEASE}-teacher-scores-r2"]
+    assert name not in result["retried"] and name not in result["adopted"]
+    assert "sapd.io/validation-only" not in e.kube.jobs[name]["metadata"]["annotations"]
+    assert shards.read_manifest(layout.scored_dir(e.root, 1))["workers"] == 2 and validation.is_committed(e.root, 2)
+
+
 def test_forbidden_is_a_clear_exit_3(env, capsys):
     from jobs import pipeline
     env.kube.fail_next = [403]

@@ -171,7 +171,9 @@ def wait_query(prom: str, expr: str, seconds: float = 30.0) -> list[dict]:
 # ------------------------------------------------------------------------------------------ the default path
 
 LR = ["config.train.lr=0.001"]
-ORDER = ["build-prefixes", "teacher-scores-r0", "train-r0", "teacher-scores-r1", "train-r1", "evaluate-r2"]
+# teacher-scores-r2: nothing to score, checkpoint 2's distance to the teacher (the default validation)
+ORDER = ["build-prefixes", "teacher-scores-r0", "train-r0", "teacher-scores-r1", "train-r1", "teacher-scores-r2",
+         "evaluate-r2"]
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +204,12 @@ def test_smoke_install_finishes_two_rounds_and_an_evaluation(smoke, cluster):
     result = storage.read_json(storage.join(layout.evals_dir(smoke.root, 2), "textworld.json"))
     assert result["checkpoint"] == 2 and result["overall"]["episodes"] == 2
     assert set(result["by_category"]) == {"simple", "coin"} and result["horizon"] == 8  # the smoke panel
-    # the scored rounds were committed by their last worker (the driver's commit then finds them done)
+    # the scored rounds were committed by their last worker (the driver's commit then finds them done), each
+    # after its checkpoint's validation; the last checkpoint's by the validation-only teacher-scores-r2
+    from sapd.data import validation
+    for k in (0, 1, 2):
+        v = validation.read(smoke.root, k)
+        assert v["workers"] == 2 and v["prefixes"] > 0 and v["overall"]["reverse_kl_per_token"]["value"] is not None
     for k in (0, 1):
         assert shards.read_manifest(layout.scored_dir(smoke.root, k))["workers"] == 2
         worker_logs = [cluster.logs(p["metadata"]["name"]) for p in pods_of(cluster, f"sapd-smoke-teacher-scores-r{k}")]
@@ -260,7 +267,7 @@ def test_the_readme_and_notes_kubectl_commands_show_the_run(smoke, cluster):
         "sapd-smoke-pipeline-1": ("Complete", "1/1"), "sapd-smoke-build-prefixes": ("Complete", "1/1"),
         "sapd-smoke-teacher-scores-r0": ("Complete", "2/2"), "sapd-smoke-train-r0": ("Complete", "1/1"),
         "sapd-smoke-teacher-scores-r1": ("Complete", "2/2"), "sapd-smoke-train-r1": ("Complete", "1/1"),
-        "sapd-smoke-evaluate-r2": ("Complete", "1/1")}
+        "sapd-smoke-teacher-scores-r2": ("Complete", "2/2"), "sapd-smoke-evaluate-r2": ("Complete", "1/1")}
     # the driver's whole log (one pod, so no "Found N pods" choice), as `logs -f` prints it once it ended
     assert driver == driver_log(cluster, "sapd-smoke-pipeline-1")
     assert "preflight: 6 checks passed" in driver and "pipeline done: checkpoints [0, 1, 2] committed" in driver
@@ -308,6 +315,13 @@ def test_prometheus_sees_the_train_pods_metrics_and_each_workers_push(smoke, clu
     assert {r["metric"]["instance"] for r in pushed} == {"0", "1"}
     evals = wait_query(prom, 'sapd_eval_success_ratio{release="sapd-smoke", category="all"}')
     assert evals and evals[0]["metric"]["benchmark"] == "textworld"
+    # the distance to the teacher, pushed by the teacher-scores workers (the newest: checkpoint 2's)
+    kl = wait_query(prom, 'sapd_validation_reverse_kl{job="teacher_scores", release="sapd-smoke", category="all"}')
+    assert kl and all(float(r["value"][1]) == float(kl[0]["value"][1]) for r in kl)
+    (ckpt, *_) = wait_query(prom, 'max(sapd_validation_checkpoint{job="teacher_scores", release="sapd-smoke"})')
+    assert float(ckpt["value"][1]) == 2
+    match = wait_query(prom, 'sapd_validation_action_match_ratio{release="sapd-smoke", category="all"}')
+    assert {r["metric"]["model"] for r in match} == {"student", "teacher"}
 
 
 def test_helm_test_preflight_passes(smoke, cluster):

@@ -59,6 +59,9 @@ JOBSET_API = ("jobset.x-k8s.io", "v1alpha2", "jobsets")  # the train stage may b
 TRAIN_SERVICE = "train-service"
 ATTEMPT_ANNOTATION = "sapd.io/attempt"
 RUN_ROOT_ANNOTATION = "sapd.io/run-root"
+# teacher-scores of the last checkpoint (k = train.rounds): it only validates; a run extended later scores that
+# round under the same Job name, so the driver recreates such a Job instead of adopting it
+VALIDATION_ONLY_ANNOTATION = "sapd.io/validation-only"
 MANAGED_BY = "sapd-pipeline"
 # the Failed condition's reasons that end a stage at once: the Job's podFailurePolicy matched its exit-code
 # rule (the message then names the rule: "… matching FailJob rule at index N"), or JobSet applied its
@@ -324,6 +327,8 @@ class Driver:
         meta.setdefault("labels", {})["app.kubernetes.io/managed-by"] = MANAGED_BY
         meta.setdefault("annotations", {}).update({ATTEMPT_ANNOTATION: str(attempt),
                                                    RUN_ROOT_ANNOTATION: self.cfg.run_root})
+        if stage == "teacher-scores" and k is not None and k >= self.cfg.train.rounds:
+            meta["annotations"][VALIDATION_ONLY_ANNOTATION] = "true"
         if self._owner_ref:
             meta["ownerReferences"] = [dict(self._owner_ref)]
         return doc
@@ -336,6 +341,9 @@ class Driver:
             self._jobsets.add(name)
         max_attempts = self.retries + 1
         job = self._get_job(name)
+        if job is not None and self._stale_validation_only(stage, k, name, job):
+            self._delete_job(name)
+            job = None
         if job is None:
             attempt = 1
             self._create_job(stage, k, name, attempt)
@@ -387,6 +395,17 @@ class Driver:
         if out.unscheduled:
             return f"the group never assembled ({out.unscheduled})"
         return ""
+
+    def _stale_validation_only(self, stage: str, k: int | None, name: str, job) -> bool:
+        """A finished teacher-scores Job that only validated the last checkpoint of a shorter run, where the run
+        (``train.rounds`` grown since) now scores that round: it did other work, so it is replaced, not adopted."""
+        ann = job.metadata.annotations or {}
+        if (stage != "teacher-scores" or k is None or k >= self.cfg.train.rounds
+                or ann.get(VALIDATION_ONLY_ANNOTATION) != "true" or _finished(job) is None):
+            return False
+        self.log(f"job {name}: exists, but it only validated checkpoint {k}, the last of a shorter run; the run "
+                 f"now scores round {k}: creating it anew")
+        return True
 
     def _adopt(self, name: str, job) -> int:
         ann = job.metadata.annotations or {}
