@@ -112,9 +112,14 @@ class DistanceStudy:
     # -- set-up ---------------------------------------------------------------------------------------
 
     def ensure_demo(self) -> float:
-        """The demo's models, logs and held-out decisions (the demo run into the cache when missing)."""
+        """The demo's models, logs and held-out decisions (the demo run into the cache when any is missing;
+        its arms and report are not needed here)."""
         t0 = time.perf_counter()
-        if not (self.paths.out / "demo-summary.json").is_file():
+        teacher = self.paths.models / "teacher"
+        have = ((self.paths.pools / "summary.json").is_file() and (self.paths.heldout / "_MANIFEST.json").is_file()
+                and teacher.is_dir() and layout.committed_checkpoints(str(teacher))
+                and layout.committed_checkpoints(str(teacher))[-1] == _sft_rounds(self.paths.configs / "teacher.yaml"))
+        if not have:
             self.log(f"the demo into {self.paths.out} (its models, logs and held-out decisions)")
             run_demo(self.paths.out, self.demo_cfg, log=self.log, show_progress=False)
         return time.perf_counter() - t0
@@ -392,6 +397,11 @@ class DistanceStudy:
             r = self.ledger.get(unit) or {}
             total += sum(float(v) for k, v in r.items() if k.endswith("seconds") and isinstance(v, (int, float)))
         return total
+
+
+def _sft_rounds(config: Path) -> int:
+    """The rounds of the demo's SFT config at ``config`` (its last checkpoint), -1 when it is not written yet."""
+    return config_from_dict(yamlio.load(config.read_text()) or {}).train.rounds if config.is_file() else -1
 
 
 def _last(root: str) -> int:
