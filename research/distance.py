@@ -65,8 +65,9 @@ class DistanceConfig:
     demo: dict[str, Any] = field(default_factory=dict)  # DemoConfig fields (the demo's defaults otherwise)
     methods: list[str] = field(default_factory=lambda: ["opd_rule", "sapd"])  # the demo's arms compared
     rounds: int = 16
-    curve: list[int] = field(default_factory=lambda: [0, 2, 4, 8, 12, 16])  # checkpoints measured
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # training seeds of every setting
+    # checkpoints measured on the test and train prefixes; the validation panel is measured on the last only
+    curve: list[int] = field(default_factory=lambda: [0, 4, 8, 16])
+    seeds: list[int] = field(default_factory=lambda: [0, 1])  # training seeds of every setting
     # one knob at a time, as run-config overlays on the demo's arm config
     settings: dict[str, dict[str, Any]] = field(default_factory=lambda: {
         "base": {},
@@ -76,9 +77,9 @@ class DistanceConfig:
         "tok_x10": {"loss": {"lambda_tok": 1.0}},
         "tok_x67": {"loss": {"lambda_tok": 1.0, "token_scale": 1.0}},
     })
-    val_games: int = 10  # per family: the validation panel (choosing only)
+    val_games: int = 8  # per family: the validation panel (choosing only)
     val_seed: int = 2000
-    train_sample: int = 64  # prefixes of the noisy logs measured as "train"
+    train_sample: int = 48  # prefixes of the noisy logs measured as "train"
     group_size: int = 4  # samples per prefix for the distance (T = 1)
     eval_seed: int = 0  # the same samples' seed for every checkpoint (common random numbers)
     mismatch_group_size: int = 8
@@ -267,8 +268,9 @@ class DistanceStudy:
                 curve.append({"checkpoint": 0, **{n: setup["student"][n] for n in PANELS}})
                 continue
             model_dir = str(checkpoints.checkpoint_model_path(cfg.run_root, k))
-            curve.append({"checkpoint": k, **self.measure(model_dir)})
-            kl = {n: curve[-1][n]["overall"]["reverse_kl_per_token"]["value"] for n in PANELS}
+            names = PANELS if k == self.cfg.rounds else ("test", "train")  # choosing uses the last checkpoint
+            curve.append({"checkpoint": k, **self.measure(model_dir, names)})
+            kl = {n: curve[-1][n]["overall"]["reverse_kl_per_token"]["value"] for n in names}
             self.log(f"{unit}: checkpoint {k}: KL/token " + " ".join(f"{n} {v:.3f}" for n, v in kl.items()))
         steps = read_step_log(cfg.run_root)
         gap: dict[int, list[float]] = {}

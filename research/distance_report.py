@@ -52,7 +52,9 @@ def _t_interval(ds: list[float]) -> tuple[float, float, float]:
 
 
 def _kl(point: dict[str, Any], panel: str, key: str = "reverse_kl_per_token") -> Any:
-    return point[panel]["overall"][key]["value"]
+    """A figure of one measured checkpoint on one panel; None where that panel was not measured (the
+    validation panel is measured on the first and the last checkpoint only)."""
+    return point[panel]["overall"][key]["value"] if panel in point else None
 
 
 def _plt():
@@ -86,8 +88,11 @@ def curves_figure(data: dict[str, Any], dest: Path) -> str:
             seeds = data["runs"].get((method, "base"), {})
             if not seeds:
                 continue
-            xs = [p["checkpoint"] for p in next(iter(seeds.values()))["curve"]]
-            per_x = [[_kl(r["curve"][i], panel) for r in seeds.values()] for i in range(len(xs))]
+            all_x = [p["checkpoint"] for p in next(iter(seeds.values()))["curve"]]
+            measured = [(x, [v for r in seeds.values() if (v := _kl(r["curve"][i], panel)) is not None])
+                        for i, x in enumerate(all_x)]
+            xs = [x for x, v in measured if v]
+            per_x = [v for _, v in measured if v]
             line, = ax.plot(xs, [statistics.fmean(v) for v in per_x], marker="o", label=LABELS[method])
             ax.fill_between(xs, [min(v) for v in per_x], [max(v) for v in per_x], alpha=0.2, color=line.get_color())
         ax.axhline(setup["student"][panel]["overall"]["reverse_kl_per_token"]["value"], color="grey", lw=0.8, ls="--")
