@@ -56,6 +56,7 @@ from sapd.run.report import read_step_log
 from sapd.stages.validation import distance_records, teacher_records
 
 PANELS = ("val", "test", "train")
+NOTE_SECTIONS = ("short", "curves", "heldout", "knobs", "mismatch", "cost", "demo")
 
 
 @dataclass
@@ -83,11 +84,16 @@ class DistanceConfig:
     group_size: int = 4  # samples per prefix for the distance (T = 1)
     eval_seed: int = 0  # the same samples' seed for every checkpoint (common random numbers)
     mismatch_group_size: int = 8
+    # the author's reading of the results, by report section (short, curves, heldout, knobs, mismatch, cost,
+    # demo): Markdown the report prints under that section, so regenerating it keeps the interpretation
+    notes: dict[str, str] = field(default_factory=dict)
 
 
 def load_distance_config(path: str | Path) -> DistanceConfig:
     cfg = DistanceConfig()
     apply_file_overlay(cfg, str(path), read_yaml_mapping(path))
+    if unknown_notes := set(cfg.notes) - set(NOTE_SECTIONS):
+        raise ConfigError(f"{path}: notes: unknown section(s) {sorted(unknown_notes)}; sections: {list(NOTE_SECTIONS)}")
     unknown = set(cfg.methods) - set(ARMS)
     if unknown:
         raise ConfigError(f"{path}: methods: unknown arm(s) {sorted(unknown)}; the demo's arms are {list(ARMS)}")

@@ -226,7 +226,7 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
         short.append(f"{LABELS[method]} (the demo's setting, {len(recs)} seeds): held-out KL {k0:.3f} → "
                      f"{statistics.fmean(mids[half]):.3f} at checkpoint {half} → {statistics.fmean(finals):.3f} at "
                      f"{cfg.rounds} ({statistics.fmean(finals) / k0:.0%} of the start)")
-    md += ["", "![distance against rounds](distance_curves.png)", ""]
+    md += ["", "![distance against rounds](distance_curves.png)", "", *_notes(cfg, "curves")]
     if runs:
         curves_figure(data, results / "distance_curves.png")
 
@@ -256,10 +256,12 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
                 lasts = [_kl_on(_final(r)["train"]["per_prefix"], ids) for r in seeds.values()]
                 split_rows.append(f"| {LABELS[method]} | {label} | {len(ids)} | {start:.3f} | {_ms(lasts)} |")
     md += rows + [""]
+    heldout_notes = _notes(cfg, "heldout")
     if split_rows:
         md += ["The training prefixes by what their history holds (the noisy expert re-plans after a noisy action, "
                "so a prefix after one is a state the clean expert — and the teacher — never visited):", "",
                "| method | train prefixes | n | start | last |", "|---|---|---|---|---|", *split_rows, ""]
+    md += heldout_notes
 
     # --- 3. knobs
     md += ["## 3. What each knob changes", "",
@@ -287,7 +289,7 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
                                                  "seeds": sorted(seeds),
                                                  "train_seconds": [r["train_seconds"] for r in seeds.values()]}
     md += ["", "Settings: " + "; ".join(f"`{s}`: {SETTING_TEXT.get(s, cfg.settings[s])}" for s in settings) + ".",
-           "", "![knobs](distance_knobs.png)", ""]
+           "", "![knobs](distance_knobs.png)", "", *_notes(cfg, "knobs"), *_notes(cfg, "demo")]
     if runs:
         knobs_figure(data, settings, results / "distance_knobs.png")
 
@@ -311,6 +313,7 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
             md.append(f"| {name} | {g['prefixes']} | {_fig(g.get('teacher_action_match'))} "
                       f"| {_fig(g.get('action_match'))} | {_fig(g.get('reverse_kl_per_token'))} | {auc_cell} |")
         md.append("")
+        md += _notes(cfg, "mismatch")
 
     # --- 5. cost
     cost = data["cost"]
@@ -331,16 +334,25 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
                       f"{t.get('teacher_sample_seconds', 0):.1f}) | {_f(r['round_sample_seconds'], 1)} "
                       f"| {_f(r['round_score_seconds'], 1)} | {_f(r['round_train_seconds'], 1)} |")
         md.append("")
+        md += _notes(cfg, "cost")
     md += ["## Cost of this study", "",
            f"{n_runs} runs recorded; {wall / 3600:.1f} h of recorded compute (training, measuring, set-up, the demo "
            "it starts from), one process at a time under `nice -n 10` with one torch thread, on the project's 2 "
            "shared cores.", ""]
     summary["runs"] = n_runs
     summary["recorded_hours"] = wall / 3600
-    text = "\n".join(md).replace("@@SHORT@@", "\n".join(f"- {x}." for x in short) or "- (no run finished yet)")
+    short_text = "\n".join(f"- {x}." for x in short) or "- (no run finished yet)"
+    text = "\n".join(md).replace("@@SHORT@@", short_text + ("\n\n" + cfg.notes["short"].strip()
+                                                           if cfg.notes.get("short") else ""))
     (results / "DISTANCE.md").write_text(text, encoding="utf-8")
     (results / "distance.json").write_text(json.dumps(summary, indent=1, default=float, sort_keys=True) + "\n")
     return str(results / "DISTANCE.md")
+
+
+def _notes(cfg: Any, section: str) -> list[str]:
+    """The author's notes for a section (``notes:`` in the study's config), as report lines."""
+    text = cfg.notes.get(section, "").strip()
+    return [text, ""] if text else []
 
 
 def _kl_on(per: dict[str, list[float]], ids: list[str]) -> float:

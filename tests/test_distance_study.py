@@ -55,7 +55,8 @@ def _point(k: int, kl: float) -> dict:
 
 def test_the_report_reads_seeds_and_noise_from_a_ledger(tmp_path):
     f = tmp_path / "d.yaml"
-    f.write_text("rounds: 8\ncurve: [0, 8]\nseeds: [0, 1, 2]\nsettings: {base: {}, cosine: {train: {lr_schedule: cosine}}}\n")
+    f.write_text("rounds: 8\ncurve: [0, 8]\nseeds: [0, 1, 2]\nsettings: {base: {}, cosine: {train: {lr_schedule: cosine}}}\n"
+                 "notes: {knobs: 'The reading of the knobs, kept across regenerations.'}\n")
     study = DistanceStudy(load_distance_config(f), tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
     start = _point(0, 0.14)
     study.ledger.put("setup", {"student": {p: start[p] for p in ("val", "test", "train")},
@@ -78,6 +79,10 @@ def test_the_report_reads_seeds_and_noise_from_a_ledger(tmp_path):
     assert m == pytest.approx(-0.02) and hi - m == pytest.approx(4.303 * 0.005 / math.sqrt(3), rel=1e-3)
     assert "| OPD+Rule | cosine | 0.075 ± 0.005 | -0.020 [-0.032, -0.008] |" in text
     assert "*within noise*" in text
+    assert text.index("The reading of the knobs, kept across regenerations.") > text.index("## 3. What each knob")
+    f.write_text("notes: {knobz: x}\n")
+    with pytest.raises(ConfigError, match=r"notes: unknown section\(s\) \['knobz'\]"):
+        load_distance_config(f)
     assert "OPD+Rule (the demo's setting, 3 seeds): held-out KL 0.140 →" in text
     assert (tmp_path / "results" / "distance_curves.png").is_file() and (tmp_path / "results" / "distance_knobs.png").is_file()
     assert _paired_seed_effect({}, {}, "test") is None
