@@ -111,10 +111,12 @@ def evaluate_model(root: str, k: int, *, panel: PanelSpec, rows: list[dict[str, 
 
 
 def heldout_distance(root: str, k: int, teacher: str, rows: list[dict[str, Any]], *, max_new_tokens: int,
-                     group_size: int = 4, seed: int = 0, report: Report | None = None) -> dict[str, Any]:
+                     group_size: int = 4, seed: int = 0, report: Report | None = None,
+                     chunk: int = 16) -> dict[str, Any]:
     """Checkpoint ``k`` of ``root``'s distance to ``teacher`` (a model folder or run root) on the held-out
     decisions ``rows`` → ``{summary, per_decision: {prefix_id: [Σ reverse KL, tokens, Σ on action tokens,
-    action tokens, action matches, samples]}, group_size, seconds}``; written to ``evals/NNNNNN/`` and reused."""
+    action tokens, action matches, samples]}, group_size, seconds}``; written to ``evals/NNNNNN/`` and reused.
+    Sampled ``chunk`` decisions at a time (seeded by ``seed`` and the chunk's first row)."""
     dest = storage.join(layout.evals_dir(root, k), DISTANCE)
     if storage.exists(dest):
         return storage.read_json(dest)
@@ -127,14 +129,18 @@ def heldout_distance(root: str, k: int, teacher: str, rows: list[dict[str, Any]]
     def step(n: int) -> None:
         done[0] += n
         if report is not None:
-            report("distance to the teacher", min(done[0], len(rows)), len(rows), "decisions")
+            report("distance to the teacher", done[0], len(rows), "decisions")
     step(0)
-    params = SamplingParams(n=group_size, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens,
-                            stop=stops_for("action"), seed=seed)
-    records, _ = distance_records(rows, HFGenerator(model, tok, prompts_per_batch=8),
-                                  ModelScorer(load_causal_lm(teacher), pad), ModelScorer(model, pad), tok,
-                                  "textworld", params, progress=None)
-    step(len(rows))
+    sampler, teacher_scorer, scorer = (HFGenerator(model, tok, prompts_per_batch=8),
+                                       ModelScorer(load_causal_lm(teacher), pad), ModelScorer(model, pad))
+    records: list[dict[str, Any]] = []
+    for start in range(0, len(rows), chunk):  # a chunk at a time, so the progress line counts decisions
+        params = SamplingParams(n=group_size, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                stop=stops_for("action"), seed=seed + start)
+        done_now, _ = distance_records(rows[start:start + chunk], sampler, teacher_scorer, scorer, tok, "textworld",
+                                       params)
+        records += done_now
+        step(len(done_now))
     out = {"summary": summarize(records)["overall"], "group_size": group_size,
            "per_decision": {r["prefix_id"]: [r["reverse_kl"], r["tokens"], r["reverse_kl_action"], r["action_tokens"],
                                              r["action_match"], r["samples"]] for r in records},
