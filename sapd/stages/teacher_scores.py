@@ -228,10 +228,9 @@ def _scoring_engines(ctx: StageContext, k: int) -> tuple[RunConfig, Generator, T
 def run(ctx: StageContext, step: Step) -> Outcome:
     """The stage for round ``step.round`` (every door calls it through :func:`sapd.stages.context.run_stage`):
     check the inputs, then each of this door's workers (:class:`Options`) that is not done: build (or reuse)
-    the round's sampler and the teacher, validate checkpoint k on its share of the held-out prefixes when
-    the run validates it (:func:`sapd.stages.validation.validate_worker`), then :func:`run_worker`. The last
-    worker to finish commits the round. Round ``train.rounds`` (the last checkpoint) has nothing to score:
-    it is only validated. → the workers' results."""
+    the round's sampler and the teacher, :func:`run_worker` (which first validates checkpoint k on its share
+    of the held-out prefixes when the run validates it). The last worker to finish commits the round. Round
+    ``train.rounds`` (the last checkpoint) has nothing to score: it is only validated. → the workers' results."""
     cfg, k = ctx.cfg, step.round
     assert k is not None, "teacher-scores runs for a round"
     opts: Options = ctx.options.get("teacher-scores") or Options()
@@ -275,7 +274,8 @@ def run(ctx: StageContext, step: Step) -> Outcome:
         ctx.engines.student = ctx.engines.teacher = None
     who = f"worker {workers[0]}/{cfg.workers}" if len(workers) == 1 else f"{len(workers)} workers"
     done = "already done" if all(r.skipped for r in results) else "done"
-    committed = ", round committed" if any(r.committed for r in results) else ""
+    committed = "" if not any(r.committed for r in results) else ", round committed" if scores else \
+        ", validation committed"
     what = f"{sum(max(r.rows, 0) for r in results)} groups" if scores else "the last checkpoint validated"
     return Outcome(f"round {k} {who}: {done}, {what}{committed}", all(r.skipped for r in results), results)
 
