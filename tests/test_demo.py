@@ -181,7 +181,7 @@ def test_demo_command_small(tmp_path):
     assert (out / "runs" / "sapd" / "evals" / "000001" / "heldout-distance.json").is_file()
     report = (out / "REPORT.md").read_text()
     assert all(name in report for name in labels) and "What the numbers mean" in report
-    assert "reverse KL to the teacher [95 % CI]" in report and "Moving toward the teacher, in 1 rounds: " in report
+    assert "reverse KL to the teacher [95 % CI]" in report and "Moving toward the teacher, in 1 round: " in report
     assert "| 0 (itself) |" in report
     assert "SAPD − student before: reverse KL to the teacher" in report
     assert "SAPD − OPD+Rule (baseline): success" in report and "In plain words:" in report

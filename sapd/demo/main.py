@@ -425,7 +425,7 @@ def _moving_sentence(rows: dict[str, dict[str, Any]], rounds: int) -> str:
     teacher = rows[TEACHER]
     bought = ("it bought no separable gain in held-out action match or success" if not gained else
               "it bought a separable gain in " + ", ".join(gained))
-    lead = (f"Moving toward the teacher, in {rounds} rounds: " + "; ".join(parts) + ". ")
+    lead = (f"Moving toward the teacher, in {rounds} round{'' if rounds == 1 else 's'}: " + "; ".join(parts) + ". ")
     if not closer:
         return lead + "No arm moved measurably closer to the teacher here, so there is nothing for closeness to buy."
     return (lead + f"For {' and '.join(closer)}, {bought}: the teacher agrees with the expert on "
