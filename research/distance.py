@@ -72,11 +72,11 @@ class DistanceConfig:
     # one knob at a time, as run-config overlays on the demo's arm config
     settings: dict[str, dict[str, Any]] = field(default_factory=lambda: {
         "base": {},
-        "cosine": {"train": {"lr_schedule": "cosine"}},
-        "g16": {"sampling": {"group_size": 16}},
-        "traj16": {"train": {"trajectories_per_round": 16}},
-        "tok_x10": {"loss": {"lambda_tok": 1.0}},
         "tok_x67": {"loss": {"lambda_tok": 1.0, "token_scale": 1.0}},
+        "cosine": {"train": {"lr_schedule": "cosine"}},
+        "tok_x10": {"loss": {"lambda_tok": 1.0}},
+        "g16": {"sampling": {"group_size": 16}},
+        "traj8": {"train": {"trajectories_per_round": 8}},
     })
     val_games: int = 8  # per family: the validation panel (choosing only)
     val_seed: int = 2000

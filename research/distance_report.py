@@ -23,7 +23,8 @@ from sapd.data.validation import paired_ratio_difference
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}  # t quantiles, by degrees of freedom
 LABELS = {"opd_rule": "OPD+Rule", "sapd": "SAPD"}
 SETTING_TEXT = {"base": "the demo's (constant lr, G = 8, 4 trajectories per round, λ_tok·β = 0.015)",
-                "cosine": "cosine-decaying learning rate", "g16": "G = 16", "traj16": "16 trajectories per round",
+                "cosine": "cosine-decaying learning rate", "g16": "G = 16",
+                "traj8": "8 trajectories per round (twice the demo's)",
                 "tok_x10": "λ_tok·β × 10 (λ_tok = 1)", "tok_x67": "λ_tok·β × 67 (λ_tok = β = 1)"}
 
 

@@ -35,7 +35,7 @@ def test_the_config_and_the_run_configs_it_makes(tmp_path):
     assert base.loss_cfg.no_action_step == "penalty" and base.train.lr == 1e-4  # the demo's SAPD arm
     knobs = {s: config_from_dict(study.run_config("opd_rule", s, 0)) for s in study.cfg.settings}
     assert knobs["cosine"].train.lr_schedule == "cosine" and knobs["g16"].sampling.group_size == 16
-    assert knobs["traj16"].train.trajectories_per_round == 16
+    assert knobs["traj8"].train.trajectories_per_round == 8
     assert knobs["tok_x10"].loss_cfg.lambda_tok * knobs["tok_x10"].loss_cfg.token_scale == pytest.approx(0.15)
     assert knobs["tok_x67"].loss_cfg.lambda_tok * knobs["tok_x67"].loss_cfg.token_scale == pytest.approx(1.0)
     for s, c in knobs.items():  # one knob at a time: everything else is the base's
