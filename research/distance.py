@@ -287,10 +287,7 @@ class DistanceStudy:
                "optimizer_steps": len(steps),
                "training_gap": {str(k): statistics.fmean(v) for k, v in sorted(gap.items())},
                "lr": [s["lr"] for s in steps], "curve": curve, "weights": setup["weights"]}
-        for point in curve:  # per-prefix figures of checkpoint 0 live in the set-up unit only
-            if point["checkpoint"] == 0:
-                point.update({n: {k: v for k, v in point[n].items() if k != "per_prefix"} for n in PANELS})
-        return self.ledger.put(unit, res)
+        return self.ledger.put(unit, compact_unit(res, self.cfg.rounds))
 
     def run(self, max_units: int | None = None) -> list[str]:
         done: list[str] = []
@@ -410,6 +407,15 @@ class DistanceStudy:
 def _sft_rounds(config: Path) -> int:
     """The rounds of the demo's SFT config at ``config`` (its last checkpoint), -1 when it is not written yet."""
     return config_from_dict(yamlio.load(config.read_text()) or {}).train.rounds if config.is_file() else -1
+
+
+def compact_unit(res: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """A run unit as the ledger keeps it: per-prefix figures only at the last checkpoint (the paired
+    analyses use those; checkpoint 0's live in the set-up unit), the summaries everywhere."""
+    for point in res["curve"]:
+        if point["checkpoint"] != rounds:
+            point.update({n: {k: v for k, v in point[n].items() if k != "per_prefix"} for n in PANELS if n in point})
+    return res
 
 
 def _last(root: str) -> int:
