@@ -29,14 +29,16 @@ interrupted one continues):
 upper bounds). A game takes ~1 s to generate (``tw-make``, one process per game, took 3.4 s), an expert
 episode 0.05 s, one SFT pass over one decision 0.026 s at 128 wide × 2 layers (prompts are ~320 tokens; 256
 × 4, the powered study's shape, costs about 6× as much), an SAPD or OPD+Rule round of 4 trajectories × G = 8
-about 5 s, an SFT round 0.6 s, evaluating one model on 30 games and 135 decisions 7–16 s, a worker process's
-start ~5 s. The critical path is::
+about 5 s, an SFT round 0.6 s, evaluating one model on 30 games and 135 decisions 7–16 s (its distance to the
+teacher, 4 samples per decision, 0.68× that: 13.4 CPU-s against 19.6 for the student's evaluation,
+``bench/distance_cost.py``), a worker process's start ~5 s. The critical path is::
 
     100 pre-training games on 2 processes (~66 s) + their play and the tokenizer (~8 s)
     + student SFT: 100 games × 3 decisions × 20 epochs (~175 s)
     + teacher SFT: 8 epochs over ~480 decisions (~100 s)
     + SAPD, 8 rounds, and its evaluation (~58 s; OPD+Rule beside it on the other core)
-    + the teacher's evaluation (~9 s) + the report (~3 s)                      ≈ 7 minutes
+    + the teacher's evaluation (~9 s) and the four models' distances to the teacher (~13 s each,
+      two at a time: ~25 s) + the report (~3 s)                                  ≈ 7½ minutes
 
 while the other core generates and plays the 70 training and held-out games during the student's SFT, and
 evaluates the student and trains the SFT arm during the teacher's. The student needs its 6,000 decision-passes
@@ -126,9 +128,9 @@ class DemoConfig:
     minibatch_prefixes: int = 8
     # per arm: what the powered study's validation sweep chose for its 256×4 models (not re-tuned here)
     lrs: dict[str, float] = field(default_factory=lambda: {"sft": 3e-4, "opd_rule": 3e-4, "sapd": 1e-4})
-    # samples per held-out decision (T = 1) for each model's distance to the teacher: 2 keeps the four measured
-    # models (the teacher's own is 0) to ~6 % of the demo's time; the interval says what that resolves
-    distance_group_size: int = 2
+    # samples per held-out decision (T = 1) for each model's distance to the teacher (the teacher's own is 0):
+    # measured (bench/distance_cost.py), one model's costs 0.68× its held-out evaluation at 4, 0.51× at 2
+    distance_group_size: int = 4
     seed: int = 0  # the arms' training seed
     workers: int = 0  # parallel jobs (one thread each); 0: one per core, at most 4
     env_timeout_s: float = 120.0
