@@ -430,8 +430,9 @@ def test_two_rounds_in_order_with_valid_manifests(env, capsys):
         assert tcmd[tcmd.index("--round") + 1] == str(k)
         assert f"--master-addr={RELEASE}-train-r{k}-0.{RELEASE}-train" in tcmd
         assert tr["spec"]["completionMode"] == "Indexed"
-    for body in jobs.values():
-        assert body["metadata"]["annotations"] == {"sapd.io/attempt": "1", "sapd.io/run-root": env.root}
+    for name, body in jobs.items():
+        last = {"sapd.io/validation-only": "true"} if name == f"{RELEASE}-teacher-scores-r2" else {}
+        assert body["metadata"]["annotations"] == {"sapd.io/attempt": "1", "sapd.io/run-root": env.root, **last}
         # owned by the release's templates ConfigMap, which `helm upgrade` keeps (it deletes the old driver
         # Job, whose dependents the garbage collector would delete), and `helm uninstall` removes
         assert body["metadata"]["ownerReferences"] == [{

@@ -240,9 +240,9 @@ def test_every_round_in_sapd_run_committed_resumed_and_reported(tmp_path, models
     stage; each result is committed before its round's manifest; a worker that dies after its validation
     part resumes without redoing it, to the same numbers; a rerun is a no-op; the metrics and ``sapd report``
     carry the figures."""
+    from sapd.data import scored
     from sapd.metrics import Metrics
     from sapd.run.report import write_report
-    from sapd.stages import teacher_scores
 
     root = str(tmp_path / "run")
     cfg = config_from_dict(tiny_config(root, *models))
@@ -264,15 +264,15 @@ def test_every_round_in_sapd_run_committed_resumed_and_reported(tmp_path, models
     # a worker killed after its validation part, before its scored part: the rerun keeps the part
     again = str(tmp_path / "again")
     cfg2 = config_from_dict(tiny_config(again, *models))
-    real = teacher_scores.run_worker
+    real = scored.write_worker_part
     calls = []
 
-    def dying(*a, **kw):
-        if a[1] == 1 and not calls:
+    def dying(out_dir, *a, **kw):
+        if out_dir == layout.scored_dir(again, 1) and not calls:
             calls.append(1)
             raise RuntimeError("killed")
-        return real(*a, **kw)
-    monkeypatch.setattr(teacher_scores, "run_worker", dying)
+        return real(out_dir, *a, **kw)
+    monkeypatch.setattr(scored, "write_worker_part", dying)
     with pytest.raises(RuntimeError, match="killed"):
         run_pipeline(cfg2, **QUIET)
     part_uri = layout.validation_part_uri(again, 1, 0)
