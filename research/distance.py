@@ -69,7 +69,7 @@ class DistanceConfig:
     # checkpoints measured on the test and train prefixes; the validation panel is measured on the last only
     curve: list[int] = field(default_factory=lambda: [0, 4, 8, 16])
     seeds: list[int] = field(default_factory=lambda: [0, 1])  # training seeds of every setting
-    # one knob at a time, as run-config overlays on the demo's arm config
+    # one knob at a time, as run-config overlays on the demo's arm config (``lr_scale``: the arm's lr × this)
     settings: dict[str, dict[str, Any]] = field(default_factory=lambda: {
         "base": {},
         "tok_x67": {"loss": {"lambda_tok": 1.0, "token_scale": 1.0}},
@@ -255,7 +255,11 @@ class DistanceStudy:
         root = str(self.cache / "runs" / f"{method}.{setting}-s{seed}")
         over: dict[str, Any] = {"run_root": root, "train": {"rounds": self.cfg.rounds, "seed": seed},
                                 "validation": {"every_rounds": 0}}  # measured here, on the study's own panels
-        merged = _merge(_merge(base, over), self.cfg.settings[setting])
+        knob = dict(self.cfg.settings[setting])
+        lr_scale = knob.pop("lr_scale", None)  # the arm's own learning rate × this (the arms' rates differ)
+        merged = _merge(_merge(base, over), knob)
+        if lr_scale is not None:
+            merged["train"]["lr"] = base["train"]["lr"] * float(lr_scale)
         return merged
 
     def run_unit(self, unit: str, method: str, setting: str, seed: int) -> dict[str, Any]:

@@ -25,6 +25,7 @@ LABELS = {"opd_rule": "OPD+Rule", "sapd": "SAPD"}
 SETTING_TEXT = {"base": "the demo's (constant lr, G = 8, 4 trajectories per round, λ_tok·β = 0.015)",
                 "cosine": "cosine-decaying learning rate", "g16": "G = 16",
                 "traj8": "8 trajectories per round (twice the demo's)",
+                "lr_x10": "each arm's learning rate × 10 (not one of the issue's knobs: the step budget)",
                 "tok_x10": "λ_tok·β × 10 (λ_tok = 1)", "tok_x67": "λ_tok·β × 67 (λ_tok = β = 1)"}
 
 

@@ -38,6 +38,10 @@ def test_the_config_and_the_run_configs_it_makes(tmp_path):
     assert knobs["traj8"].train.trajectories_per_round == 8
     assert knobs["tok_x10"].loss_cfg.lambda_tok * knobs["tok_x10"].loss_cfg.token_scale == pytest.approx(0.15)
     assert knobs["tok_x67"].loss_cfg.lambda_tok * knobs["tok_x67"].loss_cfg.token_scale == pytest.approx(1.0)
+    f.write_text("rounds: 8\ncurve: [0, 8]\nsettings: {base: {}, lr_x10: {lr_scale: 10}}\n")
+    scaled = DistanceStudy(load_distance_config(f), tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
+    assert config_from_dict(scaled.run_config("sapd", "lr_x10", 0)).train.lr == pytest.approx(1e-3)  # 1e-4 × 10
+    assert config_from_dict(scaled.run_config("opd_rule", "lr_x10", 0)).train.lr == pytest.approx(3e-3)
     for s, c in knobs.items():  # one knob at a time: everything else is the base's
         others = {k: v for k, v in c.to_dict().items() if k not in ("run_root", "loss", "train", "sampling")}
         assert others == {k: v for k, v in knobs["base"].to_dict().items()
