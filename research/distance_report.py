@@ -140,6 +140,8 @@ def _paired_seed_effect(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any
         return None
     ds = [_final(a[s])[panel]["overall"][key]["value"] - _final(b[s])[panel]["overall"][key]["value"] for s in seeds]
     m, lo, hi = _t_interval(ds)
+    if len(seeds) < 2:  # one seed: no spread to judge by (the decisions' interval is reported beside it)
+        return {"diff": m, "lo": None, "hi": None, "per_seed": ds, "seeds": seeds, "within_noise": None}
     return {"diff": m, "lo": lo, "hi": hi, "per_seed": ds, "seeds": seeds, "within_noise": lo <= 0 <= hi}
 
 
@@ -215,7 +217,7 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
         for i, point in enumerate(recs[0]["curve"]):
             k = point["checkpoint"]
             gaps = [-r["training_gap"][str(k)] for r in recs if str(k) in r["training_gap"]]
-            cells = " | ".join(_ms([_kl(r["curve"][i], p) for r in recs]) for p in PANELS)
+            cells = " | ".join(_ms([_kl(r["curve"][i], p) for r in recs]) for p in ("test", "val", "train"))
             md.append(f"| {LABELS[method]} | {k} | {cells}"
                       f" | {_ms([_kl(r['curve'][i], 'test', 'reverse_kl_per_action_token') for r in recs])}"
                       f" | {_ms([_kl(r['curve'][i], 'test', 'action_match') for r in recs])} | {_ms(gaps)} |")
@@ -225,7 +227,7 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
         summary["base"][method] = {"test_by_checkpoint": {k: statistics.fmean(v) for k, v in mids.items()},
                                    "final_over_start": statistics.fmean(finals) / k0}
         half = sorted(mids)[len(mids) // 2]
-        short.append(f"{LABELS[method]} (the demo's setting, {len(recs)} seeds): held-out KL {k0:.3f} → "
+        short.append(f"{LABELS[method]} (the demo's setting, {_n_seeds(len(recs))}): held-out KL {k0:.3f} → "
                      f"{statistics.fmean(mids[half]):.3f} at checkpoint {half} → {statistics.fmean(finals):.3f} at "
                      f"{cfg.rounds} ({statistics.fmean(finals) / k0:.0%} of the start)")
     md += ["", "![distance against rounds](distance_curves.png)", "", *_notes(cfg, "curves")]
@@ -269,26 +271,33 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
     md += ["## 3. What each knob changes", "",
            "Last checkpoint, held-out (test) decisions: reverse KL per sampled token (mean ± sd over seeds), its "
            "difference to the base setting paired by seed (mean [95 % t-interval over seeds]; *within noise* when "
-           "the interval holds 0), the same on the validation panel (what a choice would be made on), the sampled "
-           "action match, and the training time per run.", "",
-           "| method | setting | test KL | Δ vs base (test) | Δ vs base (val) | test: sampled match | train s |",
-           "|---|---|---|---|---|---|---|"]
+           "the interval holds 0), the same difference for seed 0 with the interval its 135 decisions give (the "
+           "measurement's own noise, paired by decision), the difference on the validation panel (what a choice "
+           "would be made on), the sampled action match, and the optimizer steps per run (wall time on the shared "
+           "cores says more about the other jobs than about the setting).", "",
+           "| method | setting | test KL | Δ vs base (test) | seed 0: Δ, decisions' 95 % CI | Δ vs base (val) "
+           "| test: sampled match | optimizer steps |", "|---|---|---|---|---|---|---|---|"]
     for method in cfg.methods:
         base = runs.get((method, "base"), {})
         for s in settings:
             seeds = runs.get((method, s), {})
             if not seeds:
-                md.append(f"| {LABELS[method]} | {s} | (not run yet) | | | | |")
+                md.append(f"| {LABELS[method]} | {s} | (not run yet) | | | | | |")
                 continue
             finals = [_kl(_final(r), "test") for r in seeds.values()]
             eff = {p: _paired_seed_effect(seeds, base, p) if s != "base" else None for p in ("test", "val")}
-            cell = {p: ("–" if e is None else f"{e['diff']:+.3f} [{e['lo']:+.3f}, {e['hi']:+.3f}]"
-                        + (" *within noise*" if e["within_noise"] else "")) for p, e in eff.items()}
-            md.append(f"| {LABELS[method]} | {s} | {_ms(finals)} | {cell['test']} | {cell['val']} "
+            cell = {p: _effect_cell(e) for p, e in eff.items()}
+            first = min(set(seeds) & set(base)) if set(seeds) & set(base) else None
+            within = (None if s == "base" or first is None or "per_prefix" not in _final(seeds[first])["test"]
+                      else _prefix_diff(_final(seeds[first])["test"], _final(base[first])["test"]))
+            within_cell = "–" if within is None or within["diff"] is None else (
+                f"{within['diff']:+.3f} [{within['ci'][0]:+.3f}, {within['ci'][1]:+.3f}]")
+            md.append(f"| {LABELS[method]} | {s} | {_ms(finals)} | {cell['test']} | {within_cell} | {cell['val']} "
                       f"| {_ms([_kl(_final(r), 'test', 'action_match') for r in seeds.values()])} "
-                      f"| {_ms([r['train_seconds'] for r in seeds.values()], 0)} |")
-            summary["knobs"][f"{method}.{s}"] = {"test_kl": finals, "effect": eff,
+                      f"| {_ms([r['optimizer_steps'] for r in seeds.values()], 0)} |")
+            summary["knobs"][f"{method}.{s}"] = {"test_kl": finals, "effect": eff, "seed0_decisions": within,
                                                  "seeds": sorted(seeds),
+                                                 "optimizer_steps": [r["optimizer_steps"] for r in seeds.values()],
                                                  "train_seconds": [r["train_seconds"] for r in seeds.values()]}
     md += ["", "Settings: " + "; ".join(f"`{s}`: {SETTING_TEXT.get(s, cfg.settings[s])}" for s in settings) + ".",
            "", "![knobs](distance_knobs.png)", "", *_notes(cfg, "knobs"), *_notes(cfg, "demo")]
@@ -355,6 +364,19 @@ def _notes(cfg: Any, section: str) -> list[str]:
     """The author's notes for a section (``notes:`` in the study's config), as report lines."""
     text = cfg.notes.get(section, "").strip()
     return [text, ""] if text else []
+
+
+def _n_seeds(n: int) -> str:
+    return "1 seed" if n == 1 else f"{n} seeds"
+
+
+def _effect_cell(e: dict[str, Any] | None) -> str:
+    """A knob's paired seed difference: mean [t-interval] and whether it is within noise; one seed: no interval."""
+    if e is None:
+        return "–"
+    if e["lo"] is None:
+        return f"{e['diff']:+.3f} (one seed)"
+    return f"{e['diff']:+.3f} [{e['lo']:+.3f}, {e['hi']:+.3f}]" + (" *within noise*" if e["within_noise"] else "")
 
 
 def _kl_on(per: dict[str, list[float]], ids: list[str]) -> float:

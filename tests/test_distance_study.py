@@ -70,7 +70,7 @@ def test_the_report_reads_seeds_and_noise_from_a_ledger(tmp_path):
               ("sapd", "base"): [0.11, 0.12, 0.10], ("sapd", "cosine"): [0.12, 0.10, 0.11]}
     for (m, s), vals in finals.items():
         for seed, v in enumerate(vals):
-            study.ledger.put(f"runs/{m}.{s}-s{seed}", {"method": m, "setting": s, "seed": seed, "train_seconds": 10.0,
+            study.ledger.put(f"runs/{m}.{s}-s{seed}", {"method": m, "setting": s, "seed": seed, "train_seconds": 10.0, "optimizer_steps": 30,
                                                       "curve_seconds": 1.0, "curve": [start, _point(8, v)],
                                                       "training_gap": {"0": -0.15}})
     out = render_distance(study, tmp_path / "results")
