@@ -603,6 +603,25 @@ def test_a_run_extended_past_its_last_validation_scores_that_round_in_a_new_job(
     assert shards.read_manifest(layout.scored_dir(e.root, 1))["workers"] == 2 and validation.is_committed(e.root, 2)
 
 
+def test_a_build_without_validation_prefixes_has_no_last_validation_job(tmp_path, monkeypatch):
+    """data.val_fraction 0: the plan made before the build names the last checkpoint's validation; once the
+    build shows no validation prefixes, the driver skips it, saying why, and creates no Job for it."""
+    e = Env(tmp_path, monkeypatch)
+    e.lines = []
+    real = e.kube.effect
+
+    def no_val(job: dict) -> None:  # the build commits no validation prefixes
+        real(job)
+        if job["metadata"]["labels"]["app.kubernetes.io/component"] == "build-prefixes":
+            shards.commit_manifest(layout.prefixes_dir(e.root), {"kind": "prefix-build", "stats": {"train": 4, "val": 0}})
+    e.kube.effect = no_val
+    e.driver().run()
+    assert e.kube.posted_jobs() == [ORDER[0], ORDER[1], ORDER[2], ORDER[3], ORDER[4], ORDER[6]]
+    assert "stage teacher-scores-r2: nothing to validate (the prefix build has no validation prefixes), skipping" \
+        in e.lines
+    assert not validation.is_committed(e.root, 0)
+
+
 def test_forbidden_is_a_clear_exit_3(env, capsys):
     from jobs import pipeline
     env.kube.fail_next = [403]

@@ -180,8 +180,10 @@ ORDER = ["build-prefixes", "teacher-scores-r0", "train-r0", "teacher-scores-r1",
 def smoke(cluster, inputs, monitoring):
     """`helm install sapd-smoke charts/sapd -f charts/sapd/values/smoke.yaml --set …`, then nothing by hand."""
     t0 = time.monotonic()
+    # one of the two trajectories held out (the users' sets hold none out): the per-round validation runs too
     rel = cluster.helm.install("sapd-smoke", CHART, values_files=[SMOKE],
-                               set_values=user_sets(inputs, monitoring, "sapd-smoke"), set_json=LR)
+                               set_values=user_sets(inputs, monitoring, "sapd-smoke"),
+                               set_json=[*LR, "config.data.val_fraction=0.5"])
     state = cluster.wait_job("sapd-smoke-pipeline-1", timeout=900)
     TIMINGS["smoke install → run complete"] = time.monotonic() - t0
     print(cluster.timeline())

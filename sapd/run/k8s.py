@@ -50,7 +50,7 @@ from kubernetes.client.exceptions import ApiException
 
 from sapd import layout, yamlio
 from sapd.config import RunConfig
-from sapd.data import scored, shards
+from sapd.data import scored, shards, validation
 from sapd.run import plan
 
 ROUND_PLACEHOLDER = "__SAPD_ROUND__"
@@ -229,7 +229,10 @@ class Driver:
         self._resolve_owner()
         for step in plan.steps(cfg, evaluate=self.templates.has("evaluate")):
             if plan.missing(cfg, step) is None:
-                self.log(f"stage {step}: committed, skipping")
+                nothing = step.stage == "teacher-scores" and step.round is not None and step.round >= cfg.train.rounds \
+                    and not validation.is_committed(root, step.round)
+                self.log(f"stage {step}: " + ("nothing to validate (the prefix build has no validation prefixes), "
+                                              "skipping" if nothing else "committed, skipping"))
                 self.stats.skipped.append(str(step))
                 continue
             if step.stage != "evaluate":
