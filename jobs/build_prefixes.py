@@ -11,6 +11,7 @@ Exit codes (sapd.entry): 0 done (or already committed), 2 bad config or input, 7
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Sequence
 
@@ -19,8 +20,12 @@ from sapd.stages import build_prefixes
 from sapd.stages.context import Step
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return job_parser("python -m jobs.build_prefixes", __doc__)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = job_parser("python -m jobs.build_prefixes", __doc__).parse_args(argv)
+    args = build_parser().parse_args(argv)
     return stage_main("build_prefixes", build_prefixes, args, Step("build-prefixes"))
 
 

@@ -15,11 +15,15 @@ from typing import Sequence
 from sapd import storage
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jobs.fetch", description=__doc__.splitlines()[0])
     p.add_argument("source", help="a file or folder URI (s3:// or a path)")
     p.add_argument("dest", help="a local file (for a file) or folder (for a folder)")
-    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         if not args.source.endswith("/") and storage.exists(args.source):
             storage.download_to(args.source, args.dest)

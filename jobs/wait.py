@@ -24,6 +24,7 @@ from typing import Sequence
 
 from sapd.config import RunConfig, load_config
 from sapd.entry import EXIT_UNAVAILABLE, log_line, run_main
+from sapd.method.objective import objective_of
 from sapd.run.plan import Step, missing
 from sapd.storage import StorageError, StorageUnavailable
 
@@ -52,7 +53,7 @@ def step_for(target: str, cfg: RunConfig) -> Step:
     if m.group(1):
         return Step("build-prefixes")
     kind, k = m.group(2), int(m.group(3))
-    if kind == "scored" and cfg.loss_cfg.objective == "sft":
+    if kind == "scored" and objective_of(cfg.loss_cfg).data == "recorded":
         kind = "checkpoint"  # sft trains on the recorded actions: nothing is scored, round K needs checkpoint K
     if kind == "checkpoint":
         return Step("build-prefixes") if k == 0 else Step("train", k - 1)

@@ -50,7 +50,7 @@ from sapd.demo.main import ARMS, DemoConfig, Paths, arm_config, run_demo
 from sapd.demo.pools import expert_pool, read_pool
 from sapd.models.generation import HFGenerator, SamplingParams, stops_for
 from sapd.models.loading import load_causal_lm, load_tokenizer
-from sapd.models.scoring import ModelScorer
+from sapd.models.scoring import HFScorer
 from sapd.run.local import run_pipeline
 from sapd.run.report import read_step_log
 from sapd.stages.validation import distance_records, teacher_records
@@ -203,7 +203,7 @@ class DistanceStudy:
             rows = self.panel_rows(name)
             t0 = time.perf_counter()
             records, _ = distance_records(rows, HFGenerator(student, tok, prompts_per_batch=8),
-                                          ModelScorer(self.teacher(), pad), ModelScorer(student, pad), tok,
+                                          HFScorer(self.teacher(), pad), HFScorer(student, pad), tok,
                                           "textworld", self.params())
             per = {r["prefix_id"]: [_round(r["reverse_kl"]), r["tokens"], r["action_match"], r["samples"],
                                     _round(r["recorded_teacher_logp"] - r["recorded_student_logp"]),
@@ -328,7 +328,7 @@ class DistanceStudy:
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         G = self.cfg.mismatch_group_size
         records, _ = distance_records(rows, HFGenerator(student, tok, prompts_per_batch=8),
-                                      ModelScorer(self.teacher(), pad), ModelScorer(student, pad), tok, "textworld",
+                                      HFScorer(self.teacher(), pad), HFScorer(student, pad), tok, "textworld",
                                       self.params(G))
         sampler_T = HFGenerator(self.teacher(), tok, prompts_per_batch=8)
         theirs = {r["prefix_id"]: r for r in teacher_records(rows, sampler_T, "textworld", self.params(G))}

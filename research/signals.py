@@ -223,7 +223,7 @@ def signal_probe(student, teacher, tokenizer, rows: Sequence[dict[str, Any]], *,
 # health per round
 
 HEALTH_KEYS = ("no_action_fraction", "all_no_action_groups", "step_adv_abs_mean", "rule_adv_abs_mean",
-               "tok_adv_abs_mean", "clip_fraction", "teacher_student_gap", "kl", "entropy")
+               "tok_adv_abs_mean", "clip_fraction", "teacher_student_gap", "loss_kl", "loss_entropy")
 
 
 def round_health(root: str) -> list[dict[str, Any]]:

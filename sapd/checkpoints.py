@@ -1,10 +1,10 @@
 """Checkpoints: HF-format model folders plus trainer state, committed by a marker written last.
 
 ``checkpoints/NNNNNN/model/`` is what ``AutoModelForCausalLM.from_pretrained`` loads (config,
-safetensors shards with their index, tokenizer with its chat template); ``state/trainer.pt`` holds
-the optimizer, scheduler, RNG states and data cursor; ``state/_COMMITTED`` (JSON with a fresh commit
-id) is written last. An uncommitted checkpoint folder is leftover from a crash and is cleared before
-being written again.
+safetensors shards with their index, tokenizer with its chat template); ``state/`` holds the sharded
+optimizer state and ``trainer.pt`` (below); ``state/_COMMITTED`` (JSON with a fresh commit id) is written
+last (every file: docs/reference/run-root.md). An uncommitted checkpoint folder is leftover from a crash
+and is cleared before being written again.
 
 Weights are streamed shard by shard (at most ``max_shard_bytes`` each): under ZeRO-3 every rank gathers
 one shard's parameters at a time and rank 0 writes it straight to storage, so no process ever holds the
@@ -27,11 +27,22 @@ DCP reshards on load for any layout that can name its slices, which ZeRO 1–3 a
 ``state/trainer.pt`` keeps what is small (step counter, RNG, AdamW's hyper-parameters and step count, the
 parameter sizes). Checkpoints written before (the whole optimizer inside ``trainer.pt``) still load:
 every rank reads that file whole, as it did then.
+
+**The fp32 master is optimizer state too.** With a half-precision ``model.dtype`` the optimizer updates an
+fp32 copy of the weights (DeepSpeed's fp32 partitions, the torch engine's master tensors) and the model
+folder holds their bfloat16 rounding, for sampling, evaluation and export. An lr-1e-6 AdamW step is far
+below half a bfloat16 step of most weights, so a run that restarted each round from the bfloat16 folder
+would keep almost none of its updates. The master is saved beside ``exp_avg``/``exp_avg_sq`` under the key
+``master``, sharded and resharded the same way (format ``dcp-adamw/2``); checkpoint 0 holds the student's
+original weights as the master (in fp32 where they exist), with no moments yet. A checkpoint without one
+(written before, or a float32 run's, whose folder is the master) resumes with the master rebuilt from its
+weights, and :func:`restore_optimizer` says so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -205,9 +216,14 @@ def load_trainer_state(root: str, k: int) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------------------------------
 # sharded optimizer state
 
-OPTIMIZER_FORMAT = "dcp-adamw/1"
+OPTIMIZER_FORMAT = "dcp-adamw/2"
+# /1 (written before the master was kept): the moments only, no "keys" in its description
+READABLE_FORMATS = ("dcp-adamw/1", OPTIMIZER_FORMAT)
 SHARDED_KEY = "optimizer_shards"
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
+MASTER_KEY = "master"
+"""The fp32 weights the optimizer updates, saved where the model folder holds only their half-precision
+rounding (a bfloat16 ``model.dtype``)."""
 # AdamW settings carried from one engine to another (never lr: the schedule sets it every step; never an
 # implementation flag such as foreach or fused, which belongs to the engine that loads)
 HYPER_KEYS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
@@ -221,10 +237,13 @@ def optimizer_dir(root: str, k: int) -> str:
 class OptimizerShard:
     """One rank's share of an AdamW state, in coordinates that do not depend on the engine: for parameter
     ``i`` (``model.parameters()`` order, ``numels[i]`` elements), ``fragments[i]`` lists the slices of its
-    flattened state this rank holds as ``(start, {"exp_avg": view, "exp_avg_sq": view})`` — views of the
-    engine's own state, so saving reads and loading writes them in place. ``replicated``: every rank
-    holds every parameter's whole state (one process, or DeepSpeed without ZeRO), so one copy is saved
-    and every rank loads all of it. ``step`` is None before the first optimizer step (nothing to save)."""
+    flattened state this rank holds as ``(start, {"exp_avg": view, "exp_avg_sq": view, "master": view})`` —
+    views of the engine's own state, so saving reads and loading writes them in place. ``keys``: the
+    entries saved and loaded (the moments once the optimizer has stepped, ``step`` not None; the master
+    where it is a copy of its own, a half-precision model). A fragment also holds ``master`` where it is
+    not saved (the float32 weights the optimizer updates in place): what the update probe of
+    :mod:`sapd.stages.train` reads. ``replicated``: every rank holds every parameter's whole state (one
+    process, or DeepSpeed without ZeRO), so one copy is saved and every rank loads all of it."""
 
     numels: list[int]
     fragments: list[list[tuple[int, dict[str, torch.Tensor]]]]
@@ -232,15 +251,20 @@ class OptimizerShard:
     step: float | None
     replicated: bool = False
     shapes: list[tuple[int, ...]] = field(default_factory=list)
+    keys: tuple[str, ...] = STATE_KEYS
 
     def describe(self) -> dict[str, Any]:
         """What ``trainer.pt`` keeps of it: everything but the tensors."""
         return {"format": OPTIMIZER_FORMAT, "step": self.step, "numels": list(self.numels),
-                "shapes": [list(s) for s in self.shapes],
+                "shapes": [list(s) for s in self.shapes], "keys": list(self.keys),
                 "hyper": {k: v for k, v in self.hyper.items() if k in HYPER_KEYS}}
 
     def held_elements(self) -> int:
-        return sum(views[STATE_KEYS[0]].numel() for frags in self.fragments for _, views in frags)
+        return sum(next(iter(views.values())).numel() for frags in self.fragments for _, views in frags if views)
+
+    def only(self, keys: tuple[str, ...]) -> OptimizerShard:
+        """The same views, saving and loading only those of ``keys`` this shard has."""
+        return dataclasses.replace(self, keys=tuple(k for k in self.keys if k in keys))
 
 
 class ShardedOptimizer(Protocol):
@@ -250,41 +274,61 @@ class ShardedOptimizer(Protocol):
         """This rank's share of the current state (views)."""
         ...
 
-    def prepare_optimizer_shard(self, step: float, hyper: dict[str, Any]) -> OptimizerShard:
-        """Create the optimizer state (zeros, at ``step``, with ``hyper``'s settings) and return this rank's
-        share of it, to be filled in place."""
+    def prepare_optimizer_shard(self, step: float | None, hyper: dict[str, Any]) -> OptimizerShard:
+        """Create the optimizer state (zeros, at ``step``, with ``hyper``'s settings; no moments for ``step``
+        None) and return this rank's share of it, the master's views included, to be filled in place."""
         ...
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """A whole ``torch.optim.AdamW`` state dict (checkpoints written before sharding)."""
         ...
 
+    def weights_from_master(self) -> None:
+        """Set the model's half-precision weights to the rounding of the fp32 master just loaded (every rank)."""
+        ...
 
-def torch_optimizer_shard(optimizer: torch.optim.Optimizer) -> OptimizerShard:
-    """The :class:`OptimizerShard` of a plain AdamW over a whole model (the torch engine: it holds it all)."""
+
+def torch_optimizer_shard(optimizer: torch.optim.Optimizer, master: bool = False) -> OptimizerShard:
+    """The :class:`OptimizerShard` of a plain AdamW over a whole model (the torch engine: it holds it all).
+    The tensors it updates are the master; ``master``: they are a copy of the model's (half-precision)
+    weights, saved with the moments."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
     shapes = [tuple(p.shape) for p in params]
     numels = [p.numel() for p in params]
-    if not optimizer.state:
-        return OptimizerShard(numels, [[] for _ in params], hyper, None, True, shapes)
-    step = float(optimizer.state[params[0]]["step"])
-    frags = [[(0, {key: optimizer.state[p][key].view(-1) for key in STATE_KEYS})] for p in params]
-    return OptimizerShard(numels, frags, hyper, step, True, shapes)
+    stepped = bool(optimizer.state)
+    keys = (STATE_KEYS if stepped else ()) + ((MASTER_KEY,) if master else ())
+    step = float(optimizer.state[params[0]]["step"]) if stepped else None
+    frags = [[(0, {**({key: optimizer.state[p][key].view(-1) for key in STATE_KEYS} if stepped else {}),
+                   MASTER_KEY: p.detach().view(-1)})] for p in params]
+    return OptimizerShard(numels, frags, hyper, step, True, shapes, keys)
 
 
-def prepare_torch_optimizer_shard(optimizer: torch.optim.Optimizer, step: float,
-                                  hyper: dict[str, Any]) -> OptimizerShard:
-    """AdamW's state created as its first step would (zeros, ``step``), hyper-parameters set; → its views."""
+def prepare_torch_optimizer_shard(optimizer: torch.optim.Optimizer, step: float | None,
+                                  hyper: dict[str, Any], master: bool = False) -> OptimizerShard:
+    """AdamW's state created as its first step would (zeros, ``step``; none for ``step`` None: a master
+    without moments, checkpoint 0's), hyper-parameters set; → its views."""
     for group in optimizer.param_groups:
         for key in HYPER_KEYS:
             if key in hyper and key in group:
                 group[key] = tuple(hyper[key]) if key == "betas" else hyper[key]
+        if step is None:
+            continue
         for p in group["params"]:
             optimizer.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32),
                                   "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                                   "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-    return torch_optimizer_shard(optimizer)
+    return torch_optimizer_shard(optimizer, master)
+
+
+def master_shard(model) -> OptimizerShard:
+    """The weights of ``model`` (loaded in float32) as the master of a checkpoint with no optimizer state
+    yet: checkpoint 0 of a half-precision run. Views of the float32 weights: cast the model to its
+    half-precision dtype after taking this, and the master stays the float32 values."""
+    params = list(model.parameters())
+    frags = [[(0, {MASTER_KEY: p.detach().to(torch.float32).view(-1)})] for p in params]
+    return OptimizerShard([p.numel() for p in params], frags, {}, None, True, [tuple(p.shape) for p in params],
+                          (MASTER_KEY,))
 
 
 def _distributed() -> bool:
@@ -296,20 +340,23 @@ def _dcp_state_dict(shard: OptimizerShard) -> dict[str, Any]:
     plain tensor where this rank holds it whole (replicated), else a ``ShardedTensor`` of this rank's
     slices (the global layout, every rank's slices, is exchanged once: a few integers per parameter)."""
     out: dict[str, Any] = {}
+    if not shard.keys:
+        return out
+    first = shard.keys[0]
     if shard.replicated or not _distributed():
         for i, frags in enumerate(shard.fragments):
             for start, views in frags:
-                if start != 0 or views[STATE_KEYS[0]].numel() != shard.numels[i]:
+                if start != 0 or views[first].numel() != shard.numels[i]:
                     raise ValueError(f"parameter {i}: a replicated optimizer shard must hold it whole")
-                for key in STATE_KEYS:
+                for key in shard.keys:
                     out[f"{i}.{key}"] = views[key]
         return out
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
     rank = torch.distributed.get_rank()
-    mine = [(i, start, views[STATE_KEYS[0]].numel(), str(views[STATE_KEYS[0]].device))
-            for i, frags in enumerate(shard.fragments) for start, views in frags if views[STATE_KEYS[0]].numel()]
+    mine = [(i, start, views[first].numel(), str(views[first].device))
+            for i, frags in enumerate(shard.fragments) for start, views in frags if views[first].numel()]
     everyone: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     layout_of: dict[int, list[ShardMetadata]] = {}
@@ -319,7 +366,7 @@ def _dcp_state_dict(shard: OptimizerShard) -> dict[str, Any]:
     for i, frags in enumerate(shard.fragments):
         if i not in layout_of:
             raise RuntimeError(f"optimizer state of parameter {i} is held by no rank")
-        for key in STATE_KEYS:
+        for key in shard.keys:
             local = [Shard(views[key], ShardMetadata([start], [views[key].numel()],
                                                      f"rank:{rank}/{views[key].device}"))
                      for start, views in frags if views[key].numel()]
@@ -363,22 +410,37 @@ def load_optimizer_shards(uri: str, shard: OptimizerShard) -> None:
 def restore_optimizer(root: str, k: int, engine: ShardedOptimizer, state: dict[str, Any] | None,
                       log: Callable[[str], None] = print) -> str:
     """Checkpoint ``k``'s optimizer state into ``engine`` (every rank calls it; ``state`` is
-    :func:`load_trainer_state`'s). → "sharded", "whole" (a checkpoint written before sharding: every rank
-    reads it whole) or "none" (no optimizer state: the optimizer starts fresh)."""
+    :func:`load_trainer_state`'s), the fp32 master included where the engine keeps one (then the model's
+    half-precision weights are set from it). → "sharded", "whole" (a checkpoint written before sharding:
+    every rank reads it whole) or "none" (no optimizer state: the optimizer starts fresh). An engine that
+    keeps a master and finds none in the checkpoint (written before sapd kept one) keeps the master it
+    built from the checkpoint's weights, and the log says so."""
+    keeps_master = MASTER_KEY in engine.optimizer_shard().keys
+
+    def rebuilt(why: str) -> None:
+        if keeps_master:
+            log(f"checkpoint {k}: {why}; the fp32 master is rebuilt from its half-precision weights (updates "
+                "lost to their rounding stay lost); checkpoints from now on store it")
+
     if not state:
+        rebuilt("no optimizer state and no fp32 master stored (written before sapd kept one)")
         return "none"
     if "optimizer" in state:
         engine.load_optimizer_state(state["optimizer"])
         log(f"checkpoint {k}: optimizer state stored whole (written by an earlier sapd), read whole by every "
             "rank; checkpoints from now on are sharded")
+        rebuilt("no fp32 master stored")
         return "whole"
     desc = state.get(SHARDED_KEY)
     if not desc:
+        rebuilt("no fp32 master stored (written before sapd kept one)")
         return "none"
-    if desc.get("format") != OPTIMIZER_FORMAT:
+    if desc.get("format") not in READABLE_FORMATS:
         raise ValueError(f"{layout.checkpoint_dir(root, k)}: optimizer state format {desc.get('format')!r} is not "
-                         f"one this sapd reads ({OPTIMIZER_FORMAT}); resume it with the sapd that wrote it")
-    if desc["step"] is None:
+                         f"one this sapd reads ({', '.join(READABLE_FORMATS)}); resume it with the sapd that wrote it")
+    saved = tuple(desc.get("keys", STATE_KEYS))
+    if desc["step"] is None and MASTER_KEY not in saved:
+        rebuilt("no fp32 master stored (written before sapd kept one)")
         return "none"
     dest = engine.prepare_optimizer_shard(desc["step"], desc["hyper"])
     if list(dest.numels) != list(desc["numels"]):
@@ -387,30 +449,40 @@ def restore_optimizer(root: str, k: int, engine: ShardedOptimizer, state: dict[s
         raise ValueError(f"{layout.checkpoint_dir(root, k)}: its optimizer state is for {len(desc['numels'])} "
                          f"parameters, the model has {len(dest.numels)} (first difference at parameter {diff}): "
                          "a checkpoint of another model")
-    load_optimizer_shards(optimizer_dir(root, k), dest)
+    load_optimizer_shards(optimizer_dir(root, k), dest.only(saved))
+    if keeps_master and MASTER_KEY in saved:
+        engine.weights_from_master()
+    elif keeps_master:
+        rebuilt("no fp32 master stored (written before sapd kept one)")
+    elif MASTER_KEY in saved:
+        log(f"checkpoint {k}: it holds an fp32 master, which this float32 run does not keep: its weights come "
+            "from the model folder (their half-precision rounding)")
     return "sharded"
 
 
 def consolidated_optimizer_state(root: str, k: int) -> dict[str, Any] | None:
     """Checkpoint ``k``'s whole optimizer state as a ``torch.optim.AdamW`` state dict, in this one process
-    (for inspection, tests and tools: it holds everything, which training never does)."""
+    (for inspection, tests and tools: it holds everything, which training never does); each parameter's
+    entry has its fp32 ``master`` too where the checkpoint stores one (checkpoint 0's has only that)."""
     state = load_trainer_state(root, k)
     if not state:
         return None
     if "optimizer" in state:
         return state["optimizer"]
     desc = state.get(SHARDED_KEY)
-    if not desc or desc["step"] is None:
+    saved = tuple(desc.get("keys", STATE_KEYS)) if desc else ()
+    if not desc or (desc["step"] is None and MASTER_KEY not in saved):
         return None
-    tensors = [{key: torch.zeros(n, dtype=torch.float32) for key in STATE_KEYS} for n in desc["numels"]]
-    shard = OptimizerShard(desc["numels"], [[(0, t)] for t in tensors], desc["hyper"], desc["step"], True)
+    tensors = [{key: torch.zeros(n, dtype=torch.float32) for key in saved} for n in desc["numels"]]
+    shard = OptimizerShard(desc["numels"], [[(0, t)] for t in tensors], desc["hyper"], desc["step"], True,
+                           keys=saved)
     import torch.distributed.checkpoint as dcp
     _, reader = _dcp_io()
     with _quiet_dcp():
         dcp.load(_dcp_state_dict(shard), storage_reader=reader(optimizer_dir(root, k)), no_dist=True)
     shapes = desc.get("shapes") or [[n] for n in desc["numels"]]
-    return {"state": {i: {"step": torch.tensor(float(desc["step"])),
-                          **{key: t[key].reshape(shapes[i]) for key in STATE_KEYS}} for i, t in enumerate(tensors)},
+    step = {} if desc["step"] is None else {"step": torch.tensor(float(desc["step"]))}
+    return {"state": {i: {**step, **{key: t[key].reshape(shapes[i]) for key in saved}} for i, t in enumerate(tensors)},
             "param_groups": [{**desc["hyper"], "params": list(range(len(tensors)))}]}
 
 

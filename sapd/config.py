@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from sapd import layout, storage, yamlio
 from sapd.method.benchmarks import BENCHMARKS
-from sapd.method.objective import VARIANTS, LossConfig, loss_config_for
+from sapd.method.objective import VARIANTS, LossConfig, loss_config_for, objective_of
 
 
 @dataclass
@@ -28,31 +28,39 @@ class DataConfig:
     benchmark: str = "alfworld"  # alfworld | webshop | searchqa | textworld | scienceworld
     history_length: int | None = None  # recent (obs, action) pairs per prompt; None = the benchmark's default
     full_history: bool = False  # every earlier pair instead
-    prompt_style: Literal["step", "chat"] = "step"
+    prompt_style: Literal["step", "chat"] = "step"  # one verl-agent style step prompt, or the history as chat turns
     max_prompt_tokens: int | None = 4096  # tokenizer-based length filter (docs/SAPD.md §5)
     val_fraction: float = 0.05  # offline validation split by trajectory (docs/SAPD.md §5)
-    split_seed: int = 0
-    skip_invalid: bool = False
-    action_wording: Literal["recorded", "put", "move"] = "recorded"
+    split_seed: int = 0  # seed of the train/val split
+    skip_invalid: bool = False  # count and skip invalid records instead of stopping at the first
+    action_wording: Literal["recorded", "put", "move"] = "recorded"  # ALFWorld: rewrite put X in/on Y ↔ move X to Y
     # ReOPD: draw each round's prefixes with p(t) ∝ κ^t (paper: 0.6); None = whole trajectories
     reopd_kappa: float | None = None
+
+
+FLOAT16_NOT_TRAINED = ("model.dtype: float16 is not trained: its gradients need dynamic loss scaling, which sapd "
+                       "does not do; use bfloat16 (the same memory; an fp32 master of the weights is kept) or float32")
 
 
 @dataclass
 class ModelConfig:
     student: str = ""  # HF folder or s3:// prefix: the initial student (checkpoint 0)
     teacher: str = ""  # HF folder or s3:// prefix: the frozen teacher (must share the student's tokenizer)
+    # bfloat16: checkpoints, sampling and scoring in bf16, training on an fp32 master kept in the optimizer
+    # state (docs/DESIGN.md); float16 is refused by training (FLOAT16_NOT_TRAINED)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"  # cpu | cuda | cuda:N
 
 
 @dataclass
 class SamplingConfig:
-    backend: Literal["hf", "vllm"] = "hf"
+    backend: Literal["hf", "vllm"] = "hf"  # student sampling and teacher scoring: transformers, or vLLM (a GPU)
     group_size: int = 8  # G responses per prefix (paper: 8)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
+    temperature: float = 1.0  # of the student samples (paper: 1.0)
+    top_p: float = 1.0  # nucleus sampling of the student samples; 1.0 = off
+    # response budget of each sample: 512 as in the verl-agent scripts SDAR builds on; each round logs the
+    # share cut at it
+    max_new_tokens: int = 512
     prompts_per_batch: int = 4  # HF: prompts prefilled together (each becomes G decode rows)
     gpu_memory_utilization: float = 0.4  # vLLM: share of GPU memory for each engine (student sampler, teacher)
     tensor_parallel_size: int = 1  # vLLM: GPUs the student sampler's engine spans
@@ -73,23 +81,28 @@ class TrainConfig:
     trajectories_per_round: int = 16  # every prefix of this many trajectories per round (paper: 16; search QA 128)
     epochs_per_round: int = 1  # passes over a round's scored data
     minibatch_prefixes: int = 16  # prefixes (× G responses) per optimizer step
-    micro_batch_prefixes: int = 4  # prefixes per forward/backward (gradient accumulation inside a minibatch)
+    # prefixes per forward/backward (× G rows; gradient accumulation inside a minibatch). One keeps a 1.5B
+    # student's step within an 80 GB GPU at long prompts, and divides every minibatch evenly over the ranks
+    # (docs/SCALING.md); several ranks need minibatch_prefixes a multiple of this × the ranks
+    micro_batch_prefixes: int = 1
     lr: float = 1e-6  # paper: 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30 % more time
+    weight_decay: float = 0.0  # AdamW
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up; linear, cosine: over the rounds
+    warmup_steps: int = 0  # linear warm-up, in optimizer steps
+    max_grad_norm: float = 1.0  # gradient clipping
+    # recompute activations in backward: less memory, ~30 % more time. "auto": on for a CUDA model.device
+    # (as verl-agent's runs do), off on a CPU (it turns off train.shared_prompt's KV cache, the CPU's gain)
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     # training and π_old run each prefix's prompt once over its repeated KV cache ("on"), or G full
     # prompt+response sequences in one batch ("off"). "auto": on for the torch engine on a CPU model —
     # measured (docs/results/EFFICIENCY.md): 0.22× the time on 2 CPU cores; no clear gain on an H200 at 0.5B
     shared_prompt: Literal["auto", "on", "off"] = "auto"
-    engine: Literal["torch", "deepspeed"] = "torch"
+    engine: Literal["torch", "deepspeed"] = "torch"  # one process, or DeepSpeed ZeRO under torchrun
     zero_stage: int = 2  # DeepSpeed ZeRO stage (engine: deepspeed)
     # largest safetensors shard of a checkpoint; shards are gathered (ZeRO-3) and written one at a time
     checkpoint_shard_mb: float = 2048.0
-    seed: int = 0
+    seed: int = 0  # seeds each round's sampling (per worker) and minibatch order
 
 
 @dataclass
@@ -109,8 +122,8 @@ class ValidationConfig:
 @dataclass
 class RunConfig:
     run_root: str = "runs/default"  # a local folder or s3://bucket/prefix; everything of the run lives here
-    # a named setting of the objective (docs/SAPD.md §4): sapd | opd | opd_rule | wo_opd | wo_rule | full_token |
-    # std_norm | sapd_exclude | sft | grpo (sapd.method.objective.VARIANTS)
+    # a named setting of the objective (docs/SAPD.md §4): a key of sapd.method.objective.VARIANTS (listed in
+    # docs/reference/config.md), or an objective's name (docs/guides/new-objective.md)
     variant: str = "sapd"
     loss: dict[str, Any] = field(default_factory=dict)  # overrides of the variant's LossConfig fields
     data: DataConfig = field(default_factory=DataConfig)
@@ -125,6 +138,11 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self.loss_cfg = _resolve_loss(self.variant, self.loss)
+
+    def checkpointing_on(self) -> bool:
+        """``train.gradient_checkpointing`` resolved: "auto" is on for a CUDA ``model.device``."""
+        ckpt = self.train.gradient_checkpointing
+        return self.model.device.startswith("cuda") if ckpt == "auto" else bool(ckpt)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -334,7 +352,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.data.benchmark not in BENCHMARKS:
         raise ConfigError(f"data.benchmark: {cfg.data.benchmark!r} is not one of {sorted(BENCHMARKS)}",
                           "data.benchmark")
-    if cfg.sampling.group_size < 2 and cfg.loss_cfg.objective != "sft":
+    if cfg.sampling.group_size < 2 and objective_of(cfg.loss_cfg).data != "recorded":
         raise ConfigError("sampling.group_size: a group needs at least 2 responses (advantages are group-relative)",
                           "sampling.group_size")
     tc = cfg.train
@@ -365,6 +383,35 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("data.reopd_kappa: must be positive", "data.reopd_kappa")
 
 
+def micro_batch_problem(cfg: RunConfig, world_size: int) -> str | None:
+    """Why ``world_size`` ranks would idle under the config's batch sizes, else None: a full minibatch
+    of ``minibatch_prefixes`` is cut into micro-batches of ``micro_batch_prefixes`` shared round-robin by
+    the ranks (:func:`sapd.stages.train.micro_batch_share`), so unless their count is a multiple of the
+    ranks some ranks run a pass at weight 0 in every step (16 ranks, 16 / 4: 12 of 16). verl and DeepSpeed
+    refuse such a batch too (train_batch_size = micro × accumulation × world size).
+
+    >>> from sapd.config import config_from_dict
+    >>> micro_batch_problem(config_from_dict({"train": {"minibatch_prefixes": 16, "micro_batch_prefixes": 1}}), 16)
+    >>> print(micro_batch_problem(config_from_dict({"train": {"micro_batch_prefixes": 4}}), 16))
+    train.minibatch_prefixes 16 / train.micro_batch_prefixes 4 = 4 micro-batches per optimizer step for 16 \
+training ranks: 12 ranks would run a pass at weight 0 in every step; set train.micro_batch_prefixes to a divisor \
+of 16 / 16 ranks (1), or train.minibatch_prefixes to a multiple of 4 × 16 = 64
+    """
+    tc, W = cfg.train, world_size
+    micro_batches = tc.minibatch_prefixes // tc.micro_batch_prefixes
+    if W <= 1 or micro_batches % W == 0:
+        return None
+    idle = W - micro_batches % W
+    per_rank = tc.minibatch_prefixes // W if tc.minibatch_prefixes % W == 0 else 0
+    divisors = [d for d in range(per_rank, 0, -1) if per_rank % d == 0]
+    fix = (f"set train.micro_batch_prefixes to a divisor of {tc.minibatch_prefixes} / {W} ranks "
+           f"({', '.join(map(str, divisors[:3]))}), or " if divisors else "")
+    return (f"train.minibatch_prefixes {tc.minibatch_prefixes} / train.micro_batch_prefixes {tc.micro_batch_prefixes} "
+            f"= {micro_batches} micro-batches per optimizer step for {W} training ranks: {idle} ranks would run a pass "
+            f"at weight 0 in every step; {fix}train.minibatch_prefixes to a multiple of "
+            f"{tc.micro_batch_prefixes} × {W} = {tc.micro_batch_prefixes * W}")
+
+
 def dump_config(cfg: RunConfig) -> str:
     def plain(x: Any) -> Any:
         if isinstance(x, tuple):
@@ -375,14 +422,14 @@ def dump_config(cfg: RunConfig) -> str:
     return yamlio.dump(plain(cfg.to_dict()))
 
 
-# may change between rounds of one run, or differ between the stages of one run (the scoring workers of a
-# round record their own count; the chart gives only the scoring stage its engines' tensor-parallel sizes)
+#: may change between rounds of one run, or differ between the stages of one run (the scoring workers of a
+#: round record their own count; the chart gives only the scoring stage its engines' tensor-parallel sizes)
 MAY_CHANGE = ("workers", "sampling.tensor_parallel_size", "sampling.teacher_tensor_parallel_size",
               "sampling.weight_sync_timeout_s")
-# may change between two invocations of one run (a `helm upgrade --set config.train.rounds=40`, a `sapd run`
-# with more rounds): the run continues from its newest committed checkpoint. Only under a constant
-# lr_schedule: a linear or cosine decay spans train.rounds, so another count would change the learning rate
-# of every round left, and an extended run would no longer be the run it claims to be.
+#: may change between two invocations of one run (a `helm upgrade --set config.train.rounds=40`, a `sapd run`
+#: with more rounds): the run continues from its newest committed checkpoint. Only under a constant
+#: lr_schedule: a linear or cosine decay spans train.rounds, so another count would change the learning rate
+#: of every round left, and an extended run would no longer be the run it claims to be.
 ROUNDS = "train.rounds"
 
 

@@ -1,18 +1,7 @@
-"""Where everything of one run lives under its root (docs/DESIGN.md "Storage layout"). One place, so the
-local pipeline, the Kubernetes jobs and the report agree on every path.
+"""Where everything of one run lives under its root: the one listing of those files is
+docs/reference/run-root.md (checked against these functions by tests/test_generated_refs.py). One place, so
+the local pipeline, the Kubernetes jobs and the report agree on every path.
 
-```
-config.yaml                            resolved config of the run
-prefixes/{train,val}/part-*.parquet    + _MANIFEST.json files; prefixes/_MANIFEST.json commits the build
-rounds/NNNNNN/scored/part-WWWWW.parquet  one per precompute worker, + _worker-WWWWW.json, _MANIFEST.json last
-checkpoints/NNNNNN/model/              HF format (config, safetensors, tokenizer)
-checkpoints/NNNNNN/state/              trainer state (optimizer, scheduler, RNG, cursor); _COMMITTED last
-logs/round-NNNNNN.jsonl                per-step training log of a round (written with its checkpoint)
-evals/NNNNNN/<benchmark>.json
-validation/NNNNNN.json                 checkpoint k's distance to the teacher on prefixes/val (written last)
-validation/NNNNNN/part-WWWWW.json      one per teacher-scores worker, merged into the file above
-validation/teacher/part-WWWWW.json     the teacher's own samples on the same prefixes (once per run)
-```
 Checkpoint k is the policy that samples round k (π_old of round k); training round k writes k+1.
 """
 

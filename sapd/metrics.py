@@ -21,10 +21,24 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, push
 # stage wall times span sub-second CPU steps to hour-long GPU rounds
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, float("inf"))
 
-# training-step record fields → (metric, label value)
-_LOSS_TERMS = {"loss": "total", "loss_tok": "tok", "loss_step": "step", "loss_rule": "rule", "loss_sft": "sft"}
+# training-step record fields → (metric, label value). Loss terms are not listed: every ``loss_X`` key an
+# objective logs is ``sapd_loss{term="X"}`` (``loss`` itself is term "total"), so a new objective's terms
+# show up with no edit here.
 _ADV_STATS = {"step_adv_abs_mean": "step_abs_mean", "step_adv_std": "step_std", "rule_adv_abs_mean": "rule_abs_mean",
               "step_score_mean": "step_score_mean", "rule_score_mean": "rule_score_mean"}
+
+
+def loss_term(key: str) -> str | None:
+    """The ``term`` label of a step-record key: ``loss`` → ``total``, ``loss_X`` → ``X``, else None.
+
+    >>> loss_term("loss"), loss_term("loss_kl"), loss_term("lossy"), loss_term("clip_fraction")
+    ('total', 'kl', None, None)
+    """
+    if key == "loss":
+        return "total"
+    if key.startswith("loss_") and len(key) > len("loss_"):
+        return key[len("loss_"):]
+    return None
 
 
 @dataclass
@@ -42,7 +56,8 @@ class Metrics:
                                         ["stage"], buckets=_DURATION_BUCKETS, registry=r)
         self.tokens = Counter("sapd_tokens_total", "Tokens processed, by stage (sample, score, train)",
                               ["stage"], registry=r)
-        self.loss = Gauge("sapd_loss", "Loss terms of the last optimizer step", ["term"], registry=r)
+        self.loss = Gauge("sapd_loss", "Loss terms of the last optimizer step (total, and each loss_* term the "
+                                       "objective logs)", ["term"], registry=r)
         self.advantage = Gauge("sapd_advantage", "Advantage and score statistics of the last optimizer step",
                                ["stat"], registry=r)
         self.gap = Gauge("sapd_teacher_student_gap",
@@ -50,6 +65,17 @@ class Metrics:
         self.clip_fraction = Gauge("sapd_clip_ratio", "Share (0-1) of response tokens whose ratio was clipped",
                                    registry=r)
         self.round = Gauge("sapd_round", "Round being (or last) processed", registry=r)
+        self.truncated = Gauge("sapd_response_truncated_ratio",
+                               "Share (0-1) of the round's sampled responses cut at sampling.max_new_tokens",
+                               registry=r)
+        # the size of a round's update in the weights the optimizer keeps (the fp32 master in bf16), not in the
+        # bf16 copy that samples: a run whose weights do not move shows here (sapd.stages.train.UpdateProbe)
+        self.weight_update = Gauge("sapd_weight_update_ratio",
+                                   "||w_end - w_start|| / ||w_start|| of the weights the optimizer keeps, last round",
+                                   registry=r)
+        self.update_applied = Gauge("sapd_update_applied_ratio",
+                                    "Share of the update the optimizer computed that its kept weights took, last "
+                                    "round (1: all; near 0: lost to rounding)", registry=r)
         self.optimizer_steps = Counter("sapd_optimizer_steps_total", "Optimizer steps taken", registry=r)
         self.eval_success = Gauge("sapd_eval_success_ratio", "Task success (or exact match) of the newest evaluation",
                                   ["benchmark", "category"], registry=r)
@@ -89,9 +115,10 @@ class Metrics:
     def record_step(self, rec: dict[str, Any], group_size: int = 1) -> None:
         """One optimizer-step record of the training loop (sapd.stages.train); ``group_size`` G turns the mean
         response length per response into tokens trained."""
-        for key, term in _LOSS_TERMS.items():
-            if key in rec:
-                self.loss.labels(term=term).set(rec[key])
+        for key, value in rec.items():
+            term = loss_term(key)
+            if term is not None and isinstance(value, (int, float)):
+                self.loss.labels(term=term).set(value)
         for key, stat in _ADV_STATS.items():
             if key in rec:
                 self.advantage.labels(stat=stat).set(rec[key])
@@ -99,6 +126,9 @@ class Metrics:
             self.gap.set(rec["teacher_student_gap"])
         if "clip_fraction" in rec:
             self.clip_fraction.set(rec["clip_fraction"])
+        if "round_update_rel" in rec:  # the round's last step
+            self.weight_update.set(rec["round_update_rel"])
+            self.update_applied.set(rec["round_update_applied_ratio"])
         self.round.set(rec.get("round", 0))
         self.optimizer_steps.inc()
         self.observe_stage("train_step", rec.get("step_seconds", 0.0))

@@ -11,6 +11,8 @@
   Work shorter than ``every`` prints nothing: the stages log their own one-line summaries.
 - ``"off"``: nothing.
 
+::
+
     progress = Progress(log=print)                     # or ctx.progress in a stage
     with progress.task("round 0 sampling", total=len(prompts), unit="prefix") as bar:
         generator.generate(prompts, params, progress=bar)   # a task is the callable progress(n)

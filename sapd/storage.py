@@ -2,7 +2,7 @@
 
 Runs, checkpoints and prefix caches are written by long jobs that may die at any moment, and read by
 other jobs that must never see half of something.  Every write here therefore lands whole or not at
-all: locally through a temp file in the same directory that is fsynced and then ``os.replace``d, on S3
+all: locally through a temp file in the same directory that is fsynced and then moved into place (``os.replace``), on S3
 through a single PUT or a completed multipart upload (an interrupted multipart upload is aborted and
 never becomes an object).
 

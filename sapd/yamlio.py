@@ -1,6 +1,6 @@
 """The one YAML reader of the project: every file sapd reads (run configs and variants, study and
 sequence files, a run root's config.yaml, the chart's rendered configs and the driver's templates) goes
-through :func:`load`, whose numbers follow YAML 1.2 (the core schema) rather than PyYAML's YAML 1.1:
+through :func:`~sapd.yamlio.load`, whose numbers follow YAML 1.2 (the core schema) rather than PyYAML's YAML 1.1:
 
 - ``1e-6``, ``5E-7``, ``.5``, ``5.``, ``+1.5e3`` are floats (YAML 1.1 wants a dot *and* a signed
   exponent, and reads ``1e-6`` as a string);

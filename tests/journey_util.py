@@ -1,5 +1,5 @@
 """What the cluster journeys (tests/test_journeys*.py) share: the user's S3 session in the test process, the
-tiny student and teacher they upload, and a started harness cluster (tests/k8s_harness) holding the README's
+tiny student and teacher they upload, and a started harness cluster (tests/k8s_harness) holding the docs'
 S3 credentials Secret and, where asked, a node cache its admin prepared."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def upload_models(tmp: Path, prefix: str) -> None:
 @contextlib.contextmanager
 def journey_cluster(tmp: Path, s3_server, *, textworld_cache: Path | None = None,
                     **options: Any) -> Iterator[Cluster]:
-    """A started cluster in namespace :data:`NS` with the ``sapd-s3-credentials`` Secret (what the README has
+    """A started cluster in namespace :data:`NS` with the ``sapd-s3-credentials`` Secret (what docs/kubernetes/install.md has
     the user create first); with ``textworld_cache``, a node whose shared cache already holds those games,
     prepared for the pods' user (a folder the kubelet would create is root's). Stopped on exit, and no
     harness error may have been recorded."""

@@ -3,10 +3,43 @@ tokenizer), the shipped ALFWorld sample as data, and a config small enough for s
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from tests.tokenizer_util import SAMPLE_DATA, build_test_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cpu_ranks_env() -> dict[str, str]:
+    """The environment of DeepSpeed processes on the CPU: gloo (``DS_ACCELERATOR=cpu``), one thread each that
+    sleeps while it waits, this checkout on the path, DeepSpeed's JIT-built op cached in ``.cache``."""
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+            "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": os.environ.get(
+                "TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
+
+
+def ranks_command(args: list[str], ranks: int, torchrun: bool | None = None) -> list[str]:
+    """``python ARGS`` as one plain process, or under torchrun as ``ranks`` processes (a free port on
+    127.0.0.1); ``torchrun`` (default: more than one rank) forces the choice."""
+    if not (ranks > 1 if torchrun is None else torchrun):
+        return [sys.executable, *args]
+    from tests.conftest import free_port
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
+            "127.0.0.1", "--master_port", str(free_port()), *args]
+
+
+def run_rank_worker(script: str, jobs: list[dict], out: Path, ranks: int, torchrun: bool | None = None) -> list[list[dict]]:
+    """A worker of the tests (``tests/<script>``: a JSON list of jobs, each rank writing ``{out}.rank{r}.json``)
+    on ``ranks`` CPU processes (:func:`ranks_command`); → every rank's results, in rank order."""
+    import json
+    import subprocess
+    cmd = ranks_command([str(REPO / "tests" / script), json.dumps(jobs), str(out)], ranks, torchrun)
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_ranks_env(), capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(ranks)]
 
 
 def make_models(root: Path) -> tuple[str, str]:

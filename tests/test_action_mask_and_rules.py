@@ -5,7 +5,7 @@ import pytest
 from sapd.method.action_mask import action_token_mask, span_token_mask, token_char_offsets
 from sapd.method.benchmarks import exact_match, parse_decision
 from sapd.method.rules import RuleWeights, format_score, repetition_score, rule_score
-from tests.tokenizer_util import build_test_tokenizer
+from tests.tokenizer_util import build_test_tokenizer, qwen_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,10 @@ def test_search_parsing(text, kind, valid, content):
 
 def test_span_token_mask_by_hand():
     offsets = [(0, 2), (2, 5), (5, 9), (9, 9), (9, 12)]
-    assert span_token_mask(offsets, (3, 9)) == [False, True, True, False, False]
+    # (2, 5) reaches before the span: a tag piece, out
+    assert span_token_mask(offsets, (3, 9)) == [False, False, True, False, False]
+    assert span_token_mask(offsets, (2, 9)) == [False, True, True, False, False]
+    assert span_token_mask(offsets, (2, 9), core=(5, 9)) == [False, False, True, False, False]  # white space only
     assert span_token_mask(offsets, None) == [False] * 5
 
 
@@ -59,9 +62,10 @@ def test_action_mask_covers_exactly_the_decision_block(tokenizer, bench, text, i
     # nothing of the think block, and at most a tag fragment around the content
     assert "think" not in covered and len(covered) <= len(inner) + 2 * len("</action>")
     start = text.index(inner)
+    lo, hi = start + len(inner) - len(inner.lstrip()), start + len(inner.rstrip())
     _, offsets = token_char_offsets(tokenizer, ids)
-    for (s, e), m in zip(offsets, mask):
-        assert m == (s < start + len(inner) and e > start)
+    for (s, e), m in zip(offsets, mask):  # inside the block, touching its content
+        assert m == (start <= s and e <= start + len(inner) and s < hi and e > lo)
 
 
 def test_non_canonical_tokenisation_falls_back_to_incremental_offsets(tokenizer):
@@ -83,6 +87,32 @@ def test_multibyte_characters_keep_offsets_monotone(tokenizer):
     assert offsets[-1][1] == len(text)
     mask = action_token_mask(tokenizer, ids, "alfworld")
     assert tokenizer.decode([i for i, m in zip(ids, mask) if m]) == "look"
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return qwen_tokenizer(tmp_path_factory.mktemp("qwen"))
+
+
+@pytest.mark.slow  # loading the real Qwen2.5 tokenizer (151,936 entries) takes seconds
+@pytest.mark.parametrize("text,pieces", [
+    # Qwen2.5's BPE makes ' </' of the space before the closing tag: not in the mask
+    ("<think>ok</think>\n<action> put apple 1 in/on fridge 1 </action>",
+     [" put", " apple", " ", "1", " in", "/on", " fridge", " ", "1"]),
+    # … and '>\n' of the opening tag's '>' and the newline after it
+    ("<think>ok</think>\n<action>\nopen fridge 1\n</action>", ["open", " fridge", " ", "1"]),
+    ("<think>I need the apple.</think>\n<action>go to countertop 1</action>", ["go", " to", " countert", "op", " ", "1"]),
+    ("<think>ok</think>\n<action>go to cabinet 10</action>\n", ["go", " to", " cabinet", " ", "1", "0"]),
+])
+def test_qwen_tag_pieces_stay_out_of_the_mask(qwen, text, pieces):
+    """The real Qwen2.5 tokenizer (tests/data/qwen2.5-tokenizer): the masked tokens are the action's own,
+    no piece of '<action>' or '</action>' (the gpu-regime audit's E5 found ' </' and '>\n' inside)."""
+    ids = qwen(text, add_special_tokens=False)["input_ids"] + [qwen.eos_token_id]
+    assert qwen.eos_token == "<|im_end|>" and len(qwen) == 151665 + 271  # Qwen2.5's vocabulary, padded
+    mask = action_token_mask(qwen, ids, "alfworld")
+    masked = [qwen.decode([i]) for i, m in zip(ids, mask) if m]
+    assert masked == pieces
+    assert not any(c in "".join(masked) for c in "<>/") or "/on" in masked
 
 
 def test_empty_mask_without_a_block(tokenizer):

@@ -680,7 +680,7 @@ def test_config_map_content_per_overlay(tmp_path):
     assert cfg("base", extra={"config": {"train": {"lr": 5e-7, "weight_decay": 1e20}}}).train.lr == 5e-7
     # a job's own config lands in its overlay only
     per_job = cfg("base", "evaluate.yaml", extra={"evaluate": {"config": {"sampling": {"max_new_tokens": 64}}}})
-    assert per_job.sampling.max_new_tokens == 64 and cfg("base").sampling.max_new_tokens == 256
+    assert per_job.sampling.max_new_tokens == 64 and cfg("base").sampling.max_new_tokens == 512
 
 
 def test_overlays_list_only_differences():
@@ -865,7 +865,8 @@ def test_grafana_dashboard_uses_sapd_metrics_by_convention():
                 metrics.add(word)
     assert metrics and all(m.startswith("sapd_") for m in metrics), metrics
     for needed in ("sapd_stage_duration_seconds_sum", "sapd_tokens_total", "sapd_loss", "sapd_clip_ratio",
-                   "sapd_teacher_student_gap", "sapd_eval_success_ratio"):
+                   "sapd_teacher_student_gap", "sapd_eval_success_ratio", "sapd_weight_update_ratio",
+                   "sapd_update_applied_ratio"):
         assert needed in metrics
     assert "sapd_clip_fraction" not in metrics and "histogram_quantile" not in json.dumps(exprs)
     # rate() only over what Prometheus scrapes (rank 0's /metrics), never over one-shot pushed series

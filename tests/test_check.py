@@ -72,6 +72,35 @@ def test_memory_that_does_not_fit_names_what_to_lower(tmp_path, models):
     code = check_command(cfg, device_memory_gib=1e-6, log=lines.append)
     assert code == EXIT_USER_ERROR
     assert any(line.startswith("check memory: FAILED") and "micro_batch_prefixes" in line for line in lines), lines
+    # half precision is no longer the first remedy (bf16 keeps an fp32 master and moments: it saves less than
+    # it seems); checkpointing, smaller micro-batches and a larger device come first
+    (line,) = [x for x in lines if x.startswith("check memory: FAILED")]
+    remedies = line.split("GiB (")[-1]
+    assert "half-precision" not in line and "gradient_checkpointing" in remedies
+    assert "bfloat16" not in remedies or remedies.index("gradient_checkpointing") < remedies.index("bfloat16")
+
+
+@pytest.mark.parametrize("dtype,lr,status,says", [
+    ("float32", 1e-6, "ok", "moves float32 weights below 32 in size"),
+    # bf16 alone keeps 8 significant bits: an lr-1e-6 step moves only weights below 2^-11 ≈ 4.9e-4
+    ("bfloat16", 1e-6, "ok", "fp32 master sapd keeps of the bfloat16 weights below 32 in size; bfloat16 weights "
+                             "alone would take it only below 0.00049"),
+    # even float32 rounds away updates of 1e-8 to weights from 2^-2 up (half their spacing is 2^-26 ≈ 1.5e-8)
+    ("float32", 1e-8, "WARNING", "moves float32 weights only below 0.25 in size: updates to larger weights"),
+    ("bfloat16", 1e-9, "WARNING", "moves the fp32 master sapd keeps of the bfloat16 weights only below 0.03125 in size"),
+    ("float16", 1e-6, "FAILED", "float16 is not trained: its gradients need dynamic loss scaling"),
+])
+def test_precision_check_weighs_the_learning_rate_against_the_kept_weights(tmp_path, models, dtype, lr, status, says):
+    cfg = config_from_dict(tiny_config(str(tmp_path / "run"), *models, model={"dtype": dtype}, train={"lr": lr}))
+    code, lines = _lines(cfg)
+    (line,) = [x for x in lines if x.startswith("check precision:")]
+    assert line.startswith(f"check precision: {status}") and says in line, line
+    assert code == (EXIT_USER_ERROR if status == "FAILED" else EXIT_OK), lines
+    # the stage's preflight (quiet: failures only) still shows a warning
+    seen: list[str] = []
+    outcomes = run_checks(cfg, stage="train", log=seen.append, verbose=False, memory_fails=False)
+    assert [x for x in seen if x.startswith("check precision")] == ([] if status == "ok" else [line])
+    assert {o.name: o.ok for o in outcomes}["precision"] == (status != "FAILED")
 
 
 def test_init_then_check_then_run_preflight(tmp_path, models, capsys):
@@ -136,7 +165,7 @@ def test_storage_credentials_and_reachability_on_real_s3(s3_server, tmp_path, mo
 def test_checks_run_for_one_stage_only(tmp_path, models):
     cfg = config_from_dict(tiny_config(str(tmp_path / "run"), *models))
     names = [o.name for o in run_checks(cfg, stage="train", log=lambda s: None)]
-    assert names == ["storage", "run root", "student", "memory"]
+    assert names == ["storage", "run root", "ranks", "student", "memory", "precision"]
 
 
 def test_webshop_is_bring_your_own_server_probed_in_seconds(tmp_path, models, monkeypatch, capsys):

@@ -1,9 +1,11 @@
 """bench/gpu_check.py in its CPU dry-run mode: the GPU proof script itself works end to end (models built
 from a config, the HF pipeline timed, DeepSpeed ZeRO-2 and ZeRO-3 on the same scored round agreeing with
 the torch engine, ZeRO-3's student built partitioned, the sharded optimizer checkpoint resumed under
-another ZeRO stage and engine, the checkpoint-memory bench, π_old computed once per round, FLOP/s with the
+another ZeRO stage and engine, the checkpoint-memory bench, π_old computed once per round, bf16 training
+moving its fp32 master as float32 moves its weights (torch engine and ZeRO-2), FLOP/s with the
 peak unknown on a CPU, the vLLM student engine's in-place weight sync — native path and deadline — in
-vLLM's CPU environment where there is one, vLLM sampling reported as skipped) and writes its table; and its
+vLLM's CPU environment where there is one, vLLM sampling reported as skipped, 2 training processes' devices
+and peak memory, the vLLM teacher's tokens computed per group) and writes its table; and its
 FLOP accounting and peak table, checked by hand."""
 
 from __future__ import annotations
@@ -141,6 +143,21 @@ def test_gpu_check_dry_run(tmp_path):
     else:
         assert vreuse["status"] == "skipped" and "--vllm-python" in vreuse["reason"]
 
+    rp = res["rank_placement"]  # 2 training processes through the train job under torchrun (CPU: gloo)
+    assert rp["status"] == "ok", rp
+    assert [r["rank"] for r in rp["ranks"]] == [0, 1] and all(r["rc"] == 0 for r in rp["ranks"])
+    assert all(r["load_device"] == r["params_device"] == "cpu" and r["peak_rss_bytes"] > 0 for r in rp["ranks"])
+    assert "rank placement: 2 training processes" in (tmp_path / "gpu_check.md").read_text()
+    ts = res["vllm_teacher_scoring"]
+    if VLLM_PYTHON:  # vLLM's CPU build: the prompt read from the prefix cache, scores equal to recomputing it
+        assert ts["status"] == "ok", ts
+        assert ts["shared_prompt_tokens_per_group"] <= ts["shared_computed_tokens_per_group"] \
+            < ts["naive_computed_tokens_per_group"] == ts["per_response_tokens_per_group"]
+        assert ts["max_abs_logprob_diff"] <= 1e-4
+        assert "vLLM teacher scoring: ok" in (tmp_path / "gpu_check.md").read_text()
+    else:
+        assert ts["status"] == "skipped" and "--vllm-python" in ts["reason"]
+
     sc = res["sharded_checkpoint"]  # ZeRO-3's sharded checkpoint resumed under ZeRO-2 and the torch engine
     assert sc["status"] == "ok", sc
     assert sc["optimizer_files"] == [".metadata", "__0_0.distcp"] and sc["zero2_vs_zero3"] <= 1e-6
@@ -151,7 +168,15 @@ def test_gpu_check_dry_run(tmp_path):
     assert set(cm["by_code"][next(iter(cm["by_code"]))]) == {"1", "2"}
     assert cm["last_line"].startswith("checkpoint memory: rank-0 peak / whole state = ")
     assert cm["last_line"].endswith("(2 ranks)")
+    bf = res["bf16_master"]  # one round of the same scored data: the bf16 master moves as float32's weights
+    assert bf["status"] == "ok", bf
+    assert set(bf["arms"]) == {"torch", "deepspeed_zero2"} and bf["optimizer_steps"] >= 1
+    for arm in bf["arms"].values():
+        assert arm["cosine_vs_float32"] >= 0.98 and abs(arm["norm_vs_float32"] - 1) <= 0.05
+        assert arm["master0_is_the_student"] is True and arm["folder_is_master_rounding"] is True
+        assert arm["round_update_applied_ratio"] > 0.99
     md = (tmp_path / "gpu_check.md").read_text()
+    assert "bf16 master: one round of the same scored data at lr 1e-06" in md and "| deepspeed_zero2 | 0.9" in md
     assert "| hf_torch | ok |" in md and "| deepspeed_zero2 | ok |" in md and "| vllm | skipped" in md
     assert "| deepspeed_zero3 | ok |" in md and "ZeRO-3 partitioned init (zero.Init, world size 1)" in md
     assert "π_old once per round" in md and "| hf_torch | 1 |" in md

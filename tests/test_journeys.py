@@ -4,7 +4,7 @@ user (uid 1000) in its image target's own environment (cpu for the smoke overlay
 the TextWorld overlay, vLLM's CPU build standing in for vLLM), against a real S3 server (SeaweedFS), a
 real Pushgateway and Prometheus on loopback. Nothing is stubbed in sapd: the pipeline driver pod finds
 the API server through its kubeconfig and drives the run with the `kubernetes` client under the RBAC
-the chart grants it. The user follows the runs with the real kubectl, running the README's and the
+the chart grants it. The user follows the runs with the real kubectl, running the docs' (docs/kubernetes/operate.md) and the
 chart NOTES' commands, and the tests check what it prints.
 
 Inputs are what a user uploads: a tiny student and teacher (same tokenizer) and TextWorld expert
@@ -242,7 +242,7 @@ def notes_commands(notes: str, **placeholders: str) -> list[list[str]]:
     return out
 
 
-KUBECTL_SEEN: dict[str, str] = {}  # command → output, printed at the end (the README's examples)
+KUBECTL_SEEN: dict[str, str] = {}  # command → output, printed at the end (the examples of docs/kubernetes/operate.md)
 
 
 def kubectl(cluster: Cluster, *args: str) -> str:
@@ -252,7 +252,7 @@ def kubectl(cluster: Cluster, *args: str) -> str:
 
 
 def test_the_readme_and_notes_kubectl_commands_show_the_run(smoke, cluster):
-    """What the README ("Following a run") and the chart's NOTES tell the user to type, with the real
+    """What docs/kubernetes/operate.md "Following a run" and the chart's NOTES tell the user to type, with the real
     kubectl: the Jobs of the release and their status, the driver's log, one stage's pods by label."""
     assert smoke.state == "Complete"
     commands = notes_commands(smoke.release.notes, job="sapd-smoke-teacher-scores-r1")
@@ -330,7 +330,7 @@ def test_helm_test_preflight_passes(smoke, cluster):
     (result,) = cluster.helm.test("sapd-smoke", timeout=120)
     assert result == ("sapd-smoke-preflight", "Succeeded"), cluster.describe()
     out = cluster.logs("sapd-smoke-preflight")
-    assert "check run root: ok" in out and "check pushgateway: ok" in out and "check: 8/8 passed" in out
+    assert "check run root: ok" in out and "check pushgateway: ok" in out and "check: 10/10 passed" in out
 
 
 def test_helm_upgrade_replaces_the_driver_which_finds_the_run_done(smoke, cluster):
@@ -425,7 +425,7 @@ def job_log(cluster: Cluster, job: str) -> str:
 
 
 def eval_now(cluster: Cluster, cron: str, name: str) -> str:
-    """The README's `kubectl create job --from=cronjob/<cron> <name>`, run to the end: the evaluation's log."""
+    """docs/kubernetes/operate.md "Evaluation": `kubectl create job --from=cronjob/<cron> <name>`, run to the end: the evaluation's log."""
     assert kubectl(cluster, "-n", NS, "create", "job", f"--from=cronjob/{cron}", name).strip() == f"job.batch/{name} created"
     assert cluster.wait_job(name, 300) == "Complete", cluster.describe()
     return kubectl(cluster, "-n", NS, "logs", f"job/{name}")
@@ -449,7 +449,7 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
     """`-f textworld.yaml` on CPU, mode manual: Helm creates a small gate Job per stage of the round; each
     waits (no stage Job, no GPU held) until its input is committed, then creates its stage Job and sees it
     through; training runs on two pods meeting through the headless Service (DeepSpeed, gloo);
-    Prometheus scrapes rank 0 only; the evaluation CronJob, run with the README's `kubectl create job
+    Prometheus scrapes rank 0 only; the evaluation CronJob, run with the docs' `kubectl create job
     --from=cronjob/…`, finds nothing to evaluate before checkpoint 0, then evaluates each new checkpoint once."""
     from sapd import layout, storage
     from sapd.data import shards

@@ -3,7 +3,7 @@ tests/test_journeys.py uses it): ALFWorld's expert recorded on the user's machin
 `sapd collect-expert --benchmark alfworld --split train --expert planner` straight into S3 (SeaweedFS),
 then `helm install -f values/smoke.yaml -f values/alfworld.yaml`: the chart's one-time fill Job writes a
 generated `valid_unseen` split (`sapd alfworld-games`) into the ALFWorld data claim, the driver runs two
-rounds and the final evaluation, and the evaluation CronJob — started with the README's `kubectl create
+rounds and the final evaluation, and the evaluation CronJob — started with docs/kubernetes/operate.md's `kubectl create
 job --from=cronjob/…` while round 1 trains — evaluates checkpoint 1. Both evaluations play ALFWorld's own
 engine in the `eval` image's environment (the only one with `alfworld`), reading the claim mounted
 read-only at /data/alfworld (ALFWORLD_DATA), and report all six task types.
@@ -55,7 +55,7 @@ class Inputs:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, s3_server):
     """The user's uploads: a tiny student and teacher, and ALFWorld's expert played on generated train
-    games, recorded by the README's command into S3."""
+    games, recorded by docs/kubernetes/install.md's command into S3."""
     tmp = tmp_path_factory.mktemp("alfworld-inputs")
     with user_s3(s3_server):
         prefix = f"s3://{s3_server.bucket}/alfworld-journey-{uuid.uuid4().hex[:8]}"
@@ -95,7 +95,7 @@ class Run:
 @pytest.fixture(scope="module")
 def run(cluster, inputs) -> Run:
     """`helm install sapd-alf -f smoke.yaml -f alfworld.yaml --set …` (the user's data, models, S3, a short
-    horizon and one generated game per task type for the claim), and while round 1 trains, the README's
+    horizon and one generated game per task type for the claim), and while round 1 trains, the docs'
     `kubectl create job --from=cronjob/sapd-alf-evaluate-cron sapd-alf-eval-now`."""
     from sapd import checkpoints
     t0 = time.monotonic()

@@ -1,8 +1,9 @@
 """SIGKILL in the middle of writing the sharded optimizer state: the checkpoint stays uncommitted, and the
-round run again ends exactly where the uninterrupted run ends (weights, optimizer state, and the next
-round's losses). The kill is a real SIGKILL of the training process, sent by itself from inside the
-write of its optimizer shard (a ``sitecustomize`` hook put on the path of that run only), on one process
-(torch engine) and on rank 1 of 2 (DeepSpeed ZeRO-2, rank 0 then taken down by torchrun)."""
+round run again ends exactly where the uninterrupted run ends (weights, optimizer state — the fp32 master
+of a bf16 run included — and the next round's losses). The kill is a real SIGKILL of the training process,
+sent by itself from inside the write of its optimizer shard (a ``sitecustomize`` hook put on the path of
+that run only), on one process (torch engine, float32 and bf16) and on rank 1 of 2 (DeepSpeed ZeRO-2 in
+bf16, rank 0 then taken down by torchrun)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -22,8 +22,8 @@ from sapd import checkpoints, layout
 from sapd.config import config_from_dict
 from sapd.run.local import run_pipeline
 from sapd.run.report import read_step_log
-from tests.conftest import free_port
-from tests.pipeline_util import make_models, tiny_config
+from sapd.stages.build_prefixes import ensure_initial_checkpoint
+from tests.pipeline_util import cpu_ranks_env, make_models, ranks_command, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = {"rounds": 2, "trajectories_per_round": 3, "minibatch_prefixes": 4, "micro_batch_prefixes": 2,
@@ -46,21 +46,13 @@ HOOK = textwrap.dedent('''
 
 
 def _train_round(cfg_path: Path, k: int, ranks: int, kill_rank: int | None = None, hook_dir: Path | None = None):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-           "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": os.environ.get(
-               "TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
+    env = cpu_ranks_env()
     env.pop("SAPD_TEST_KILL_RANK", None)
     if kill_rank is not None:
         assert hook_dir is not None
         env["PYTHONPATH"] = f"{hook_dir}{os.pathsep}{REPO}"
         env["SAPD_TEST_KILL_RANK"] = str(kill_rank)
-    cli = ["-m", "sapd.cli", "train-round", str(cfg_path), "--round", str(k), "--no-progress"]
-    if ranks == 1:
-        cmd = [sys.executable, *cli]
-    else:
-        port = str(free_port())
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
-               "127.0.0.1", "--master_port", port, *cli]
+    cmd = ranks_command(["-m", "sapd.cli", "train-round", str(cfg_path), "--round", str(k), "--no-progress"], ranks)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -75,16 +67,21 @@ def inputs(tmp_path_factory):
     return models, root
 
 
-def _seed(src: Path, root: Path) -> None:
+def _seed(src: Path, root: Path, cfg: dict) -> None:
+    """The committed inputs; checkpoint 0 of a bf16 run is its own (the bf16 folder and the fp32 master)."""
+    bf16 = cfg["model"].get("dtype") == "bfloat16"
     for uri in (layout.prefixes_dir(str(src)), layout.round_dir(str(src), 0), layout.round_dir(str(src), 1),
-                layout.checkpoint_dir(str(src), 0)):
+                *(() if bf16 else (layout.checkpoint_dir(str(src), 0),))):
         rel = os.path.relpath(uri, src)
         shutil.copytree(src / rel, root / rel)
+    if bf16:
+        ensure_initial_checkpoint(config_from_dict(cfg), lambda s: None)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine,ranks", [("torch", 1), ("deepspeed", 2)])
-def test_sigkill_mid_optimizer_save_resumes_exactly(tmp_path, inputs, engine, ranks):
+@pytest.mark.parametrize("engine,ranks,dtype", [("torch", 1, "float32"), ("torch", 1, "bfloat16"),
+                                                ("deepspeed", 2, "bfloat16")])
+def test_sigkill_mid_optimizer_save_resumes_exactly(tmp_path, inputs, engine, ranks, dtype):
     if engine == "deepspeed":
         pytest.importorskip("deepspeed")
     models, src = inputs
@@ -94,10 +91,11 @@ def test_sigkill_mid_optimizer_save_resumes_exactly(tmp_path, inputs, engine, ra
     roots = {}
     for name in ("uninterrupted", "killed"):
         root = tmp_path / name
-        _seed(src, root)
+        raw = tiny_config(str(root), *models, model={"dtype": dtype}, train={**TRAIN, "engine": engine,
+                                                                              "zero_stage": 2})
+        _seed(src, root, raw)
         cfg = tmp_path / f"{name}.yaml"
-        cfg.write_text(yaml.safe_dump(tiny_config(str(root), *models, train={**TRAIN, "engine": engine,
-                                                                               "zero_stage": 2})))
+        cfg.write_text(yaml.safe_dump(raw))
         roots[name] = (root, cfg)
 
     root, cfg = roots["uninterrupted"]
@@ -128,7 +126,8 @@ def test_sigkill_mid_optimizer_save_resumes_exactly(tmp_path, inputs, engine, ra
         oa = checkpoints.consolidated_optimizer_state(str(root), k)["state"]
         ob = checkpoints.consolidated_optimizer_state(str(root_k), k)["state"]
         for i in oa:
-            for key in checkpoints.STATE_KEYS:
+            assert oa[i].keys() == ob[i].keys() and ("master" in oa[i]) == (dtype == "bfloat16")
+            for key in oa[i]:
                 assert torch.equal(oa[i][key], ob[i][key]), (k, i, key)
     la, lb = read_step_log(str(root)), read_step_log(str(root_k))
     assert [s["loss"] for s in lb] == [s["loss"] for s in la] and len(la) >= 4

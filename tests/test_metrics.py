@@ -51,7 +51,8 @@ def test_pipeline_metrics_reach_prometheus(tmp_path, prometheus_stack):
     assert last["metric"]["release"] == "test-release"
     (steps,) = _wait_query(prom, "sapd_optimizer_steps_total")
     from sapd.run.report import read_step_log
-    assert float(steps["value"][1]) == len(read_step_log(cfg.run_root))
+    log = read_step_log(cfg.run_root)
+    assert float(steps["value"][1]) == len(log)
     assert _wait_query(prom, "sapd_teacher_student_gap")
     # the held-out distance to the teacher of the newest validated checkpoint (1, the last), as committed
     from sapd.data import validation
@@ -63,6 +64,12 @@ def test_pipeline_metrics_reach_prometheus(tmp_path, prometheus_stack):
     match = {r["metric"]["model"] for r in _wait_query(prom, 'sapd_validation_action_match_ratio{category="all"}')}
     assert match == {"student", "teacher"}
     assert {r["metric"]["stage"] for r in stages} >= {"validation"}
+    # the round's update in the weights the optimizer keeps: its size, and all of the computed update applied
+    (last,) = [r for r in log if "round_update_rel" in r]
+    (moved,) = _wait_query(prom, "sapd_weight_update_ratio")
+    (applied,) = _wait_query(prom, "sapd_update_applied_ratio")
+    assert float(moved["value"][1]) == pytest.approx(last["round_update_rel"]) and last["round_update_rel"] > 0
+    assert float(applied["value"][1]) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_metrics_endpoint_serves_training_figures():
@@ -72,7 +79,8 @@ def test_metrics_endpoint_serves_training_figures():
     try:
         m.record_step({"round": 3, "loss": 0.5, "loss_tok": 0.1, "teacher_student_gap": -0.25,
                        "step_adv_abs_mean": 0.7, "clip_fraction": 0.1, "step_seconds": 1.5,
-                       "response_tokens_mean": 10.0, "prefixes": 4}, group_size=8)
+                       "response_tokens_mean": 10.0, "prefixes": 4, "round_update_rel": 2.5e-05,
+                       "round_update_applied_ratio": 0.25}, group_size=8)
         m.record_eval("alfworld", 0.5, {"Pick": 1.0})
         text = get_url(f"http://127.0.0.1:{port}/metrics")
     finally:
@@ -81,6 +89,7 @@ def test_metrics_endpoint_serves_training_figures():
     assert 'sapd_tokens_total{stage="train"} 320.0' in text and "sapd_round 3.0" in text
     assert 'sapd_eval_success_ratio{benchmark="alfworld",category="Pick"} 1.0' in text
     assert 'sapd_stage_duration_seconds_count{stage="train_step"} 1.0' in text
+    assert "sapd_weight_update_ratio 2.5e-05" in text and "sapd_update_applied_ratio 0.25" in text
     # nothing in the exposition carries a high-cardinality id label
     assert "prefix_id" not in text and "trajectory_id" not in text
 

@@ -567,7 +567,7 @@ def test_kl_to_the_initial_policy_adds_coef_times_the_reduced_kl():
     loss, m = sapd_loss(new, old, teacher, resp, action, rules, cfg, ref_logp_P_G_T=ref)
     k3 = math.exp(1.0) - 1.0 - 1.0  # x = ref − new = +1
     kl = (k3 / 2) / 3  # 1/Lᵢ over response 0, then the mean over G = 3
-    assert m["kl"] == pytest.approx(kl)
+    assert m["loss_kl"] == pytest.approx(kl)
     assert float(loss) == pytest.approx(float(base) + 0.01 * kl, abs=1e-12)
 
 
@@ -581,7 +581,7 @@ def test_entropy_bonus_subtracts_coef_times_the_reduced_entropy():
     with pytest.raises(ValueError, match="entropy_coef"):
         sapd_loss(new, old, teacher, resp, action, rules, cfg)
     loss, m = sapd_loss(new, old, teacher, resp, action, rules, cfg, entropy_P_G_T=ent)
-    assert m["entropy"] == pytest.approx(math.log(4))
+    assert m["loss_entropy"] == pytest.approx(math.log(4))
     assert float(loss) == pytest.approx(float(base) - 0.001 * math.log(4), abs=1e-12)
     loss.backward()  # uniform logits are the entropy maximum: no gradient from the bonus
     assert float(logits.grad.abs().max()) < 1e-12

@@ -6,10 +6,6 @@ with the next steps' losses those of the uninterrupted run; old checkpoints (the
 from __future__ import annotations
 
 import io
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +15,7 @@ from sapd import checkpoints, layout, storage
 from sapd.models.loading import load_tokenizer
 from sapd.stages import train
 from tests import reshard_worker as rw
-from tests.conftest import free_port
-from tests.pipeline_util import make_models
+from tests.pipeline_util import make_models, run_rank_worker
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-6
@@ -134,14 +129,7 @@ def test_a_checkpoint_of_another_model_is_refused(student, tmp_path):
 
 
 def _launch(jobs: list[dict], out: Path, ranks: int) -> list[list[dict]]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-           "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
-           "127.0.0.1", "--master_port", env["MASTER_PORT"], "tests/reshard_worker.py", json.dumps(jobs), str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(ranks)]
+    return run_rank_worker("reshard_worker.py", jobs, out, ranks, torchrun=True)  # torch.distributed even for 1
 
 
 @pytest.mark.slow

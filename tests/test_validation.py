@@ -135,13 +135,13 @@ def test_the_distance_equals_a_direct_full_softmax_computation(rows_and_models):
     sampling error: the estimator is unbiased, not just self-consistent."""
     from sapd.method.action_mask import action_token_mask
     from sapd.models.generation import HFGenerator, SamplingParams
-    from sapd.models.scoring import ModelScorer
+    from sapd.models.scoring import HFScorer
     from sapd.stages.validation import distance_records
     rows, student, teacher, tok = rows_and_models
     pad = tok.pad_token_id
     params = SamplingParams(n=16, temperature=1.0, top_p=1.0, max_new_tokens=10, seed=3)
     gen = HFGenerator(student, tok, prompts_per_batch=4)
-    records, timings = distance_records(rows, gen, ModelScorer(teacher, pad), ModelScorer(student, pad), tok,
+    records, timings = distance_records(rows, gen, HFScorer(teacher, pad), HFScorer(student, pad), tok,
                                         "alfworld", params)
     assert set(timings) == {"sample_seconds", "score_seconds", "recorded_seconds"}
     samples = gen.generate([r["prompt"] for r in rows], params)  # the same seed: the same samples
@@ -180,7 +180,7 @@ def test_action_tokens_matches_and_format_on_samples_that_act(rows_and_models):
     sums exactly the action mask's tokens; the match and well-formed counts are the parser's."""
     from sapd.method.action_mask import action_token_mask
     from sapd.models.generation import Sample, SamplingParams
-    from sapd.models.scoring import ModelScorer
+    from sapd.models.scoring import HFScorer
     from sapd.stages.validation import distance_records
     rows, student, teacher, tok = rows_and_models
     rows = rows[:3]
@@ -199,7 +199,7 @@ def test_action_tokens_matches_and_format_on_samples_that_act(rows_and_models):
             return out
 
     pad = tok.pad_token_id
-    records, _ = distance_records(rows, Acting(), ModelScorer(teacher, pad), ModelScorer(student, pad), tok, "alfworld",
+    records, _ = distance_records(rows, Acting(), HFScorer(teacher, pad), HFScorer(student, pad), tok, "alfworld",
                                   SamplingParams(n=3, temperature=1.0, top_p=1.0))
     for r, rec, group in zip(rows, records, Acting().generate([x["prompt"] for x in rows], None)):
         assert (rec["samples"], rec["format_valid"], rec["action_match"]) == (3, 2, 1), r["recorded_action"]
@@ -212,7 +212,7 @@ def test_action_tokens_matches_and_format_on_samples_that_act(rows_and_models):
         assert n > 0 and rec["action_tokens"] == n
         assert rec["reverse_kl_action"] == pytest.approx(on, abs=1e-4 * n)
     with pytest.raises(ValueError, match="temperature 1"):
-        distance_records(rows, Acting(), ModelScorer(teacher, pad), ModelScorer(student, pad), tok, "alfworld",
+        distance_records(rows, Acting(), HFScorer(teacher, pad), HFScorer(student, pad), tok, "alfworld",
                          SamplingParams(n=3, temperature=0.7))
 
 

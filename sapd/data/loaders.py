@@ -1,6 +1,6 @@
-"""Loading recorded trajectories (docs/FORMATS.md), whatever their format, as :class:`Trajectory`: the
-registry of formats (:data:`FORMATS`, one module each under :mod:`sapd.data.formats`), format detection
-for ``--format auto``, the one loading loop, and the writers of the native format.
+"""Loading recorded trajectories (docs/FORMATS.md), whatever their format, as :class:`~sapd.data.schema.Trajectory`:
+the registry of formats (:data:`~sapd.data.loaders.FORMATS`, one module each under :mod:`sapd.data.formats`), format
+detection for ``--format auto``, the one loading loop, and the writers of the native format.
 
 - ``native``: JSONL (one trajectory dict per line) or Parquet of the normalised record;
 - ``eto``, ``agentgym``, ``fireact``: conversations with "Thought: …\\nAction: …" responses
@@ -11,11 +11,11 @@ for ``--format auto``, the one loading loop, and the writers of the native forma
   search output;
 - ``auto``: each file's format told from its first record (the choice and why is in ``LoadResult``).
 
-Every problem raises :class:`InvalidRecordError` naming file, line/record (and id), field and what to
-do. With ``skip_invalid`` the record is skipped and counted in an :class:`InvalidReport` instead; nothing
-is dropped silently: the valid records plus the invalid ones always equal the records read. Every
-recorded turn must fit the chosen benchmark (:mod:`sapd.data.fit`), so data recorded for another
-benchmark is refused, not cut into prefixes.
+Every problem raises :class:`~sapd.data.errors.InvalidRecordError` naming file, line/record (and id), field and what
+to do. With ``skip_invalid`` the record is skipped and counted in an :class:`~sapd.data.errors.InvalidReport`
+instead; nothing is dropped silently: the valid records plus the invalid ones always equal the records read. Every
+recorded turn must fit the chosen benchmark (:mod:`sapd.data.fit`), so data recorded for another benchmark is
+refused, not cut into prefixes.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from sapd.method.benchmarks import get_benchmark
 REGISTRY: dict[str, TrajectoryFormat] = {f.name: f for f in (
     skillrl.FORMAT, native.FORMAT, conversation.AGENTGYM, conversation.ETO, conversation.FIREACT, searchr1.FORMAT)}
 AUTO = "auto"  # each file's format told from its first record
-FORMATS: tuple[str, ...] = (*REGISTRY, AUTO)  # what --format and data.format accept
+FORMATS: tuple[str, ...] = (*REGISTRY, AUTO)  #: what --format and data.format accept
 
 __all__ = ["AUTO", "FORMATS", "REGISTRY", "LoadOptions", "LoadResult", "detect_format", "input_files",
            "load_trajectories", "write_native_jsonl", "write_native_parquet"]

@@ -19,6 +19,19 @@ def committed_build(out: str) -> dict[str, Any] | None:
     return shards.read_manifest(out)
 
 
+def longest_prompt(out: str) -> int | None:
+    """Tokens of the longest prompt the committed build at ``out`` kept, or None without a build. Builds
+    committed before this figure was recorded give the longest prompt they saw, capped at their limit."""
+    build = committed_build(out)
+    if build is None:
+        return None
+    stats, limit = build.get("stats", {}), build.get("options", {}).get("max_prompt_tokens")
+    if "max_prompt_tokens_kept" in stats:
+        return int(stats["max_prompt_tokens_kept"])
+    seen = int(stats.get("max_prompt_tokens_seen", 0)) or None
+    return min(seen, limit) if seen and limit else seen
+
+
 def read_prefixes(out: str, split: str = "train", rank: int = 0, world_size: int = 1) -> pa.Table:
     """The committed prefixes of one split of a build."""
     if committed_build(out) is None:

@@ -44,6 +44,7 @@ class PrefixStats:
     train_trajectories: int = 0
     val_trajectories: int = 0
     max_prompt_tokens_seen: int = 0
+    max_prompt_tokens_kept: int = 0  # the longest prompt training will see (the memory estimate's)
     by_category: dict[str, int] = field(default_factory=dict)
 
 
@@ -81,6 +82,7 @@ class PrefixRowBuilder:
             if opts.max_prompt_tokens is not None and lengths[t] > opts.max_prompt_tokens:
                 stats.filtered_too_long += 1
                 continue
+            stats.max_prompt_tokens_kept = max(stats.max_prompt_tokens_kept, lengths[t])
             rows.append({
                 "prefix_id": f"{traj.id}#{t}", "trajectory_id": traj.id, "turn_index": t,
                 "num_turns": len(traj.turns), "benchmark": spec.name, "category": traj.category,

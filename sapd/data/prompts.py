@@ -5,10 +5,12 @@ agent loop both call it (with the same :class:`PrefixOptions`), so offline prefi
 byte-identical.
 
 Two styles:
+
 - ``step`` (default; the verl-agent / SDAR contract of docs/FORMATS.md): a single user message holding the
   task, the most recent ``history_length`` (observation, action) pairs and the current observation;
 - ``chat``: the history as alternating user (observation) / assistant (recorded response) messages, as
   ETO-style multi-turn SFT data is laid out.
+
 Neither ever shows the target decision aₜ or anything after it.
 """
 

@@ -83,6 +83,7 @@ PREFIX_SCHEMA = pa.schema([
 SCORED_SCHEMA_VERSION = 2  # 2: the per-response `advantage` column (GRPO)
 SCORED_KIND = "scored"
 
+#: one row per scored prefix: its G sampled responses with the teacher's log-probs, masks and rule scores
 SCORED_SCHEMA = pa.schema([
     pa.field("prefix_id", pa.string(), nullable=False),
     pa.field("trajectory_id", pa.string(), nullable=False),

@@ -79,20 +79,29 @@ def scored_row(prefix: dict[str, Any], prompt_ids: Sequence[int], responses_G: S
     }
 
 
+def truncated_share(rows: Sequence[dict[str, Any]]) -> tuple[int, int]:
+    """(responses cut at the token limit — finish reason ``length`` —, responses) of scored rows."""
+    reasons = [r for row in rows for r in row["finish_reason"]]
+    return sum(r == "length" for r in reasons), len(reasons)
+
+
 def write_worker_part(out_dir: str, worker: int, rows: list[dict[str, Any]], timings: dict[str, float],
                       generated_tokens: int, workers: int = 1, teacher: str | None = None) -> int:
     """Write worker ``worker``'s part (of ``workers``), then its done-marker (rows, bytes, sha256, timings,
     the number of workers the round was split into, the teacher folder that scored it — a teacher given
-    as a run root resolved to one checkpoint). → rows."""
+    as a run root resolved to one checkpoint —, and how many of its responses were cut at the token
+    limit). → rows."""
     table = pa.Table.from_pylist(rows, schema=SCORED_SCHEMA)
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     data = buf.getvalue()
     storage.write_bytes(storage.join(out_dir, part_name(worker)), data)
+    truncated, responses = truncated_share(rows)
     storage.write_json(worker_done_marker(out_dir, worker),
                        {"worker": worker, "workers": workers, "rows": table.num_rows, "bytes": len(data),
                         "sha256": hashlib.sha256(data).hexdigest(), "timings": timings,
-                        "generated_tokens": generated_tokens, "teacher": teacher})
+                        "generated_tokens": generated_tokens, "teacher": teacher,
+                        "responses": responses, "truncated_responses": truncated})
     return table.num_rows
 
 
@@ -121,7 +130,7 @@ def commit_round(cfg: RunConfig, k: int) -> dict[str, Any]:
         return existing
     parts: list[dict[str, Any]] = []
     timings: dict[str, float] = {}
-    tokens = 0
+    tokens = responses = truncated = 0
     teachers: list[str] = []
     for w in range(cfg.workers):
         done = worker_marker(cfg, k, w)
@@ -131,11 +140,15 @@ def commit_round(cfg: RunConfig, k: int) -> dict[str, Any]:
         for key, v in done.get("timings", {}).items():
             timings[key] = max(timings.get(key, 0.0), v)  # workers run in parallel: the slowest decides
         tokens += done.get("generated_tokens", 0)
+        responses += done.get("responses", 0)
+        truncated += done.get("truncated_responses", 0)
         if done.get("teacher") and done["teacher"] not in teachers:
             teachers.append(done["teacher"])
     manifest = {"kind": SCORED_KIND, "schema_version": SCORED_SCHEMA_VERSION, "round": k,
                 "rows": sum(p["rows"] for p in parts), "parts": parts, "workers": cfg.workers,
                 "timings": timings, "generated_tokens": tokens,
+                # responses cut at sampling.max_new_tokens (finish reason "length"), of all sampled
+                "responses": responses, "truncated_responses": truncated,
                 # the teacher folder(s) that scored the round: more than one means a teacher run root
                 # committed a new checkpoint while the round's workers ran
                 "teacher": teachers[0] if len(teachers) == 1 else (teachers or None),
@@ -157,6 +170,11 @@ def commit_teacher_scores(cfg: RunConfig, k: int) -> tuple[dict[str, Any] | None
 
 def is_committed(root: str, k: int) -> bool:
     return shards.read_manifest(layout.scored_dir(root, k)) is not None
+
+
+def committed_manifest(root: str, k: int) -> dict[str, Any] | None:
+    """Round k's manifest (rows, workers, timings, tokens, truncated responses), or None before its commit."""
+    return shards.read_manifest(layout.scored_dir(root, k))
 
 
 def read_scored(root: str, k: int) -> pa.Table:

@@ -35,7 +35,7 @@ from sapd.method.benchmarks import get_benchmark, parse_decision
 from sapd.method.rules import normalize_action
 from sapd.models.generation import HFGenerator, SamplingParams, stops_for
 from sapd.models.loading import load_causal_lm, load_tokenizer
-from sapd.models.scoring import ModelScorer
+from sapd.models.scoring import HFScorer
 from sapd.stages.evaluate import evaluate_checkpoint
 from sapd.stages.validation import distance_records
 
@@ -132,7 +132,7 @@ def heldout_distance(root: str, k: int, teacher: str, rows: list[dict[str, Any]]
             report("distance to the teacher", done[0], len(rows), "decisions")
     step(0)
     sampler, teacher_scorer, scorer = (HFGenerator(model, tok, prompts_per_batch=8),
-                                       ModelScorer(load_causal_lm(teacher), pad), ModelScorer(model, pad))
+                                       HFScorer(load_causal_lm(teacher), pad), HFScorer(model, pad))
     records: list[dict[str, Any]] = []
     for start in range(0, len(rows), chunk):  # a chunk at a time, so the progress line counts decisions
         params = SamplingParams(n=group_size, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens,

@@ -2,7 +2,7 @@
 research studies (``research/``) share.
 
 - :func:`ensure_tokenizer` — a byte-level BPE trained on the pools' text (:mod:`sapd.models.byte_tokenizer`,
-  :func:`sapd.demo.games.pool_texts`).
+  :func:`sapd.demo.pools.pool_texts`).
 - :func:`ensure_init_model` — a small Qwen2 of a :class:`ModelShape`, random weights, seeded.
 - :func:`sft_run_config` — the ``sapd run`` config (as a mapping: write it as YAML, or give it to
   :func:`sapd.config.config_from_dict`) that SFTs a model on a pool for a number of epochs. Students and

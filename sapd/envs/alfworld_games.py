@@ -69,8 +69,8 @@ _APPLIANCE = {"pick_clean_then_place_in_recep": ("Cleanable", "SinkBasin"),
               "pick_heat_then_place_in_recep": ("Heatable", "Microwave"),
               "pick_cool_then_place_in_recep": ("Coolable", "Fridge")}
 _LAMP_HOLDERS = ("Desk", "SideTable", "Dresser")  # where a look task's desk lamp stands
-# at most this many other object classes per game (one or two of each): a big kitchen keeps its receptacles
-# but not all of its ~25 portable classes, which halves its planning cost (seconds per game, not tens)
+#: at most this many other object classes per game (one or two of each): a big kitchen keeps its receptacles
+#: but not all of its ~25 portable classes, which halves its planning cost (seconds per game, not tens)
 MAX_DISTRACTOR_CLASSES = 12
 _SEEN_SHARE = 5  # one (floor plan, object class) pair in five goes to valid_seen, the rest to train
 # classes the PDDL domain names as constants (they must be declared even when absent)

@@ -1,5 +1,5 @@
-"""Evaluation panels: a fixed, seeded set of episodes of one benchmark (:class:`PanelSpec` →
-:func:`episode_specs`). The same panel gives the same episodes, so the same checkpoint gives the same
+"""Evaluation panels: a fixed, seeded set of episodes of one benchmark (:class:`~sapd.envs.panels.PanelSpec` →
+:func:`~sapd.envs.panels.episode_specs`). The same panel gives the same episodes, so the same checkpoint gives the same
 numbers; evaluation, expert collection, teacher pools, the online baselines and the study all take
 their episodes from here.
 """

@@ -339,7 +339,7 @@ class RetrieverClient:
 # command line
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sapd.envs.retriever",
                                 description="Serve a BM25 index of a JSONL corpus on the Search-R1 /retrieve API.")
     p.add_argument("--corpus", required=True, help="JSONL(.gz) rows {id, contents} or {id, title, text}")
@@ -347,7 +347,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000, help="port (0 = any free one)")
     p.add_argument("--stemmer", default=None, help="Snowball stemmer language, e.g. english (needs PyStemmer)")
     p.add_argument("--log-requests", action="store_true", help="log every request")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         index = BM25Index(load_corpus(args.corpus), args.stemmer)
     except (InvalidRecordError, OSError, RuntimeError) as e:

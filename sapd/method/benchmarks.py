@@ -2,6 +2,7 @@
 and how an executable decision is read out of a generated response (docs/FORMATS.md, verl-agent contract).
 
 Two kinds of decision blocks exist:
+
 - ``action``: ALFWorld / WebShop / TextWorld / ScienceWorld — one ``<action>…</action>`` block after a
   ``<think>…</think>`` block;
 - ``search``: search QA — one ``<search>…</search>`` (a query) or one ``<answer>…</answer>`` block.

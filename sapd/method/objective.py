@@ -11,13 +11,17 @@ fixed samples); only ``new_logp`` carries gradient.
 The objectives (``sapd``, ``sft``, ``grpo``) are registered by name (:func:`register_objective`): a loss
 function's tensor parameters, named as the fields of :class:`LossInputs`, say what the training stage
 computes and passes it; :func:`loss_for` dispatches on ``LossConfig.objective``. A new objective is one
-registered function plus its entry in :data:`VARIANTS`.
+registered function: its ``loss_*`` metrics reach the step log, Prometheus (``sapd_loss{term}``) and
+``sapd report`` as they are. One defined outside the package is named ``package.module:function`` (in
+``loss.objective`` or as the variant) or registered under an entry point of the group ``sapd.objectives``
+(:func:`objective_of` imports it); docs/guides/new-objective.md walks the whole path.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, fields, replace
+from importlib.metadata import EntryPoint, entry_points
 from typing import Callable, Literal
 
 import torch
@@ -129,7 +133,7 @@ def kl_penalty(new_logp_P_G_T: torch.Tensor, ref_logp_P_G_T: torch.Tensor, kind:
 
 
 def token_entropy(logits_B_T_V: torch.Tensor) -> torch.Tensor:
-    """H(π(·|context)) per position from aligned logits (differentiable) → entropy_B_T."""
+    """The entropy of π(·) given each position's context, from aligned logits (differentiable) → entropy_B_T."""
     logits = logits_B_T_V if logits_B_T_V.dtype == torch.float64 else logits_B_T_V.float()
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(-1)
@@ -171,8 +175,9 @@ class LossConfig:
     reduction: Reduction = "seq_mean_token_mean"  # "token_mean" is SDAR/verl's default (not the paper's 1/Lᵢ)
     # SDAR's regularisers, which the paper's "hyperparameters follow SDAR" inherits but never states
     # (all off by default; variant sapd_sdar turns them on at SDAR's values)
-    kl_coef: float = 0.0  # KL to the initial policy (checkpoint 0); SDAR: 0.01 (the train stage computes
-    kl_type: KlType = "low_var_kl"  # reference log-probs only when kl_coef > 0)
+    # KL to the initial policy (checkpoint 0); the train stage computes its log-probs only when kl_coef > 0
+    kl_coef: float = 0.0  # SDAR: 0.01
+    kl_type: KlType = "low_var_kl"  # low_var_kl (k3) | kl (k1)
     entropy_coef: float = 0.0  # entropy bonus, subtracted from the loss; SDAR: 0.001
     dual_clip: float | None = None  # c of the dual-clip for A < 0; SDAR: 3.0
 
@@ -195,6 +200,7 @@ def _check_no_action_step(value: object) -> None:
         raise ValueError(f"no_action_step must be one of {list(NO_ACTION_STEPS)}, not {value!r}")
 
 
+#: the paper's variants and sapd's own, by name: the LossConfig fields each sets over the defaults
 VARIANTS: dict[str, dict[str, object]] = {
     "sapd": {},
     "opd": {"lambda_step": 0.0, "lambda_rule": 0.0},
@@ -219,14 +225,24 @@ VARIANTS: dict[str, dict[str, object]] = {
 
 
 def loss_config_for(variant: str, **overrides: object) -> LossConfig:
-    """The LossConfig of a named variant of docs/SAPD.md §4, with optional field overrides."""
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; expected one of {sorted(VARIANTS)}")
+    """The LossConfig of a named variant of docs/SAPD.md §4, with optional field overrides. A name that is
+    no variant but an objective (registered, ``package.module:function`` or an entry point of
+    ``sapd.objectives``) is that objective with the default knobs: ``variant: my_objective`` is enough."""
+    if variant in VARIANTS:
+        settings = VARIANTS[variant]
+    else:
+        try:
+            settings = {"objective": objective_of(LossConfig(objective=variant)).name}
+        except ValueError as e:
+            if ":" in variant:  # it names a function: its import error is the one to see
+                raise
+            raise ValueError(f"unknown variant {variant!r}; expected one of {sorted(VARIANTS)} or an objective "
+                             f"({e})") from None
     known = {f.name for f in fields(LossConfig)}
     unknown = set(overrides) - known
     if unknown:
         raise ValueError(f"unknown loss option(s) {sorted(unknown)}; expected some of {sorted(known)}")
-    cfg = replace(LossConfig(), **VARIANTS[variant], **overrides)  # type: ignore[arg-type]
+    cfg = replace(LossConfig(), **{**settings, **overrides})  # type: ignore[arg-type]
     objective_of(cfg)  # an unknown objective is refused here, with the list
     return cfg
 
@@ -261,26 +277,27 @@ def no_action_step_scores(d_P_G_T: torch.Tensor, action_mask_P_G_T: torch.Tensor
 def regulariser_terms(cfg: LossConfig, new_logp_P_G_T: torch.Tensor, response_mask_P_G_T: torch.Tensor,
                       ref_logp_P_G_T: torch.Tensor | None, entropy_P_G_T: torch.Tensor | None
                       ) -> dict[str, torch.Tensor]:
-    """SDAR's regularisers, reduced like every other term: ``kl`` (to the initial policy) when
-    ``kl_coef`` > 0, ``entropy`` when ``entropy_coef`` > 0. The loss adds kl_coef·kl − entropy_coef·entropy."""
+    """SDAR's regularisers, reduced like every other term: ``loss_kl`` (to the initial policy) when
+    ``kl_coef`` > 0, ``loss_entropy`` when ``entropy_coef`` > 0. The loss adds kl_coef·kl − entropy_coef·entropy
+    (the logged terms are unweighted, like ``loss_tok`` and the others)."""
     out: dict[str, torch.Tensor] = {}
     mask = response_mask_P_G_T.bool()
     if cfg.kl_coef > 0:
         if ref_logp_P_G_T is None:
             raise ValueError("loss.kl_coef > 0 needs the initial policy's log-probs (ref_logp_P_G_T)")
-        out["kl"] = reduce_loss(kl_penalty(new_logp_P_G_T, ref_logp_P_G_T, cfg.kl_type), mask, cfg.reduction)
+        out["loss_kl"] = reduce_loss(kl_penalty(new_logp_P_G_T, ref_logp_P_G_T, cfg.kl_type), mask, cfg.reduction)
     if cfg.entropy_coef > 0:
         if entropy_P_G_T is None:
             raise ValueError("loss.entropy_coef > 0 needs the student's per-token entropy (entropy_P_G_T)")
-        out["entropy"] = reduce_loss(entropy_P_G_T, mask, cfg.reduction)
+        out["loss_entropy"] = reduce_loss(entropy_P_G_T, mask, cfg.reduction)
     return out
 
 
 def _add_regularisers(loss: torch.Tensor, cfg: LossConfig, regs: dict[str, torch.Tensor]) -> torch.Tensor:
-    if "kl" in regs:
-        loss = loss + cfg.kl_coef * regs["kl"]
-    if "entropy" in regs:
-        loss = loss - cfg.entropy_coef * regs["entropy"]
+    if "loss_kl" in regs:
+        loss = loss + cfg.kl_coef * regs["loss_kl"]
+    if "loss_entropy" in regs:
+        loss = loss - cfg.entropy_coef * regs["loss_entropy"]
     return loss
 
 
@@ -508,12 +525,49 @@ def sft_objective(new_logp_P_G_T: torch.Tensor, response_mask_P_G_T: torch.Tenso
     return sft_loss(new_logp_P_G_T, response_mask_P_G_T, cfg.reduction)
 
 
+ENTRY_POINT_GROUP = "sapd.objectives"
+
+
 def objective_of(cfg: LossConfig) -> Objective:
-    """The registered objective ``cfg.objective`` names; a ValueError with the registered names if none."""
+    """The objective ``cfg.objective`` names: a registered one; else ``package.module:function`` (the module
+    is imported; a function it registered is that objective, any other is registered as a "scored" one
+    under this name); else an entry point of the group ``sapd.objectives`` of that name (an installed
+    package's ``[project.entry-points."sapd.objectives"]``), loaded the same way. A ValueError otherwise,
+    naming the registered objectives."""
+    name = cfg.objective
+    if name in OBJECTIVES:
+        return OBJECTIVES[name]
+    # user code, outside sapd's layers: both forms are entry-point values, loaded as Python loads those
+    if ":" in name:
+        return _external(name, EntryPoint(name, name, ENTRY_POINT_GROUP), "")
+    found = entry_points(group=ENTRY_POINT_GROUP, name=name)
+    if found:
+        return _external(name, next(iter(found)), f"entry point of group {ENTRY_POINT_GROUP!r} ")
+    raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, a package.module:function, or an entry point "
+                     f"of group {ENTRY_POINT_GROUP!r}; not {name!r}")
+
+
+def _external(name: str, ep: EntryPoint, what: str) -> Objective:
+    """The objective ``ep`` loads, under ``name``: the one its function was registered as (by the module's own
+    :func:`register_objective`), or the function registered now (checked as :func:`register_objective`
+    checks it)."""
+    module, _, attr = ep.value.partition(":")
     try:
-        return OBJECTIVES[cfg.objective]
-    except KeyError:
-        raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, not {cfg.objective!r}") from None
+        fn = ep.load()
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"objective {name!r}: {what}cannot load {attr!r} from module {module!r} ({e}); is it on "
+                         "PYTHONPATH, or installed in this environment?") from None
+    for obj in OBJECTIVES.values():
+        if obj.loss is fn:
+            OBJECTIVES[name] = obj
+            return obj
+    if not callable(fn):
+        raise ValueError(f"objective {name!r} is not a function: {fn!r}")
+    try:
+        register_objective(name)(fn)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+    return OBJECTIVES[name]
 
 
 def required_inputs(cfg: LossConfig) -> frozenset[str]:

@@ -12,12 +12,14 @@ longer than the model's context, or running out of memory — never a silent zer
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from sapd.method.objective import token_entropy, token_logprobs
 from sapd.models.loading import cache_kwarg, output_cache
+from sapd.models.memory import PLAIN_HEAD_TYPES
 
 # ---------------------------------------------------------------------------------------------------
 # the student's response log-probs (training, π_old)
@@ -45,15 +47,12 @@ def pad_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence
     return ids.to(device), attn.to(device), pos.to(device), mask.to(device)
 
 
-# decoder-only families whose causal-LM head is a plain projection of the last hidden state (no logit
-# soft-capping or scaling in between), so it may be applied to selected positions only
-_PLAIN_HEAD_TYPES = {"llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "olmo2"}
 
 
 def decoder_and_head(model):
     """(decoder stack, LM head) of an HF causal LM whose head is a plain projection, else (None, None)."""
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in _PLAIN_HEAD_TYPES:
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_TYPES:
         return None, None
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     head = model.get_output_embeddings()
@@ -92,7 +91,7 @@ def shared_prefix_logits(base, head, lm, groups: Sequence[tuple[Sequence[int], S
     one batch, their keys/values repeated G times, then all responses as one batch over that cache —
     not G copies of each prompt. Differentiable: each prompt's activations receive the gradient of its G
     responses through the repeated cache, the sum the G separate sequences would give. Rows are
-    group-major; responses right-padded to the longest (:func:`_pad_right`)."""
+    group-major; responses right-padded to the longest (``_pad_right``)."""
     device = next(lm.parameters()).device
     P, G = len(groups), len(groups[0][1])
     lengths = [len(p) for p, _ in groups]
@@ -287,18 +286,6 @@ def score_naive(model, prompt_ids: Sequence[int], responses: Sequence[Sequence[i
     return out
 
 
-class ModelScorer:
-    """:func:`score_groups` on one loaded HF model, as a callable (``groups, progress`` → log-probs per
-    response): the teacher scorer of the HF backend, and the student's when it scores given responses."""
-
-    def __init__(self, model, pad_id: int = 0) -> None:
-        self.model, self.pad_id = model, pad_id
-
-    def __call__(self, groups: Sequence[tuple[str, Sequence[int], Sequence[Sequence[int]]]],
-                 progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
-        return score_groups(self.model, groups, pad_id=self.pad_id, progress=progress)
-
-
 def score_groups(model, groups: Sequence[tuple[str, Sequence[int], Sequence[Sequence[int]]]], *,
                  pad_id: int = 0, progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
     """``groups`` = [(prefix_id, prompt_ids, [response_ids × G])] → teacher log-probs per response."""
@@ -308,3 +295,67 @@ def score_groups(model, groups: Sequence[tuple[str, Sequence[int], Sequence[Sequ
         if progress:
             progress(1)
     return out
+
+
+@dataclass
+class ScoringStats:
+    """What a teacher scorer computed, summed over its calls: the tokens it ran through the model (a
+    prompt once per group, or G times) against the two references, G·(P + R) per group (every response
+    with its own copy of the prompt) and P + G·R (the prompt once)."""
+
+    groups: int = 0
+    responses: int = 0
+    computed_tokens: int = 0  # positions the model computed (prefix-cache hits excluded)
+    per_response_tokens: int = 0  # Σ over responses of (P + R): each response with its own prompt
+    shared_prompt_tokens: int = 0  # Σ over groups of (P + Σ R): each prompt once
+    rescored: int = 0  # vLLM: responses scored again without the prefix cache (a hit reached into them)
+
+    def add_group(self, prompt: int, responses: Sequence[int]) -> None:
+        scored = [r for r in responses if r]
+        self.groups += 1
+        self.responses += len(scored)
+        self.per_response_tokens += sum(prompt + r for r in scored)
+        self.shared_prompt_tokens += prompt + sum(scored) if scored else 0
+
+    def line(self) -> str:
+        if not self.groups:
+            return "no group scored"
+        g = self.groups
+        return (f"teacher computed {self.computed_tokens / g:.0f} tokens per group (each prompt once: "
+                f"{self.shared_prompt_tokens / g:.0f}; each response with its own prompt: "
+                f"{self.per_response_tokens / g:.0f})" + (f"; {self.rescored} responses rescored without the "
+                                                          "prefix cache" if self.rescored else ""))
+
+
+class HFScorer:
+    """The frozen teacher on HF transformers: :func:`score_groups` (each group's prompt once) as a callable,
+    and :meth:`HFScorer.release`, which moves the model to host memory before a training stage in the same process
+    on an accelerator (it moves back at the next call)."""
+
+    def __init__(self, model, pad_id: int, device: str = "cpu"):
+        self.model, self.pad_id, self.device = model, pad_id, device
+        self.offloaded = False
+        self.stats = ScoringStats()
+
+    def __call__(self, groups: Sequence[tuple[str, Sequence[int], Sequence[Sequence[int]]]],
+                 progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
+        self.wake()
+        out = score_groups(self.model, groups, pad_id=self.pad_id, progress=progress)
+        for _, prompt, responses in groups:
+            self.stats.add_group(len(prompt), [len(r) for r in responses])
+            self.stats.computed_tokens += len(prompt) + sum(len(r) for r in responses)
+        return out
+
+    def wake(self) -> None:
+        """The model back on its device after :meth:`release` (each call does it; the validation, which
+        samples the teacher through ``model``, calls it first)."""
+        if self.offloaded:
+            self.model.to(self.device)
+            self.offloaded = False
+
+    def release(self) -> None:
+        if torch.device(self.device).type != "cpu" and not self.offloaded:
+            self.model.to("cpu")
+            self.offloaded = True
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()

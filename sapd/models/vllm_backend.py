@@ -1,5 +1,6 @@
-"""vLLM backends: student generation (:class:`VLLMGenerator`) and teacher scoring (:class:`VLLMScorer`)
-behind the same interfaces as the HF ones, for GPU pools (and, slowly, vLLM's CPU build).
+"""vLLM backends: student generation (:class:`~sapd.models.vllm_backend.VLLMGenerator`) and teacher scoring
+(:class:`~sapd.models.vllm_backend.VLLMScorer`) behind the same interfaces as the HF ones, for GPU pools (and,
+slowly, vLLM's CPU build).
 
 vLLM features used, and why:
 
@@ -19,8 +20,10 @@ vLLM features used, and why:
   it, and a ``Sample``'s text must be what its token ids decode to.
 * ``prompt_logprobs=0`` with ``max_tokens=1`` — teacher scoring is a prefill: prompt + response go in
   as one prompt and vLLM returns, at each position, the log-prob of the token actually there (the
-  raw model distribution, in fp32). vLLM skips reading its prefix cache for such requests, so every
-  position is really computed, and produces them chunk by chunk along with chunked prefill.
+  raw model distribution, in fp32), chunk by chunk along with chunked prefill. vLLM skips reading its
+  prefix cache for such requests unless told (``skip_reading_prefix_cache=False``): sapd prefills each
+  group's prompt once and lets its G requests read it, checking each request's reported cache hit
+  (:class:`VLLMScorer`).
 * ``kv_cache_memory_bytes`` — an explicit KV-cache size that both the GPU and the CPU workers honour
   (on CPU it replaces the integer-GiB ``VLLM_CPU_KVCACHE_SPACE`` variable).
 * **Weight sync in place, with a deadline** (:meth:`VLLMGenerator.load_weights`) — the student engine
@@ -64,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 from sapd.models.generation import FinishReason, Sample, SamplingParams
 from sapd.models.loading import DType, load_tokenizer, resolve_model_dir
-from sapd.models.scoring import TeacherScoringError
+from sapd.models.scoring import ScoringStats, TeacherScoringError
 
 if TYPE_CHECKING:  # only for annotations; never imported at run time here
     from vllm import LLM
@@ -473,22 +476,43 @@ class VLLMGenerator:
 class VLLMScorer:
     """Teacher scoring with vLLM's prompt log-probs, the counterpart of
     :func:`sapd.models.scoring.score_groups`: for each group, log π_T(y_{i,k} | h, y_{i,<k}) of every
-    response token.
+    response token, **each group's prompt computed once**.
 
-    One request per response (prompt + response as a single prompt, one dummy output token). vLLM
-    needs room for that output token, so prompt + response must fit in ``max_model_len − 1``; longer
-    ones raise :class:`TeacherScoringError` before anything is sent (vLLM would reject the whole batch,
-    and a truncated sequence would be scored wrongly). ``groups_per_call`` bounds one ``LLM.generate``.
+    vLLM returns log-probs of given tokens only for a prompt (``prompt_logprobs``), so each response is
+    one request, prompt + response as its prompt (one dummy output token). Such requests skip vLLM's
+    prefix cache by default (a cache hit leaves the rows before it uncomputed), which would prefill the
+    shared prompt G times. Here, per call: (1) every group's prompt but its last token is prefilled once
+    (one short request each), so its full KV blocks are in the prefix cache; (2) the G scoring requests
+    read that cache (``skip_reading_prefix_cache=False``) and compute only the rest; vLLM reports each
+    request's hit (``num_cached_tokens``), and every response row is computed as long as the hit stays
+    within the prompt (at most P − 1 tokens); (3) a request whose hit reached into its response (two
+    responses sharing their first tokens, scheduled in one step) is scored again without the cache.
+    :attr:`stats` counts the tokens computed against G·(P + R) and P + G·R. Where the installed vLLM has no
+    ``skip_reading_prefix_cache`` (older than 0.32), every request is scored whole, as before.
+
+    vLLM needs room for the dummy output token, so prompt + response must fit in ``max_model_len − 1``;
+    longer ones raise :class:`~sapd.models.scoring.TeacherScoringError` before anything is sent (vLLM would
+    reject the whole batch, and a truncated sequence would be scored wrongly). ``groups_per_call`` bounds one
+    ``LLM.generate``. :meth:`release` puts the engine to sleep before training where sleep mode is on
+    (level 1: the frozen weights go to host memory, the KV cache is dropped); the next call wakes it.
     """
 
     llm: LLM
     groups_per_call: int = 16
+    share_prompt: bool = True  # False: every response recomputes its prompt (vLLM's default; the benchmark's reference)
+    stats: ScoringStats = field(default_factory=ScoringStats)
+    _asleep: bool = field(default=False, init=False, repr=False)
 
     @classmethod
     def from_path(cls, model_dir: str | Path, *, dtype: DType = "float32", seed: int = 0,
                   gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                   enforce_eager: bool | None = None, kv_cache_memory_bytes: int | None = None,
                   cache_dir: str | Path | None = None, **llm_kwargs: Any) -> VLLMScorer:
+        from vllm.platforms import current_platform
+
+        llm_kwargs.setdefault("enable_prefix_caching", True)  # each group's prompt is read from it G times
+        if current_platform.is_sleep_mode_available():  # so that release() can free the GPU for training
+            llm_kwargs.setdefault("enable_sleep_mode", True)
         return cls(make_llm(model_dir, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                             max_model_len=max_model_len, enforce_eager=enforce_eager,
                             kv_cache_memory_bytes=kv_cache_memory_bytes, cache_dir=cache_dir, **llm_kwargs))
@@ -496,6 +520,29 @@ class VLLMScorer:
     @property
     def max_model_len(self) -> int:
         return _max_model_len(self.llm)
+
+    @property
+    def sleeps(self) -> bool:
+        """Whether :meth:`release` frees the engine's GPU memory (sleep mode on: CUDA/ROCm)."""
+        return bool(getattr(self.llm.llm_engine.vllm_config.model_config, "enable_sleep_mode", False))
+
+    def release(self) -> None:
+        """Before training in the same process: sleep (level 1: the frozen weights offloaded to host memory,
+        the KV cache freed) where sleep mode is on; elsewhere (the CPU backend) the engine stays resident."""
+        if self.sleeps and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self.llm.reset_prefix_cache()  # its blocks were dropped with the KV cache
+            self._asleep = False
+
+    def wake(self) -> None:
+        """The engine awake after :meth:`release` (each scoring call does it; the validation, which samples
+        the teacher through ``llm``, calls it first)."""
+        self._wake()
 
     def _check(self, prefix_id: str, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]]) -> None:
         if not prompt_ids:
@@ -510,8 +557,21 @@ class VLLMScorer:
 
     def __call__(self, groups: Sequence[Group],
                  progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
-        """:meth:`score_groups`: the scorer callable the teacher-scores stage and the validation take."""
         return self.score_groups(groups, progress)
+
+    @staticmethod
+    def _scoring_params(*, read_cache: bool) -> Any:
+        """One dummy output token, the log-prob of every prompt token; ``read_cache``: reading the prefix
+        cache allowed (None where the installed vLLM cannot be told)."""
+        import vllm
+
+        kwargs: dict[str, Any] = dict(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        if read_cache:
+            try:
+                return vllm.SamplingParams(**kwargs, skip_reading_prefix_cache=False)
+            except TypeError:  # a vLLM without the flag: its prompt-logprob requests never read the cache
+                return None
+        return vllm.SamplingParams(**kwargs)
 
     def score_groups(self, groups: Sequence[Group],
                      progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
@@ -519,24 +579,53 @@ class VLLMScorer:
         import vllm
         from vllm.inputs import TokensPrompt
 
-        sampling = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        self._wake()
+        shared = self._scoring_params(read_cache=True) if self.share_prompt else None
+        whole = self._scoring_params(read_cache=False)
+        warm_params = vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         out: list[list[list[float]]] = []
         for start in range(0, len(groups), self.groups_per_call):
             chunk = list(groups[start:start + self.groups_per_call])
             for prefix_id, prompt_ids, responses in chunk:  # every check before any work
                 self._check(prefix_id, prompt_ids, responses)
+            if shared is not None:
+                # (1) each prompt but its last token, once: its full KV blocks enter the prefix cache
+                warm = [[int(t) for t in p[:-1]] for _, p, rs in chunk if len(p) > 1 and any(rs)]
+                if warm:
+                    for ids, res in zip(warm, self.llm.generate([TokensPrompt(prompt_token_ids=w) for w in warm],
+                                                                warm_params, use_tqdm=False)):
+                        self.stats.computed_tokens += len(ids) - int(res.num_cached_tokens or 0)
             requests, where = [], []
             for g, (_, prompt_ids, responses) in enumerate(chunk):
+                self.stats.add_group(len(prompt_ids), [len(r) for r in responses])
                 for i, r in enumerate(responses):
                     if r:
                         ids = [int(t) for t in prompt_ids] + [int(t) for t in r]
                         requests.append(TokensPrompt(prompt_token_ids=ids))
                         where.append((g, i))
-            results = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []
+            # (2) the responses, each prompt read from the cache
+            results = self.llm.generate(requests, shared or whole, use_tqdm=False) if requests else []
             scored: list[list[list[float]]] = [[[] for _ in responses] for _, _, responses in chunk]
-            for (g, i), res in zip(where, results):
+            again = []
+            for n, ((g, i), res) in enumerate(zip(where, results)):
                 prefix_id, prompt_ids, responses = chunk[g]
+                cached = res.num_cached_tokens
+                total = len(prompt_ids) + len(responses[i])
+                if cached is None or cached > len(prompt_ids) - 1:  # a response row was never computed
+                    self.stats.computed_tokens += total - int(cached or 0)
+                    again.append(n)
+                    continue
+                self.stats.computed_tokens += total - cached
                 scored[g][i] = self._read(prefix_id, i, len(prompt_ids), responses[i], res.prompt_logprobs)
+            # (3) those whose cache hit reached into the response, scored whole
+            if again:
+                self.stats.rescored += len(again)
+                redo = self.llm.generate([requests[n] for n in again], whole, use_tqdm=False)
+                for n, res in zip(again, redo):
+                    g, i = where[n]
+                    prefix_id, prompt_ids, responses = chunk[g]
+                    self.stats.computed_tokens += len(prompt_ids) + len(responses[i])
+                    scored[g][i] = self._read(prefix_id, i, len(prompt_ids), responses[i], res.prompt_logprobs)
             out.extend(scored)
             if progress:
                 progress(len(chunk))
@@ -545,14 +634,18 @@ class VLLMScorer:
     @staticmethod
     def _read(prefix_id: str, i: int, prompt_len: int, response: Sequence[int], prompt_logprobs: Any) -> list[float]:
         """Entry k of ``prompt_logprobs`` is log π(token k | tokens < k); response token j sits at
-        position ``prompt_len + j``."""
-        if prompt_logprobs is None or len(prompt_logprobs) != prompt_len + len(response):
+        position ``prompt_len + j``. A list shorter than the sequence by h (vLLM's V2 model runner after a
+        prefix-cache hit of h tokens: it returns the computed rows only) starts at token h; the hit must
+        leave the response's rows computed (h ≤ prompt_len − 1)."""
+        total = prompt_len + len(response)
+        offset = total - len(prompt_logprobs) if prompt_logprobs is not None else -1
+        if prompt_logprobs is None or not 0 <= offset <= prompt_len - 1:
             raise TeacherScoringError(f"prefix {prefix_id}: vLLM returned "
                                       f"{None if prompt_logprobs is None else len(prompt_logprobs)} prompt log-probs "
-                                      f"for a {prompt_len + len(response)}-token sequence (response {i})")
+                                      f"for a {total}-token sequence (response {i})")
         logps = []
         for k, tok in enumerate(response):
-            lp = _token_logprob(prompt_logprobs[prompt_len + k], int(tok))
+            lp = _token_logprob(prompt_logprobs[prompt_len + k - offset], int(tok))
             if lp is None:
                 raise TeacherScoringError(f"prefix {prefix_id}: no teacher log-prob for response {i}, token {k}")
             if not math.isfinite(lp):

@@ -12,7 +12,15 @@ Checks (each prints one line; every check runs even after one failed):
   weights are read; from S3 only the small files are fetched);
 - **tokenizers**: the student's and the teacher's are identical (the token signal needs one vocabulary);
 - **memory**: an estimate per stage (parameters, gradients, optimizer, activations, KV cache) from the
-  models' shapes and the config's batch sizes, against the device the stage runs on;
+  models' shapes, the config's batch sizes and the longest prompt of the committed prefix build, against
+  the device the stage runs on (a torchrun rank's own GPU, its free memory); the train stage's estimate
+  above a visible GPU fails every door, its job's included (exit 2, before the model loads), with what
+  to change;
+- **ranks**: the training ranks (``WORLD_SIZE``, or ``SAPD_TRAIN_PROCESSES`` that the chart sets) divide
+  each minibatch's micro-batches evenly, so none runs weightless passes;
+- **precision**: ``train.lr`` against the weights' floating-point spacing (:func:`check_precision`): a
+  warning when even the fp32 weights the optimizer keeps would round most updates away; ``model.dtype:
+  float16`` fails (training refuses it);
 - **webshop** (benchmark webshop only): the WebShop server the evaluation talks to (``SAPD_WEBSHOP_URL``,
   else sapd's default ``http://127.0.0.1:3000``; the chart sets it from ``evaluate.webshop.url``) answers
   with WebShop's instruction page, within seconds: unreachable is exit 75, anything else that answers
@@ -25,6 +33,8 @@ user error (fix the config, the input, the credentials), 75 a service was unreac
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 import urllib.error
@@ -35,11 +45,22 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sapd import layout, storage
-from sapd.config import ConfigError, RunConfig, committed_config, committed_config_problem, locate
+from sapd.config import (
+    FLOAT16_NOT_TRAINED,
+    ConfigError,
+    RunConfig,
+    committed_config,
+    committed_config_problem,
+    locate,
+    micro_batch_problem,
+)
 from sapd.data.loaders import LoadOptions, load_trajectories
+from sapd.data.prefix_table import longest_prompt
 from sapd.entry import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USER_ERROR, exit_code
+from sapd.method.objective import objective_of
+from sapd.models.devices import rank_device
 from sapd.models.loading import check_same_tokenizer, load_tokenizer, read_model_config
-from sapd.models.memory import GIB, HEADROOM, Shape, estimate, shape_from_config
+from sapd.models.memory import GIB, HEADROOM, Shape, StageEstimate, estimate, shape_from_config
 from sapd.run.starter import PLACEHOLDER
 
 # the checks each stage's job runs at its start (``None``: all of them — ``sapd check``, ``sapd run``, the driver)
@@ -47,11 +68,11 @@ STAGE_CHECKS: dict[str, tuple[str, ...]] = {
     "build-prefixes": ("storage", "run root", "data", "student", "teacher", "tokenizers"),
     "teacher-scores": ("storage", "run root", "student", "teacher", "tokenizers", "memory"),
     "teacher-scores-commit": ("storage", "run root"),  # it joins the workers' parts, no model
-    "train": ("storage", "run root", "student", "memory"),
+    "train": ("storage", "run root", "ranks", "student", "memory", "precision"),
     "evaluate": ("storage",),  # it loads the run's checkpoints, not model.student
     # the cluster's pipeline driver, before it creates any stage Job: everything but memory, which each
     # stage pod checks against its own device (the driver's pod has none of theirs)
-    "driver": ("storage", "run root", "data", "student", "teacher", "tokenizers"),
+    "driver": ("storage", "run root", "ranks", "data", "student", "teacher", "tokenizers", "precision"),
 }
 SAMPLE_RECORDS = 20
 
@@ -68,6 +89,10 @@ class Skipped(Exception):
     """A check that cannot run because one it depends on failed (not a failure of its own)."""
 
 
+class Warned(Exception):
+    """A check that passes with a warning: the run can go on, but probably not as the user meant."""
+
+
 @dataclass
 class Outcome:
     name: str
@@ -75,10 +100,13 @@ class Outcome:
     detail: str
     code: int = EXIT_OK
     skipped: bool = False
+    warned: bool = False
 
     def line(self) -> str:
         if self.skipped:
             return f"check {self.name}: skipped ({self.detail})"
+        if self.warned:
+            return f"check {self.name}: WARNING: {self.detail}"
         return f"check {self.name}: ok ({self.detail})" if self.ok else f"check {self.name}: FAILED: {self.detail}"
 
 
@@ -161,14 +189,18 @@ def _model(uri: str, key: str) -> tuple[Shape, Any]:
 
 
 def _device_memory(device: str) -> tuple[float | None, str]:
-    """(bytes, description) of the memory a stage on ``device`` has from here; None when it is not visible."""
+    """(bytes, description) of the memory a stage on ``device`` has from here; None when it is not visible.
+    A GPU: its free memory now (what this process can still allocate), on this torchrun rank's own GPU."""
     if device.startswith("cuda"):
+        device = rank_device(device)
         try:
             import torch
             if torch.cuda.is_available():
-                index = int(device.split(":")[1]) if ":" in device else 0
+                index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
                 props = torch.cuda.get_device_properties(index)
-                return float(props.total_memory), f"{device} ({props.name}) {props.total_memory / GIB:.1f} GiB"
+                free, size = torch.cuda.mem_get_info(index)
+                return float(free), (f"cuda:{index} ({props.name}) {free / GIB:.1f} GiB free of "
+                                     f"{size / GIB:.1f} GiB")
         except (ImportError, RuntimeError, AssertionError):
             pass
         return None, f"{device}, not visible from here"
@@ -190,7 +222,7 @@ def _device_memory(device: str) -> tuple[float | None, str]:
 
 def train_processes() -> int:
     """The training processes ZeRO shards over: torchrun's WORLD_SIZE where set (inside the train job), else
-    $SAPD_TRAIN_PROCESSES (the chart sets it from train.parallelism × train.nprocPerNode), else 1."""
+    $SAPD_TRAIN_PROCESSES (the chart sets it from train.parallelism × train.procsPerPod), else 1."""
     for key in ("WORLD_SIZE", "SAPD_TRAIN_PROCESSES"):
         value = os.environ.get(key, "")
         if value.isdigit() and int(value) > 0:
@@ -198,10 +230,44 @@ def train_processes() -> int:
     return 1
 
 
+class DoesNotFit(ConfigError):
+    """The train stage's estimate exceeds the GPU it would run on: a failure in every door (a warning
+    would let the stage load the model, run out of memory and be retried)."""
+
+
+def _remedies(cfg: RunConfig, student: Shape, teacher: Shape | None, prompt: int | None, limit: float) -> str:
+    """What to change so that the train stage fits ``limit`` bytes: the first of the usual knobs (one
+    prefix per micro-batch, gradient checkpointing, both) whose estimate fits, else the general list."""
+    tc = cfg.train
+    tries: list[tuple[str, dict[str, Any]]] = []
+    if tc.micro_batch_prefixes > 1:
+        tries.append(("set train.micro_batch_prefixes: 1", {"micro_batch_prefixes": 1}))
+    if not cfg.checkpointing_on():
+        tries.append(("set train.gradient_checkpointing: true", {"gradient_checkpointing": True}))
+        if tc.micro_batch_prefixes > 1:
+            tries.append(("set train.micro_batch_prefixes: 1 and train.gradient_checkpointing: true",
+                          {"micro_batch_prefixes": 1, "gradient_checkpointing": True}))
+    for text, change in tries:
+        alt = dataclasses.replace(cfg, train=dataclasses.replace(tc, **change))
+        need = {e.stage: e for e in estimate(alt, student, teacher, train_processes(), prompt)}["train"].total
+        if need * HEADROOM <= limit:
+            return f"{text} (about {need / GIB:.1f} GiB)"
+    steps = [f"lower train.micro_batch_prefixes (now {tc.micro_batch_prefixes})"] if tc.micro_batch_prefixes > 1 else []
+    steps += [] if cfg.checkpointing_on() else ["set train.gradient_checkpointing: true"]
+    return ", ".join(steps + [f"lower sampling.max_new_tokens (now {cfg.sampling.max_new_tokens}) or "
+                              "data.max_prompt_tokens, shard over more training ranks (train.engine: deepspeed, a "
+                              "higher train.zero_stage), or use a larger device"])
+
+
 def check_memory(cfg: RunConfig, student: Shape, teacher: Shape | None, stages: tuple[str, ...] | None,
-                 device_memory_gib: float | None = None) -> tuple[str, list[str]]:
-    """(summary, one line per stage); raises when a stage's estimate does not fit the device."""
-    estimates = [e for e in estimate(cfg, student, teacher, train_processes()) if stages is None or e.stage in stages]
+                 device_memory_gib: float | None = None, prompt_tokens: int | None = None) -> tuple[str, list[str]]:
+    """(summary, one line per stage); raises when a stage's estimate does not fit the device
+    (:class:`DoesNotFit` for the train stage on a visible GPU). ``prompt_tokens``: the longest prompt of
+    the committed prefix build (default: read from the run root; none yet: ``data.max_prompt_tokens``)."""
+    if prompt_tokens is None:
+        prompt_tokens = longest_prompt(layout.prefixes_dir(cfg.run_root))
+    estimates = [e for e in estimate(cfg, student, teacher, train_processes(), prompt_tokens)
+                 if stages is None or e.stage in stages]
     if device_memory_gib:
         total: float | None = device_memory_gib * GIB
         where = f"{cfg.model.device} {device_memory_gib:g} GiB (as given)"
@@ -210,14 +276,70 @@ def check_memory(cfg: RunConfig, student: Shape, teacher: Shape | None, stages: 
     lines = [e.line() for e in estimates]
     if total is None:
         return f"device {where}: not compared (give --device-memory-gib)", lines
-    too_big = [e for e in estimates if e.total * HEADROOM > total]
+    # the train stage first: its remedies are the ones a user can act on most precisely
+    too_big: list[StageEstimate] = sorted((e for e in estimates if e.total * HEADROOM > total),
+                                          key=lambda e: e.stage != "train")
     if too_big:
         e = too_big[0]
+        if e.stage == "train":
+            error = DoesNotFit if cfg.model.device.startswith("cuda") else ConfigError
+            raise error(f"train needs about {e.total / GIB:.1f} GiB (+{HEADROOM - 1:.0%} headroom) at "
+                        f"{e.note.split(',')[0]} but the device has {total / GIB:.1f} GiB ({where}): "
+                        f"{_remedies(cfg, student, teacher, prompt_tokens, total)}", "memory")
         raise ConfigError(f"{e.stage} needs about {e.total / GIB:.1f} GiB (+{HEADROOM - 1:.0%} headroom) but the "
                           f"device has {total / GIB:.1f} GiB ({where}): lower sampling.prompts_per_batch, "
-                          "train.micro_batch_prefixes or data.max_prompt_tokens, set train.gradient_checkpointing, "
-                          "use a half-precision model.dtype, or a larger device", "memory")
+                          "sampling.max_new_tokens or data.max_prompt_tokens, or use a larger device", "memory")
     return f"every stage fits {where}", lines
+
+
+def check_ranks(cfg: RunConfig) -> str:
+    """The training ranks share each minibatch's micro-batches evenly (:func:`sapd.config.micro_batch_problem`)."""
+    W = train_processes()
+    problem = micro_batch_problem(cfg, W)
+    if problem:
+        raise ConfigError(problem, "train.micro_batch_prefixes")
+    per_rank = cfg.train.minibatch_prefixes // cfg.train.micro_batch_prefixes // W
+    return (f"{W} training rank{'s' if W != 1 else ''}, {per_rank} micro-batch{'es' if per_rank != 1 else ''} of "
+            f"{cfg.train.micro_batch_prefixes} prefix{'es' if cfg.train.micro_batch_prefixes != 1 else ''} each "
+            "per full minibatch")
+
+
+SIGNIFICAND_BITS = {"float32": 24, "bfloat16": 8, "float16": 11}
+NORM_SCALE = 4.0
+"""Size up to which the weights the optimizer keeps should take an lr-sized update: RMSNorm / LayerNorm
+scales sit around 1–3 in trained models (Qwen2.5-0.5B's median is 2.2), the largest weights most models
+have that training must still move."""
+
+
+def movable_below(lr: float, dtype: str) -> float:
+    """The size below which an update of ``lr`` moves a weight stored in ``dtype``: a weight w changes only
+    if the update exceeds half its spacing, 2^(⌊log₂|w|⌋ − p) for p significand bits (round to nearest)."""
+    return 2.0 ** math.ceil(math.log2(lr) + SIGNIFICAND_BITS[dtype])
+
+
+def check_precision(cfg: RunConfig) -> str:
+    """``train.lr`` against the spacing of the weights the optimizer keeps. One AdamW step moves a weight by
+    about lr. Kept in float32 (a float32 model's weights, or the fp32 master sapd keeps for a bfloat16
+    one) it lands on every weight below :func:`movable_below`; a warning (:class:`Warned`) when that
+    leaves out weights of :data:`NORM_SCALE`. bfloat16 itself keeps 8 significant bits: at lr 1e-6 only
+    weights below 4.9e-4 would move, which is why the master exists; the line says what the served copy
+    does. float16 fails: the engines refuse to train it (no loss scaling)."""
+    lr, dtype = cfg.train.lr, cfg.model.dtype
+    if dtype == "float16":
+        raise ConfigError(FLOAT16_NOT_TRAINED, "model.dtype")
+    if lr <= 0:
+        return f"train.lr {lr:g}: the weights never move"
+    kept = movable_below(lr, "float32")
+    where = "the fp32 master sapd keeps of the bfloat16 weights" if dtype == "bfloat16" else "float32 weights"
+    if kept < NORM_SCALE:
+        raise Warned(f"train.lr {lr:g} moves {where} only below {kept:g} in size: updates to larger weights, such "
+                     f"as norm scales (~1-3), are lost to rounding even in float32; raise train.lr")
+    line = f"train.lr {lr:g} moves {where} below {kept:g} in size"
+    if dtype == "bfloat16":
+        line += (f"; bfloat16 weights alone would take it only below {movable_below(lr, 'bfloat16'):.2g}, so the "
+                 "bfloat16 copy that samples and is evaluated changes where the master has crossed half a "
+                 "bfloat16 step")
+    return line
 
 
 def check_pushgateway() -> str:
@@ -249,11 +371,12 @@ def check_webshop(url: str | None = None, timeout: float = WEBSHOP_PROBE_SECONDS
             html = r.read(1_000_000).decode("utf-8", errors="replace")
     except urllib.error.HTTPError as e:
         raise ConfigError(f"{probe} answered HTTP {e.code}: not a WebShop server (run WebShop's own web_agent_site "
-                          f"server there, README 'Evaluation'), or fix {where}", "evaluate.webshop.url") from None
+                          f"server there: docs/kubernetes/operate.md 'Evaluation'), or fix {where}",
+                          "evaluate.webshop.url") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", None) or e
         raise ConnectionError(f"{url} is unreachable ({reason}) within {timeout:g}s: start your WebShop server "
-                              f"(README 'Evaluation') or fix {where}") from None
+                              f"(docs/kubernetes/operate.md 'Evaluation') or fix {where}") from None
     if "Instruction:" not in _TAG.sub(" ", html):
         raise ConfigError(f"{probe} answers, but not with WebShop's instruction page: is {where} another server's?",
                           "evaluate.webshop.url")
@@ -274,7 +397,7 @@ def run_checks(cfg: RunConfig, *, stage: str | None = None, sample_records: int 
     wanted = STAGE_CHECKS.get(stage or "", None) if stage else None
     outcomes: list[Outcome] = []
     models: dict[str, tuple[Shape, Any] | None] = {}
-    sft = cfg.loss_cfg.objective == "sft"
+    sft = objective_of(cfg.loss_cfg).data == "recorded"  # trains on the recorded responses: no teacher
 
     def run(name: str, fn: Callable[[], str]) -> None:
         if wanted is not None and name not in wanted:
@@ -283,16 +406,18 @@ def run_checks(cfg: RunConfig, *, stage: str | None = None, sample_records: int 
             o = Outcome(name, True, fn())
         except Skipped as e:
             o = Outcome(name, True, str(e), skipped=True)
+        except Warned as e:
+            o = Outcome(name, True, str(e), warned=True)
         except Exception as e:  # noqa: BLE001 - every check reports; none stops the others
             code = _code(e)
             if code == EXIT_FAILED and not isinstance(e, (OSError, ValueError, RuntimeError)):
                 raise  # a bug in sapd, not a finding about the run
             o = Outcome(name, False, _one_line(e), code)
-            if name == "memory" and not memory_fails and isinstance(e, ConfigError):
+            if name == "memory" and not memory_fails and isinstance(e, ConfigError) and not isinstance(e, DoesNotFit):
                 log(f"check memory: WARNING: {o.detail}")
                 o = Outcome(name, True, "may not fit (warned)")
         outcomes.append(o)
-        if verbose or not o.ok:
+        if verbose or not o.ok or o.warned:
             log(o.line())
 
     def model(who: str) -> str:
@@ -322,6 +447,7 @@ def run_checks(cfg: RunConfig, *, stage: str | None = None, sample_records: int 
 
     run("storage", lambda: check_storage(cfg))
     run("run root", lambda: check_run_root(cfg))
+    run("ranks", lambda: check_ranks(cfg))
     run("data", lambda: check_data(cfg, sample_records))
     run("student", lambda: model("student"))
     if sft:
@@ -336,6 +462,7 @@ def run_checks(cfg: RunConfig, *, stage: str | None = None, sample_records: int 
     if verbose:
         for line in memory_lines:
             log(f"  {line}")
+    run("precision", lambda: check_precision(cfg))
     if wanted is None and cfg.data.benchmark == "webshop":
         run("webshop", check_webshop)
     if wanted is None and pushgateway:
@@ -369,7 +496,8 @@ def preflight(cfg: RunConfig, stage: str | None = None, *, log: Callable[[str], 
               verbose: bool = False) -> None:
     """The checks at the start of ``sapd run`` and the pipeline driver (``stage`` None) or of a stage's job:
     one line when they pass (``verbose``: every line), every failure a line, then :class:`CheckFailed` with
-    the exit code. A memory estimate above the device is a warning here (``sapd check`` fails on it)."""
+    the exit code. A memory estimate above the device is a warning here (``sapd check`` fails on it), except
+    the train stage's above a visible GPU: that one stops the door, before any model is loaded."""
     outcomes = run_checks(cfg, stage=stage, log=log, verbose=verbose, memory_fails=False, pushgateway=False)
     failed = [o for o in outcomes if not o.ok]
     if failed:

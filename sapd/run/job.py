@@ -1,6 +1,6 @@
 """One step of a run in this process, as its Kubernetes Job runs it: the body of every stage door
 (``python -m jobs.<stage>`` and ``sapd train-round``), so that each door is its flags and one call of
-:func:`stage_main`.
+:func:`~sapd.run.job.stage_main`.
 
 The body: the run config from ``--config``/``--run-root``; the stage's share of ``sapd check`` (unless
 ``--no-check``: :func:`sapd.run.check.preflight`); the metrics (served on ``/metrics`` by rank 0 while the

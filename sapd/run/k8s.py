@@ -51,6 +51,7 @@ from kubernetes.client.exceptions import ApiException
 from sapd import layout, yamlio
 from sapd.config import RunConfig
 from sapd.data import scored, shards, validation
+from sapd.method.objective import objective_of
 from sapd.run import plan
 
 ROUND_PLACEHOLDER = "__SAPD_ROUND__"
@@ -160,7 +161,7 @@ def input_step(cfg: RunConfig, step: plan.Step) -> plan.Step | None:
         return None
     k = step.round
     assert k is not None
-    if step.stage == "train" and cfg.loss_cfg.objective != "sft":
+    if step.stage == "train" and objective_of(cfg.loss_cfg).data != "recorded":
         return plan.Step("teacher-scores", k)
     return plan.Step("build-prefixes") if k == 0 else plan.Step("train", k - 1)
 

@@ -1,6 +1,9 @@
-"""``sapd report RUN``: loss terms, advantage statistics and stage timings of a run, and each validated
-checkpoint's distance to the teacher on held-out prefixes (:mod:`sapd.data.validation`), as PNG plots and a
-small JSON summary, from the per-step logs, the round manifests and the validation results in the run root."""
+"""``sapd report RUN``: loss terms, advantage statistics, stage timings and the size of each update (in the
+weights the optimizer keeps) of a run, and each validated checkpoint's distance to the teacher on held-out
+prefixes (:mod:`sapd.data.validation`), as PNG plots and a small JSON summary, from the per-step logs, the
+round manifests and the validation results in the run root. Every ``loss`` and ``loss_*`` key the
+objective logged is plotted (a new objective's terms need no edit here); the summary names the series of
+each panel (``plotted``)."""
 
 from __future__ import annotations
 
@@ -51,6 +54,26 @@ def _plot_band(ax, xs: list[int], figures: list[dict[str, Any]], label: str) -> 
     band = [p for p in pts if p[2][0] is not None]
     if band:
         ax.fill_between([p[0] for p in band], [p[2][0] for p in band], [p[2][1] for p in band], alpha=0.2)
+def loss_keys(steps: list[dict[str, Any]]) -> list[str]:
+    """``loss`` and every ``loss_*`` key of the step records, in the order first logged (a term a round
+    added later, e.g. a regulariser turned on, is kept too).
+
+    >>> loss_keys([{"loss": 1.0, "loss_tok": 0.5, "lr": 1e-6}, {"loss": 0.9, "loss_kl": 0.1}])
+    ['loss', 'loss_tok', 'loss_kl']
+    """
+    keys: dict[str, None] = {}
+    for rec in steps:
+        for key, value in rec.items():
+            if (key == "loss" or key.startswith("loss_")) and isinstance(value, (int, float)):
+                keys.setdefault(key)
+    return list(keys)
+
+
+def round_updates(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each round's update of the weights the optimizer keeps (the round's last step record carries it;
+    logs written before sapd measured it have none): ‖Δw‖/‖w‖ and the share of the computed update applied."""
+    return [{"round": r["round"], "step": r["step"], "update_rel": r["round_update_rel"],
+             "applied_ratio": r["round_update_applied_ratio"]} for r in steps if "round_update_rel" in r]
 
 
 def write_report(root: str, out: str | None = None) -> list[str]:
@@ -65,12 +88,12 @@ def write_report(root: str, out: str | None = None) -> list[str]:
     for rec in steps:
         rec.setdefault("old_logp_seconds", 0.0)
     x = [r["step"] for r in steps]
+    plotted: dict[str, list[str]] = {"loss terms": loss_keys(steps), "signals": []}
     curve = validation_curve(root)
-    fig, axes = plt.subplots(3 if curve else 2, 2, figsize=(11, 10.5 if curve else 7))
+    fig, axes = plt.subplots(4 if curve else 3, 2, figsize=(11, 14 if curve else 10.5))
     ax = axes[0][0]
-    for key in ("loss", "loss_tok", "loss_step", "loss_rule", "loss_sft"):
-        if key in steps[0]:
-            ax.plot(x, [r[key] for r in steps], label=key)
+    for key in plotted["loss terms"]:
+        ax.plot(x, [r.get(key, float("nan")) for r in steps], label=key)
     ax.set_title("loss terms")
     ax.set_xlabel("optimizer step")
     ax.legend()
@@ -78,6 +101,7 @@ def write_report(root: str, out: str | None = None) -> list[str]:
     for key in ("teacher_student_gap", "step_adv_abs_mean", "clip_fraction"):
         if key in steps[0]:
             ax.plot(x, [r[key] for r in steps], label=key)
+            plotted["signals"].append(key)
     ax.set_title("signals")
     ax.set_xlabel("optimizer step")
     ax.legend()
@@ -103,9 +127,31 @@ def write_report(root: str, out: str | None = None) -> list[str]:
         ax.legend()
     ax.set_title("stage time per round (s)")
     ax.set_xlabel("round")
-    if curve:  # beside the loss terms: the distance they are meant to shrink, on held-out prefixes
+    # the update, in the weights the optimizer keeps (the fp32 master in bf16): a run whose weights do not
+    # move shows here although its losses and gradient norms look normal
+    updates = round_updates(steps)
+    measured = [r for r in steps if "update_rel" in r]
+    plotted["update"] = ["update_rel", "update_applied_ratio"] if measured else []
+    ax = axes[2][0]
+    if measured:
+        ax.plot([r["step"] for r in measured], [r["update_rel"] for r in measured], label="per step")
+        ax.plot([u["step"] for u in updates], [u["update_rel"] for u in updates], "o", label="per round")
+        ax.set_yscale("log")
+        ax.legend()
+    ax.set_title("‖Δw‖/‖w‖ of the kept weights")
+    ax.set_xlabel("optimizer step")
+    ax = axes[2][1]
+    if measured:
+        ax.plot([r["step"] for r in measured], [r["update_applied_ratio"] for r in measured], label="per step")
+        ax.plot([u["step"] for u in updates], [u["applied_ratio"] for u in updates], "o", label="per round")
+        ax.axhline(0.5, color="grey", linestyle=":", label="warning below")
+        ax.set_ylim(0, max(1.1, max(r["update_applied_ratio"] for r in measured) * 1.05))
+        ax.legend()
+    ax.set_title("update applied / update computed")
+    ax.set_xlabel("optimizer step")
+    if curve:  # a last row: the distance the loss terms are meant to shrink, on held-out prefixes
         xs = [c["checkpoint"] for c in curve]
-        ax = axes[2][0]
+        ax = axes[3][0]
         for key, label in (("reverse_kl_per_token", "reverse KL(student ‖ teacher) / sampled token"),
                            ("recorded_logratio_per_token", "log π_T − log π_S / recorded token")):
             _plot_band(ax, xs, [c[key] for c in curve], label)
@@ -114,7 +160,7 @@ def write_report(root: str, out: str | None = None) -> list[str]:
         ax.set_xlabel("checkpoint (= rounds trained)")
         ax.set_ylabel("nats")
         ax.legend(fontsize=8)
-        ax = axes[2][1]
+        ax = axes[3][1]
         for key, label in (("action_match", "student"), ("teacher_action_match", "teacher")):
             if all(key in c for c in curve):
                 _plot_band(ax, xs, [c[key] for c in curve], label)
@@ -125,7 +171,7 @@ def write_report(root: str, out: str | None = None) -> list[str]:
     fig.tight_layout()
     summary = {"steps": len(steps), "rounds": len(rounds), "final": {k: v for k, v in steps[-1].items()
                                                                       if isinstance(v, (int, float))},
-               "round_timings": rounds, "validation": curve}
+               "round_timings": rounds, "round_updates": updates, "plotted": plotted, "validation": curve}
     dest = out or storage.join(root, "report")
     with tempfile.TemporaryDirectory() as tmp:
         png = Path(tmp) / "training.png"

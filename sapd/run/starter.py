@@ -81,14 +81,14 @@ model:
 
 sampling:
   group_size: 8              # G responses sampled per prefix
-  max_new_tokens: 256
+  max_new_tokens: 512        # each round logs the share of responses cut at it
   # backend: vllm            # hf (default) | vllm (GPU)
 
 train:
   rounds: 100                # rollout batches, each followed by its optimizer steps
   trajectories_per_round: {per_round}
   lr: 1e-6
-  # micro_batch_prefixes: 4  # lower it if `sapd check` says the train stage does not fit
-  # gradient_checkpointing: true
-  # engine: deepspeed        # several GPUs: torchrun (see the README)
+  # micro_batch_prefixes: 1  # prefixes per forward/backward (1 fits a 1.5B student on 80 GB: `sapd check`)
+  # gradient_checkpointing: auto   # auto: on for a cuda device | true | false
+  # engine: deepspeed        # several GPUs: torchrun (docs/guides/scaling.md)
 """

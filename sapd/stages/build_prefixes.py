@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from sapd import checkpoints, layout
 from sapd.config import RunConfig
 from sapd.data.errors import report_lines
@@ -34,15 +36,23 @@ def ensure_prefixes(cfg: RunConfig, tokenizer, log: Callable[[str], None] = prin
 
 
 def ensure_initial_checkpoint(cfg: RunConfig, log: Callable[[str], None] = print) -> bool:
-    """Checkpoint 0 = the initial student, with its tokenizer (a no-op when committed). → whether it was
-    written now."""
+    """Checkpoint 0 = the initial student, with its tokenizer (a no-op when committed), in ``model.dtype``.
+    In half precision its fp32 master is the student's own weights, loaded in float32 (exactly the file's
+    values, whether it stores float32 or bfloat16), so training starts from them rather than from their
+    rounding. → whether it was written now."""
     if checkpoints.is_committed(cfg.run_root, 0):
         return False
     log(f"checkpoint 0 ← initial student {cfg.model.student}")
     student = pin_model_path(cfg.model.student, "model.student", log)
-    model = load_causal_lm(student, dtype=cfg.model.dtype)
+    half = cfg.model.dtype != "float32"
+    model = load_causal_lm(student, dtype="float32" if half else cfg.model.dtype)
+    master = checkpoints.master_shard(model) if half else None
+    if half:  # the folder holds the master's rounding, for sampling and evaluation
+        dtype = getattr(torch, cfg.model.dtype)
+        model = model.to(dtype)
+        model.config.dtype = dtype
     checkpoints.save_checkpoint(cfg.run_root, 0, model, load_tokenizer(student), None,
-                                {"source": cfg.model.student, "resolved": student})
+                                {"source": cfg.model.student, "resolved": student}, optimizer=master)
     return True
 
 

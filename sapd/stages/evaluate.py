@@ -36,7 +36,7 @@ from sapd.method.benchmarks import get_benchmark, noop_action, parse_decision
 from sapd.metrics import Metrics
 from sapd.models.generation import Generator, HFGenerator, SamplingParams, stops_for
 from sapd.models.loading import load_tokenizer
-from sapd.models.scoring import ModelScorer
+from sapd.models.scoring import HFScorer
 from sapd.models.vllm_backend import VLLMGenerator
 from sapd.progress import Progress
 from sapd.stages.context import Outcome, StageContext, Step
@@ -265,7 +265,7 @@ def offline_eval(model, tokenizer, prefixes: pa.Table, benchmark: str, *, max_ne
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         params = SamplingParams(n=group_size, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens,
                                 stop=stops_for(spec.decision), seed=seed)
-        records, timings = distance_records(rows, gen, ModelScorer(teacher, pad), ModelScorer(model, pad), tokenizer,
+        records, timings = distance_records(rows, gen, HFScorer(teacher, pad), HFScorer(model, pad), tokenizer,
                                             benchmark, params)
         theirs = teacher_records(rows, HFGenerator(teacher, tokenizer, prompts_per_batch=prompts_per_batch,
                                                    device=device), benchmark, params)

@@ -29,9 +29,10 @@ from sapd.data.batches import round_batch, worker_rows
 from sapd.method.benchmarks import get_benchmark
 from sapd.method.rules import RuleWeights
 from sapd.metrics import Metrics
+from sapd.models.devices import rank_device
 from sapd.models.generation import Generator, HFGenerator, SamplingParams, stops_for
 from sapd.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer, pin_model_path
-from sapd.models.scoring import ModelScorer
+from sapd.models.scoring import HFScorer
 from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
 from sapd.progress import Progress
 from sapd.stages.context import Outcome, StageContext, Step
@@ -47,6 +48,15 @@ class TeacherScorer(Protocol):
 
     def __call__(self, groups: Sequence[tuple[str, list[int], list[list[int]]]],
                  progress: Callable[[int], None] | None = None) -> list[list[list[float]]]: ...
+
+
+def release_teacher(teacher: Any) -> None:
+    """Before a training stage in the same process (``sapd run``): the kept teacher gives back the device
+    (vLLM sleeps, its weights offloaded to host memory, where it can; an HF model on an accelerator moves
+    to host memory); it wakes at its next call."""
+    release = getattr(teacher, "release", None)
+    if callable(release):
+        release()
 
 
 def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None = None) -> Generator:
@@ -66,8 +76,9 @@ def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None
                                        gpu_memory_utilization=cfg.sampling.gpu_memory_utilization,
                                        tensor_parallel_size=cfg.sampling.tensor_parallel_size,
                                        sync_timeout_s=cfg.sampling.weight_sync_timeout_s)
-    student = checkpoints.load_checkpoint_model(cfg.run_root, k, cfg.model.dtype, cfg.model.device)
-    return HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch, device=cfg.model.device)
+    device = rank_device(cfg.model.device)
+    student = checkpoints.load_checkpoint_model(cfg.run_root, k, cfg.model.dtype, device)
+    return HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch, device=device)
 
 
 def release_student(generator: Generator | None) -> None:
@@ -79,14 +90,18 @@ def release_student(generator: Generator | None) -> None:
 
 
 def teacher_scorer(cfg: RunConfig, tokenizer) -> TeacherScorer:
-    """The frozen teacher behind ``sampling.backend``, loaded once."""
+    """The frozen teacher behind ``sampling.backend``, loaded once: vLLM scoring each group's prompt once
+    through its prefix cache (:class:`~sapd.models.vllm_backend.VLLMScorer`), or the HF shared-prefix scorer
+    (:class:`~sapd.models.scoring.HFScorer`).
+    Both can :func:`release_teacher` the device for training."""
     if cfg.sampling.backend == "vllm":
         return VLLMScorer.from_path(cfg.model.teacher, dtype=cfg.model.dtype,
                                     gpu_memory_utilization=cfg.sampling.gpu_memory_utilization,
                                     tensor_parallel_size=cfg.sampling.teacher_tensor_parallel_size)
-    teacher = load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=cfg.model.device)
+    device = rank_device(cfg.model.device)
     # a scorer object (not a closure): the validation samples the teacher through the same engine
-    return ModelScorer(teacher, tokenizer.pad_token_id)
+    return HFScorer(load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=device),
+                    pad_id=tokenizer.pad_token_id, device=device)
 
 
 @dataclass
@@ -97,6 +112,12 @@ class WorkerResult:
     generated_tokens: int = 0
     committed: bool = False  # this worker committed the round (it found every part written)
     validation_seconds: float = 0.0  # this worker validated checkpoint k now (its share), in this long
+    responses: int = 0
+    truncated: int = 0  # responses cut at sampling.max_new_tokens
+
+    @property
+    def truncated_share(self) -> float | None:
+        return self.truncated / self.responses if self.responses else None
 
 
 def record_metrics(metrics: Metrics, k: int, result: WorkerResult) -> None:
@@ -108,6 +129,8 @@ def record_metrics(metrics: Metrics, k: int, result: WorkerResult) -> None:
         metrics.add_tokens("score", result.generated_tokens)
     if result.validation_seconds > 0:
         metrics.observe_stage("validation", result.validation_seconds)
+    if result.truncated_share is not None:
+        metrics.truncated.set(result.truncated_share)
     metrics.round.set(k)
 
 
@@ -162,9 +185,13 @@ def run_worker(cfg: RunConfig, k: int, worker: int, generator: Generator, teache
     n_tokens = sum(len(s.token_ids) for g in samples_P_G for s in g)
     n_rows = scored.write_worker_part(out_dir, worker, out_rows, timings, n_tokens, cfg.workers,
                                       teacher=cfg.model.teacher)
+    truncated, responses = scored.truncated_share(out_rows)
     log(f"round {k} worker {worker}: wrote {n_rows} groups, {n_tokens} generated tokens "
-        f"(sample {timings['sample_seconds']:.1f}s, teacher {timings['score_seconds']:.1f}s)")
-    return WorkerResult(False, n_rows, timings, n_tokens, _commit_if_complete(cfg, k, log), seconds)
+        f"(sample {timings['sample_seconds']:.1f}s, teacher {timings['score_seconds']:.1f}s); "
+        f"{truncated} of {responses} responses ({truncated / max(responses, 1):.1%}) cut at "
+        f"sampling.max_new_tokens={cfg.sampling.max_new_tokens}")
+    return WorkerResult(False, n_rows, timings, n_tokens, _commit_if_complete(cfg, k, log), seconds, responses,
+                        truncated)
 
 
 def _finished(cfg: RunConfig, k: int, worker: int, log: Callable[[str], None]) -> WorkerResult | None:
@@ -175,7 +202,8 @@ def _finished(cfg: RunConfig, k: int, worker: int, log: Callable[[str], None]) -
     log(f"round {k} worker {worker}: already done")
     done: dict[str, Any] = marker if marker is not None else {"rows": -1, "timings": {}}
     return WorkerResult(True, done["rows"], done.get("timings", {}), done.get("generated_tokens", 0),
-                        _commit_if_complete(cfg, k, log))
+                        _commit_if_complete(cfg, k, log), responses=done.get("responses", 0),
+                        truncated=done.get("truncated_responses", 0))
 
 
 def _commit_if_complete(cfg: RunConfig, k: int, log: Callable[[str], None]) -> bool:
@@ -268,10 +296,14 @@ def run(ctx: StageContext, step: Step) -> Outcome:
         results.append(result)
     if validates and validation.is_committed(cfg.run_root, k):
         record_validation(ctx.metrics, validation.read(cfg.run_root, k))  # restated when found committed too
-    if ctx.engines.keep:
-        release_student(ctx.engines.student)  # the engine stays up; training gets the device
+    if ctx.engines.keep:  # the engines stay up; training gets the device
+        release_student(ctx.engines.student)
+        release_teacher(ctx.engines.teacher)
     else:
         ctx.engines.student = ctx.engines.teacher = None
+    round_manifest = scored.committed_manifest(cfg.run_root, k)
+    if round_manifest is not None and round_manifest.get("responses"):  # the whole round's share, once committed
+        ctx.metrics.truncated.set(round_manifest["truncated_responses"] / round_manifest["responses"])
     who = f"worker {workers[0]}/{cfg.workers}" if len(workers) == 1 else f"{len(workers)} workers"
     done = "already done" if all(r.skipped for r in results) else "done"
     committed = "" if not any(r.committed for r in results) else ", round committed" if scores else \

@@ -1,7 +1,8 @@
 """The train stage of round k (``jobs.train``, the chart's ``train`` block), top to bottom: checkpoint k +
 round k's scored shards → checkpoint k+1.
 
-1. Load the student from checkpoint k (it sampled round k, so it *is* π_old) and its trainer state.
+1. Load the student from checkpoint k (it sampled round k, so it *is* π_old) and its trainer state; in
+   bf16 the optimizer updates the fp32 master stored with it, and the bf16 weights are its rounding.
 2. Recompute π_old log-probs of every sampled token with these training weights, once, before any
    update (sampler log-probs from another engine may differ numerically; ratios must start at 1).
    Once in total: on W ranks each computes a 1/W share and the ranks exchange the results.
@@ -10,7 +11,8 @@ round k's scored shards → checkpoint k+1.
    over micro-batches of ``micro_batch_prefixes``; gradient clipping; learning-rate schedule.
    On W ranks (``train.engine: deepspeed`` under torchrun) rank r takes micro-batches r, r+W, … of
    each minibatch, weighted so that the rank-averaged gradient is the one-process minibatch gradient.
-4. Write the per-step log, then checkpoint k+1 (HF model + optimizer/RNG/cursor), committed last
+4. Write the per-step log (each step's and the round's update of the weights the optimizer keeps:
+   :class:`UpdateProbe`), then checkpoint k+1 (HF model + optimizer/RNG/cursor), committed last
    (by rank 0).
 
 The SFT baseline (:func:`sft_round`) uses the same data path, engine and checkpoint format with
@@ -40,10 +42,12 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 import torch
 
 from sapd import checkpoints, layout, storage
-from sapd.config import RunConfig
+from sapd.config import FLOAT16_NOT_TRAINED, ConfigError, RunConfig, micro_batch_problem
 from sapd.data.batches import round_batch
 from sapd.data.scored import ScoredPrefix, read_scored, scored_prefixes
+from sapd.data.scored import committed_manifest as scored_manifest
 from sapd.method.objective import LossInputs, loss_for, objective_of, required_inputs
+from sapd.models.devices import bind_rank_device, rank_device
 from sapd.models.loading import load_tokenizer
 from sapd.models.scoring import response_logprobs, response_logprobs_and_entropy
 from sapd.progress import QUIET, Progress
@@ -69,12 +73,16 @@ class Engine(Protocol):
         """This rank's share of the optimizer state (checkpoint k+1 stores each rank's share)."""
         ...
 
-    def prepare_optimizer_shard(self, step: float, hyper: dict[str, Any]) -> checkpoints.OptimizerShard:
+    def prepare_optimizer_shard(self, step: float | None, hyper: dict[str, Any]) -> checkpoints.OptimizerShard:
         """The optimizer state created empty, to be filled from checkpoint k (resharded to this layout)."""
         ...
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """A whole AdamW state dict (checkpoints written before the state was sharded)."""
+        ...
+
+    def weights_from_master(self) -> None:
+        """The model's half-precision weights set to the rounding of the fp32 master (after it was loaded)."""
         ...
 
     @property
@@ -110,9 +118,16 @@ EngineFactory = Callable[[Any, RunConfig], Engine]
 
 @dataclass
 class TorchEngine:
+    """One process, plain ``torch.optim.AdamW``. A float32 model: the optimizer updates its weights. A
+    bfloat16 model: the optimizer updates ``masters``, an fp32 copy of every parameter kept for the whole
+    run (saved with the optimizer state); each micro-batch's forward and backward run on the bfloat16
+    weights, the accumulated bfloat16 gradients are cast to float32 at the step, and the bfloat16 weights
+    are set to the master's rounding after it. What DeepSpeed's bf16 mode does, on one process."""
+
     model: Any
     optimizer: torch.optim.Optimizer
     max_grad_norm: float
+    masters: list[torch.Tensor] | None = None  # fp32, in model.parameters() order; None: float32 model
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -120,16 +135,29 @@ class TorchEngine:
     def step(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if self.masters is not None:
+            for p, m in zip(self.model.parameters(), self.masters, strict=True):
+                m.grad = None if p.grad is None else p.grad.to(torch.float32)
+                p.grad = None  # freed one parameter at a time: the fp32 gradients replace the bf16 ones
+        params = self.masters if self.masters is not None else list(self.model.parameters())
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.masters is not None:
+            self.weights_from_master()
         return float(norm)
 
-    def optimizer_shard(self) -> checkpoints.OptimizerShard:
-        return checkpoints.torch_optimizer_shard(self.optimizer)
+    def weights_from_master(self) -> None:
+        if self.masters is not None:
+            with torch.no_grad():
+                for p, m in zip(self.model.parameters(), self.masters, strict=True):
+                    p.copy_(m)  # round to nearest even, as DeepSpeed's copy into its bf16 partitions
 
-    def prepare_optimizer_shard(self, step: float, hyper: dict[str, Any]) -> checkpoints.OptimizerShard:
-        return checkpoints.prepare_torch_optimizer_shard(self.optimizer, step, hyper)
+    def optimizer_shard(self) -> checkpoints.OptimizerShard:
+        return checkpoints.torch_optimizer_shard(self.optimizer, master=self.masters is not None)
+
+    def prepare_optimizer_shard(self, step: float | None, hyper: dict[str, Any]) -> checkpoints.OptimizerShard:
+        return checkpoints.prepare_torch_optimizer_shard(self.optimizer, step, hyper, master=self.masters is not None)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
@@ -164,9 +192,16 @@ class TorchEngine:
 
 
 def make_torch_engine(model, cfg: RunConfig) -> TorchEngine:
+    """AdamW over ``model``'s weights, or over an fp32 master of them when the model is in bfloat16."""
     tc = cfg.train
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
-    return TorchEngine(model, opt, tc.max_grad_norm)
+    params = list(model.parameters())
+    if any(p.dtype == torch.float16 for p in params):
+        raise ConfigError(FLOAT16_NOT_TRAINED, "model.dtype")
+    masters = None
+    if any(p.dtype == torch.bfloat16 for p in params):
+        masters = [p.detach().to(torch.float32, copy=True) for p in params]
+    opt = torch.optim.AdamW(masters or params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
+    return TorchEngine(model, opt, tc.max_grad_norm, masters)
 
 
 def engine_factory_for(cfg: RunConfig) -> EngineFactory:
@@ -270,7 +305,7 @@ def compute_reference_logprobs(cfg: RunConfig, prefixes: list[ScoredPrefix], pad
     """The initial policy's (checkpoint 0's) log-probs of every sampled token, for ``loss.kl_coef`` > 0
     (SDAR's KL to the initial policy). Loads checkpoint 0 for the purpose and frees it; returns seconds."""
     t0 = time.perf_counter()
-    ref = checkpoints.load_checkpoint_model(cfg.run_root, 0, cfg.model.dtype, cfg.model.device)
+    ref = checkpoints.load_checkpoint_model(cfg.run_root, 0, cfg.model.dtype, rank_device(cfg.model.device))
     ref.eval()
     recompute_old_logprobs(ref, prefixes, pad_id, cfg.train.micro_batch_prefixes, field="ref_logp_G_T", engine=engine,
                            shared_prompt=cfg.train.shared_prompt, train_engine=cfg.train.engine,
@@ -330,6 +365,35 @@ def _rng_state() -> dict[str, Any]:
     return {"python": random.getstate(), "torch": torch.get_rng_state()}
 
 
+def micro_batches(minibatch: list, micro: int) -> list[list]:
+    """A minibatch cut into micro-batches of ``micro`` prefixes (the last one shorter)."""
+    return [minibatch[s:s + micro] for s in range(0, len(minibatch), micro)]
+
+
+@dataclass
+class _Rank:
+    rank: int
+    world_size: int
+
+
+def round_passes(n_prefixes: int, cfg: RunConfig, world_size: int) -> tuple[int, int]:
+    """(forward/backward passes that carry weight, all passes) of one epoch over ``n_prefixes`` on
+    ``world_size`` ranks: the minibatches and micro-batches :func:`optimizer_steps` cuts, shared by
+    :func:`micro_batch_share`. 16 ranks, minibatch 16 of 143 prefixes: 36 of 144 with micro-batches of 4,
+    143 of 144 with one prefix each."""
+    tc = cfg.train
+    items = list(range(n_prefixes))
+    weighted = total = 0
+    for start in range(0, n_prefixes, tc.minibatch_prefixes):
+        mb = items[start:start + tc.minibatch_prefixes]
+        chunks = micro_batches(mb, tc.micro_batch_prefixes)
+        for r in range(world_size):
+            for _, weight, _ in micro_batch_share(chunks, len(mb), _Rank(r, world_size)):  # type: ignore[arg-type]
+                total += 1
+                weighted += weight > 0
+    return weighted, total
+
+
 def micro_batch_share(chunks: list, n: int, engine: Engine) -> list[tuple[Any, float, float]]:
     """This rank's micro-batches of a minibatch of ``n`` prefixes: (chunk, loss weight, metric weight).
 
@@ -356,6 +420,102 @@ def _mean_metrics(items: list[tuple[float, dict[str, float]]], engine: Engine | 
     return {key: s / (sums[0] or 1.0) for key, s in zip(keys, sums[1:])}
 
 
+# ---------------------------------------------------------------------------------------------------
+# the size of each update, in the weights the optimizer keeps
+
+PROBE_ELEMENTS = 1 << 20
+"""Kept-weight elements each rank reads per measurement: every s-th of its share, all of a small model."""
+LOST_UPDATE_SHARE = 0.5
+"""A round whose kept weights took less than this share of the update the optimizer computed warns."""
+SIGNIFICAND_BITS = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
+
+
+class UpdateProbe:
+    """How far each optimizer step, and the round, moved the weights the optimizer keeps — the fp32 master,
+    or a float32 model's own weights — and how much of the update it computed they took. Judged there, not
+    in the bfloat16 copy that samples: at lr 1e-6 that copy legitimately changes only where the master has
+    crossed half a bfloat16 step.
+
+    * ``update_rel`` = ‖w_after − w_before‖ / ‖w_before‖ of one step; ``round_update_rel``: of the round;
+    * ``update_applied_ratio`` = ⟨a, c⟩ / ⟨c, c⟩, a the change the kept weights took and c the AdamW update
+      computed from the moments after the step, in float64: c = −lr·(wd·w + m̂ / (√v̂ + ε)), m̂ = m / (1 − β₁ᵗ),
+      v̂ = v / (1 − β₂ᵗ). 1 when every update landed; near 0 when rounding swallowed them (in a dtype with p
+      significand bits, an update smaller than half the spacing at w, 2^(⌊log₂|w|⌋ − p), is lost);
+      ``round_update_applied_ratio``: the same over the round's steps.
+
+    Measured on every s-th element of each rank's share (at most :data:`PROBE_ELEMENTS` per rank) and
+    summed over the ranks: per step two small copies and an all-reduce of four numbers."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        shard = engine.optimizer_shard()
+        kept = self._views(shard, checkpoints.MASTER_KEY)
+        self.stride = max(1, -(-sum(v.numel() for v in kept) // PROBE_ELEMENTS))
+        self.kept_dtype = kept[0].dtype if kept else torch.float32
+        self.is_master = checkpoints.MASTER_KEY in shard.keys  # a copy of the model's weights, not them
+        self.start = self._sample(kept)
+        self.before: list[torch.Tensor] = []
+        self.applied_computed = [0.0, 0.0]  # Σ⟨a, c⟩ and Σ⟨c, c⟩ over the round's steps
+
+    @staticmethod
+    def _views(shard: checkpoints.OptimizerShard, key: str) -> list[torch.Tensor]:
+        return [views[key] for frags in shard.fragments for _, views in frags]
+
+    def _sample(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [v.reshape(-1)[::self.stride].to(torch.float64, copy=True) for v in views]
+
+    def _sums(self, terms: list[torch.Tensor]) -> list[float]:
+        """Every rank's sums of ``terms`` (each a stack of per-fragment sums), scaled up to its whole share."""
+        local = torch.stack(terms).sum(0).tolist() if terms else [0.0] * 4
+        return self.engine.all_reduce_sum([x * self.stride for x in local])
+
+    def before_step(self) -> None:
+        self.before = self._sample(self._views(self.engine.optimizer_shard(), checkpoints.MASTER_KEY))
+
+    def after_step(self, lr: float) -> dict[str, float]:
+        shard = self.engine.optimizer_shard()
+        keys = (checkpoints.MASTER_KEY, *checkpoints.STATE_KEYS)
+        after, m, v = (self._sample(self._views(shard, key)) for key in keys)
+        (beta1, beta2), eps, wd = shard.hyper["betas"], shard.hyper["eps"], shard.hyper.get("weight_decay", 0.0)
+        t = float(shard.step or 1.0)
+        bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
+        terms = []
+        for w0, w1, m_t, v_t in zip(self.before, after, m, v, strict=True):
+            computed = -lr * (wd * w0 + (m_t / bc1) / ((v_t / bc2).sqrt() + eps))
+            applied = w1 - w0
+            terms.append(torch.stack([(applied * computed).sum(), (computed * computed).sum(),
+                                      (applied * applied).sum(), (w0 * w0).sum()]))
+        ac, cc, aa, ww = self._sums(terms)
+        self.applied_computed[0] += ac
+        self.applied_computed[1] += cc
+        return {"update_rel": math.sqrt(aa / ww) if ww else 0.0, "update_applied_ratio": ac / cc if cc else 1.0}
+
+    def finish(self) -> dict[str, float]:
+        """The round's figures (a collective: every rank calls it after its last step)."""
+        end = self._sample(self._views(self.engine.optimizer_shard(), checkpoints.MASTER_KEY))
+        terms = [torch.stack([((w1 - w0) ** 2).sum(), (w0 * w0).sum(), w0.new_zeros(()), w0.new_zeros(())])
+                 for w0, w1 in zip(self.start, end, strict=True)]
+        dd, ww, _, _ = self._sums(terms)
+        ac, cc = self.applied_computed
+        return {"round_update_rel": math.sqrt(dd / ww) if ww else 0.0,
+                "round_update_applied_ratio": ac / cc if cc else 1.0}
+
+    def describe(self, k: int, rec: dict[str, Any], lr: float) -> list[str]:
+        """The round's log line, and its warning when the kept weights lost most of the update."""
+        name = str(self.kept_dtype).removeprefix("torch.")
+        kept = "its fp32 master" if self.is_master else f"its {name} weights"
+        ratio = rec["round_update_applied_ratio"]
+        lines = [f"round {k} update of the weights the optimizer keeps ({kept}): ‖Δw‖/‖w‖ "
+                 f"{rec['round_update_rel']:.2e}, {ratio:.1%} of the update it computed applied"]
+        if ratio < LOST_UPDATE_SHARE:
+            bits = SIGNIFICAND_BITS.get(self.kept_dtype, 24)
+            lines.append(f"round {k}: WARNING: the weights the optimizer keeps ({name}) took only {ratio:.0%} of the "
+                         f"update it computed: at lr {lr:.1e} most updates are below half the {name} spacing of the "
+                         f"weights they should move (an update moves w only if it exceeds 2^(⌊log2|w|⌋−{bits})); "
+                         + ("raise train.lr" if bits >= 24 else "keep an fp32 master of the weights"))
+        return lines
+
+
 def optimizer_steps(cfg: RunConfig, k: int, engine: Engine, items: list, micro_loss: Callable, global_step: int,
                     describe: Callable[[dict], str], *, log: Callable[[str], None] = print,
                     show_progress: bool = True, label: str = "training",
@@ -364,11 +524,13 @@ def optimizer_steps(cfg: RunConfig, k: int, engine: Engine, items: list, micro_l
     """The optimizer steps of round k over ``items`` (scored prefixes, or SFT examples): each epoch
     reshuffles them with (seed, k), cuts minibatches of ``minibatch_prefixes``, accumulates the
     micro-batch losses ``micro_loss(chunk) -> (loss, metrics)`` of this rank's share, clips and steps.
-    Returns the per-step records and the new global step. ``progress`` counts the steps (main rank only)."""
+    Returns the per-step records and the new global step. ``progress`` counts the steps (main rank only).
+    Each record carries the step's update size (:class:`UpdateProbe`), the round's last one the round's."""
     tc = cfg.train
     order_rng = random.Random(f"{tc.seed}:{k}")
     records: list[dict] = []
     n_steps = tc.epochs_per_round * -(-len(items) // tc.minibatch_prefixes)
+    probe = UpdateProbe(engine)
     progress = (progress or Progress.of(log, show_progress)) if engine.is_main else QUIET
     bar = progress.task(f"round {k} {label}", total=n_steps, unit="step")
     for epoch in range(tc.epochs_per_round):
@@ -377,24 +539,30 @@ def optimizer_steps(cfg: RunConfig, k: int, engine: Engine, items: list, micro_l
         for mb_start in range(0, len(order), tc.minibatch_prefixes):
             t_step = time.perf_counter()
             mb = [items[i] for i in order[mb_start:mb_start + tc.minibatch_prefixes]]
-            chunks = [mb[s:s + tc.micro_batch_prefixes] for s in range(0, len(mb), tc.micro_batch_prefixes)]
+            chunks = micro_batches(mb, tc.micro_batch_prefixes)
             parts = []
             for chunk, weight, metric_weight in micro_batch_share(chunks, len(mb), engine):
                 loss, metrics = micro_loss(chunk)
                 engine.backward(loss * weight)  # weight: exact decomposition of the minibatch mean over prefixes
                 parts.append((metric_weight, metrics))
             lr = learning_rate(cfg, k, global_step)
+            probe.before_step()
             grad_norm = engine.step(lr)
             global_step += 1
             rec = {"round": k, "epoch": epoch, "step": global_step, "lr": lr, "grad_norm": grad_norm,
-                   "prefixes": len(mb), **_mean_metrics(parts, engine),
+                   "prefixes": len(mb), **_mean_metrics(parts, engine), **probe.after_step(lr),
                    "step_seconds": time.perf_counter() - t_step}
             records.append(rec)
+            if len(records) == n_steps:
+                rec.update(probe.finish())
             bar.update()
             if on_step is not None and engine.is_main:
                 on_step(rec)
             log(f"round {k} step {global_step}: {describe(rec)} |g| {grad_norm:.3f}")
     bar.close()
+    if records:
+        for line in probe.describe(k, records[-1], max(r["lr"] for r in records)):
+            log(line)
     return records, global_step
 
 
@@ -437,6 +605,10 @@ def train_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, prefixes: lis
     if "ref_logp_P_G_T" in need:
         extra["ref_logp_seconds"] = compute_reference_logprobs(cfg, prefixes, pad, engine)
     model.train()
+    if engine.world_size > 1:
+        weighted, total = round_passes(len(prefixes), cfg, engine.world_size)
+        log(f"round {k}: {engine.world_size} ranks, {weighted} of {total} forward/backward passes per epoch carry "
+            f"weight ({weighted / total:.0%})")
     label = "sft" if objective_of(cfg.loss_cfg).data == "recorded" else "training"
     records, global_step = optimizer_steps(
         cfg, k, engine, prefixes, lambda chunk: _micro_loss(model, cfg, chunk, pad),
@@ -482,13 +654,17 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
     if checkpoints.is_committed(root, k + 1):
         log(f"round {k}: checkpoint {k + 1} already committed")
         return checkpoints.read_marker(root, k + 1)
+    if (problem := micro_batch_problem(cfg, int(os.environ.get("WORLD_SIZE", "1")))) is not None:
+        raise ConfigError(problem, "train.micro_batch_prefixes")
+    # this rank's own GPU (cuda:LOCAL_RANK) is its current device before any byte is allocated
+    device = bind_rank_device(cfg.model.device)
     ckpt_path = checkpoints.checkpoint_model_path(root, k)
     tokenizer = load_tokenizer(str(ckpt_path))
     if cfg.train.engine == "deepspeed" and cfg.train.zero_stage == 3 and engine_factory is None:
         model = load_partitioned(str(ckpt_path), cfg)  # each rank builds and loads only its partitions
     else:
-        model = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, cfg.model.device, trainable=True)
-    if cfg.train.gradient_checkpointing:
+        model = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, device, trainable=True)
+    if cfg.checkpointing_on():
         # transformers ≥ 5.x names it activation checkpointing (the old name warns, then goes in v6)
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     engine = (engine_factory or engine_factory_for(cfg))(model, cfg)
@@ -505,7 +681,11 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
     # several ranks: rank 0 writes the log and checkpoint k+1, once every rank is done reading round k
     engine.barrier()
     if engine.is_main:
-        write_round_log(root, k, records, {"variant": cfg.variant})
+        extra: dict[str, Any] = {"variant": cfg.variant}
+        manifest = scored_manifest(root, k)
+        if manifest is not None and manifest.get("responses"):  # the round's share cut at max_new_tokens
+            extra["truncated_share"] = manifest["truncated_responses"] / manifest["responses"]
+        write_round_log(root, k, records, extra)
     # every rank takes part (ZeRO-3 gathers one shard's parameters at a time) and writes its own share of
     # the optimizer state; rank 0 writes the rest and commits
     checkpoints.save_checkpoint(root, k + 1, engine.module, tokenizer, new_state, {"round": k, "steps": len(records)},

@@ -33,6 +33,11 @@ How it matches the single-process engine, step for step:
   checkpoint trained by either engine, on any number of ranks and any ZeRO stage, resumes on any other
   (resharding on load). Checkpoints holding the whole state (written before) still load
   (:meth:`DeepSpeedEngine.load_optimizer_state`). Both are collective (every rank calls them).
+* **The fp32 master lives as long as the run.** In bf16 DeepSpeed builds its fp32 partitions from the
+  bf16 module, i.e. from the bf16 rounding even of weights handed in as fp32. So the master is part of
+  the sharded optimizer state (each rank's slices of its fp32 partitions, beside the moments), and after
+  it is loaded :meth:`DeepSpeedEngine.weights_from_master` sets the bf16 module weights from it the way
+  DeepSpeed's own step does. The model folder of each checkpoint stays bf16, the master's rounding.
 """
 
 from __future__ import annotations
@@ -44,8 +49,8 @@ from typing import Any, ContextManager
 
 import torch
 
-from sapd.checkpoints import HYPER_KEYS, STATE_KEYS, OptimizerShard
-from sapd.config import ConfigError, RunConfig
+from sapd.checkpoints import HYPER_KEYS, MASTER_KEY, STATE_KEYS, OptimizerShard
+from sapd.config import FLOAT16_NOT_TRAINED, ConfigError, RunConfig
 from sapd.models.loading import load_causal_lm
 from sapd.models.scoring import HeadOnlyLM, decoder_and_head
 
@@ -56,8 +61,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage: {t.zero_stage} is not one of 0, 1, 2, 3")
     if cfg.model.dtype == "float16":
-        raise ConfigError("model.dtype: float16 needs loss scaling, which the deepspeed engine does not set up; "
-                          "use bfloat16 or float32")
+        raise ConfigError(FLOAT16_NOT_TRAINED, "model.dtype")
     return {
         # the loop feeds micro-batches of `micro_batch_prefixes` prefixes and owns the accumulation
         "train_micro_batch_size_per_gpu": t.micro_batch_prefixes,
@@ -122,19 +126,21 @@ class DeepSpeedEngine:
         return list(self.module.parameters())  # the order TorchEngine's AdamW indexes them by
 
     def optimizer_shard(self) -> OptimizerShard:
-        """This rank's slices of the AdamW state (views of DeepSpeed's own tensors): ZeRO-3 — each
-        parameter's partition (``partition_rank · partition_numel`` onward, its padding cut off);
-        ZeRO-1/2 and DeepSpeed's bf16 optimizer — the fragment of the parameter that falls into this
-        rank's flat partition (DeepSpeed's ``_hp_mapping``), none where it falls elsewhere; no ZeRO —
-        the whole state, replicated on every rank."""
+        """This rank's slices of the AdamW state and of the fp32 weights it updates (views of DeepSpeed's
+        own tensors): ZeRO-3 — each parameter's partition (``partition_rank · partition_numel`` onward,
+        its padding cut off); ZeRO-1/2 and DeepSpeed's bf16 optimizer — the fragment of the parameter that
+        falls into this rank's flat partition (DeepSpeed's ``_hp_mapping``), none where it falls elsewhere;
+        no ZeRO — the whole state, replicated on every rank. The fp32 weights are saved (``master``) in
+        bf16, where the module holds only their rounding; the moments once the optimizer has stepped."""
         inner = self._inner()
         params = self._params()
         hyper = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
         numels = [int(getattr(p, "ds_numel", p.numel())) for p in params]
         shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in params]
-        if not inner.state:
-            return OptimizerShard(numels, [[] for _ in params], hyper, None, False, shapes)
-        step = float(next(iter(inner.state.values()))["step"])
+        stepped = bool(inner.state)
+        step = float(next(iter(inner.state.values()))["step"]) if stepped else None
+        moments = STATE_KEYS if stepped else ()
+        keys = moments + ((MASTER_KEY,) if self.cfg.model.dtype == "bfloat16" else ())
         zero = self.model.optimizer
         replicated = not any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params)
         fragments: list[list[tuple[int, dict[str, torch.Tensor]]]] = []
@@ -145,22 +151,27 @@ class DeepSpeedEngine:
                 start = zero._get_param_partition_rank(p) * part
                 n = max(0, min(part, p.ds_numel - start))
                 views = {key: zero._get_fp32_opt_state_partition(p, False, key)[0].narrow(0, 0, n)
-                         for key in STATE_KEYS}
+                         for key in moments}
+                views[MASTER_KEY] = zero._get_fp32_opt_state_partition(p, False)[0].detach().narrow(0, 0, n)
                 fragments.append([(start, views)] if n else [])
             elif getattr(p, "_hp_mapping", None) is not None:  # ZeRO-1/2, bf16: this rank's fragment
                 m = p._hp_mapping
                 fragments.append([(m.lp_fragment_address.start,
-                                   {key: m.get_optim_state_fragment(key) for key in STATE_KEYS})])
+                                   {**{key: m.get_optim_state_fragment(key) for key in moments},
+                                    MASTER_KEY: m.get_hp_fragment().detach()})])
             elif replicated:  # no partitioning: the optimizer holds the parameter itself
-                fragments.append([(0, {key: inner.state[p][key].view(-1) for key in STATE_KEYS})])
+                fragments.append([(0, {**{key: inner.state[p][key].view(-1) for key in moments},
+                                       MASTER_KEY: p.detach().view(-1)})])
             else:
                 fragments.append([])
-        return OptimizerShard(numels, fragments, hyper, step, replicated, shapes)
+        return OptimizerShard(numels, fragments, hyper, step, replicated, shapes, keys)
 
-    def prepare_optimizer_shard(self, step: float, hyper: dict[str, Any]) -> OptimizerShard:
+    def prepare_optimizer_shard(self, step: float | None, hyper: dict[str, Any]) -> OptimizerShard:
         """Create AdamW's state as its first step would (zeros at ``step``, on the flat partitions this
-        rank owns), link DeepSpeed's per-parameter views to it, set ``hyper``; → the slices to fill."""
-        self._create_state(step)
+        rank owns; none for ``step`` None), link DeepSpeed's per-parameter views to it, set ``hyper``;
+        → the slices to fill, the fp32 master's included."""
+        if step is not None:
+            self._create_state(step)
         for group in self._inner().param_groups:
             for key in HYPER_KEYS:
                 if key in hyper and key in group:
@@ -200,6 +211,20 @@ class DeepSpeedEngine:
         for i, p in enumerate(params):
             for key in ("exp_avg", "exp_avg_sq"):
                 safe_set_full_optimizer_state(p, saved["state"][i][key].to(self._device()).flatten(), key)
+
+    def weights_from_master(self) -> None:
+        """The bf16 module weights set to the rounding of the fp32 partitions (after the master was loaded
+        into them), as DeepSpeed's own step ends: ZeRO-1/2 and the bf16 optimizer copy each rank's
+        partition and all-gather the flat buffers; ZeRO-3 copies into each rank's partitions and gathers
+        the persistent (small, never partitioned) parameters again. A collective."""
+        zero = self.model.optimizer
+        if hasattr(zero, "update_lp_params"):
+            zero.update_lp_params()
+        elif hasattr(zero, "fp32_partitioned_groups_flat"):
+            zero._partition_all_parameters()
+            for i in range(len(zero.fp16_groups)):
+                zero._reassign_or_swap_out_partitioned_parameters(i)
+            zero.checkpoint_event_epilogue()
 
     @property
     def is_main(self) -> bool:

@@ -25,7 +25,7 @@ from sapd.method.benchmarks import BenchmarkSpec, alfworld_action_key, get_bench
 from sapd.method.rules import normalize_action
 from sapd.metrics import Metrics
 from sapd.models.generation import Generator, HFGenerator, Sample, SamplingParams, stops_for
-from sapd.models.scoring import ModelScorer
+from sapd.models.scoring import HFScorer
 from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
 from sapd.progress import Progress
 
@@ -44,7 +44,7 @@ def engine_scorer(generator: Generator, pad_id: int) -> Scorer:
     student): the HF model behind an :class:`HFGenerator`, or a :class:`VLLMScorer` on the same vLLM
     engine as a :class:`VLLMGenerator` (no second copy of the weights)."""
     if isinstance(generator, HFGenerator):
-        return ModelScorer(generator.model, pad_id)
+        return HFScorer(generator.model, pad_id)
     if isinstance(generator, VLLMGenerator):
         return VLLMScorer(generator.llm)
     raise TypeError(f"{type(generator).__name__}: the validation scores the recorded responses with the "
@@ -52,14 +52,16 @@ def engine_scorer(generator: Generator, pad_id: int) -> Scorer:
                     "(validation.every_rounds: 0 turns the validation off)")
 
 
-def engine_sampler(scorer: Any, tokenizer, *, prompts_per_batch: int = 4, device: str = "cpu") -> Generator:
+def engine_sampler(scorer: Any, tokenizer, *, prompts_per_batch: int = 4) -> Generator:
     """A sampler on a scorer's engine (the teacher samples through the engine it scores with)."""
-    if isinstance(scorer, ModelScorer):
-        return HFGenerator(scorer.model, tokenizer, prompts_per_batch=prompts_per_batch, device=device)
+    if isinstance(scorer, HFScorer):
+        scorer.wake()  # a kept teacher released its device for the last training stage
+        return HFGenerator(scorer.model, tokenizer, prompts_per_batch=prompts_per_batch, device=scorer.device)
     if isinstance(scorer, VLLMScorer):
+        scorer.wake()
         return VLLMGenerator(scorer.llm, tokenizer=tokenizer)
     raise TypeError(f"{type(scorer).__name__}: the validation samples the teacher through the engine it scores "
-                    "with (a ModelScorer or a VLLMScorer); this scorer has none (validation.every_rounds: 0 "
+                    "with (an HFScorer or a VLLMScorer); this scorer has none (validation.every_rounds: 0 "
                     "turns the validation off)")
 
 
@@ -165,8 +167,7 @@ def validate_worker(cfg: RunConfig, k: int, worker: int, sampler: Generator, tea
     timings: dict[str, float] = {}
     if validation.teacher_part(cfg, worker, cfg.model.teacher) is None:
         t0 = time.perf_counter()
-        sampler_T = engine_sampler(teacher, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch,
-                                   device=cfg.model.device)
+        sampler_T = engine_sampler(teacher, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch)
         recs = teacher_records(rows, sampler_T, cfg.data.benchmark, params, progress)
         timings["teacher_sample_seconds"] = time.perf_counter() - t0
         validation.write_teacher_part(cfg, worker, recs, timings["teacher_sample_seconds"])

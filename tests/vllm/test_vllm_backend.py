@@ -207,6 +207,70 @@ def test_scorer_matches_hf(llm, generator, hf_model, tokenizer, prompts) -> None
     assert worst_shared <= TOLERANCE
 
 
+@pytest.fixture(scope="module")
+def long_scorer(model_dir: Path):
+    """A teacher engine with a longer context than the module's (prompts past two KV blocks), built by
+    :meth:`VLLMScorer.from_path` (prefix caching on). Kept until the module ends: tearing an in-process
+    engine down takes vLLM's process-wide parallel groups with it, and the module's engine is still used."""
+    scorer = VLLMScorer.from_path(model_dir, dtype="float32", max_model_len=640, kv_cache_memory_bytes=256 * 2**20)
+    yield scorer
+    del scorer
+
+
+def test_scorer_computes_each_prompt_once(long_scorer, hf_model) -> None:
+    """Each group's prompt is prefilled once and read from vLLM's prefix cache by its G scoring requests:
+    the tokens computed (from vLLM's own count of cache hits) fall from G·(P + R) towards P + G·R, and the
+    scores equal scoring every response whole (the HF reference). Two responses sharing their first 40
+    tokens, scheduled in one step, can hit each other's blocks past the prompt: those rows were never
+    computed, so they are scored again without the cache. The CPU build's KV blocks are 128 tokens."""
+    scorer = long_scorer
+    assert scorer.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching and not scorer.sleeps
+    scorer.release()  # the CPU backend has no sleep mode: the engine stays as it is
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(10, 900, (n,), generator=g).tolist()
+
+    shared = ids(40)
+    groups = [("alfworld-like", ids(300), [ids(n) for n in (12, 30, 7, 25)]),
+              # prompt 240: the block of tokens 128-255 ends inside the responses, which share 40 tokens
+              ("shared-start", ids(240), [shared + [5, 6], shared + [7, 8, 9], ids(20), []])]
+    block = scorer.llm.llm_engine.vllm_config.cache_config.block_size
+    (pid, prompt, responses) = groups[0]
+    first = scorer.score_groups(groups[:1])
+    # P − 1 prefilled once; each response then recomputes the prompt past its cached blocks, and itself
+    cached = (len(prompt) - 1) // block * block
+    assert scorer.stats.computed_tokens == len(prompt) - 1 + sum(len(prompt) - cached + len(r) for r in responses)
+    assert scorer.stats.rescored == 0
+    got = first + scorer.score_groups(groups[1:])
+    worst = max(_max_abs_diff(scored, score_naive(hf_model, p, rs, prefix_id=pid))
+                for (pid, p, rs), scored in zip(groups, got))
+    stats = scorer.stats
+    print(f"\n[vllm] teacher scoring, prompt once: max |Δ| vs score_naive = {worst:.3e}; {stats.line()}")
+    assert worst <= TOLERANCE
+    assert [[len(r) for r in s] for s in got] == [[len(r) for r in rs] for _, _, rs in groups]
+    assert (stats.groups, stats.responses) == (2, 7) and stats.rescored >= 1
+    assert stats.per_response_tokens == sum(len(p) + len(r) for _, p, rs in groups for r in rs if r)
+    assert stats.shared_prompt_tokens == sum(len(p) + sum(map(len, rs)) for _, p, rs in groups)
+    assert stats.shared_prompt_tokens < stats.computed_tokens < stats.per_response_tokens
+    whole = VLLMScorer(scorer.llm, share_prompt=False)
+    again = whole.score_groups(groups)
+    assert max(_max_abs_diff(a, b) for a, b in zip(again, got)) <= TOLERANCE
+    assert whole.stats.computed_tokens == whole.stats.per_response_tokens  # vLLM's default: no cache read
+
+
+def test_scorer_reads_the_computed_rows_of_a_cache_hit() -> None:
+    """vLLM's V2 model runner returns only the rows it computed after a prefix-cache hit of h tokens (a
+    list shorter by h); the reader aligns on it, and refuses a hit that left a response row uncomputed."""
+    from vllm.logprobs import Logprob
+
+    # prompt 4 tokens + response [6, 7]; hit h = 2: entries for tokens 2..5, the first a None
+    positions = [None, {9: Logprob(-0.5)}, {6: Logprob(-1.0)}, {7: Logprob(-2.0)}]
+    assert VLLMScorer._read("x", 0, 4, [6, 7], positions) == [-1.0, -2.0]
+    with pytest.raises(TeacherScoringError, match="returned 2 prompt log-probs for a 6-token sequence"):
+        VLLMScorer._read("x", 0, 4, [6, 7], positions[2:])  # h = 4 > P − 1: row 3 was never computed
+
+
 def test_scorer_refuses_too_long(llm, tokenizer) -> None:
     scorer = VLLMScorer(llm)
     fits = ("ok", list(range(10, 20)), [[30, 31]])

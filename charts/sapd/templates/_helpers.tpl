@@ -167,6 +167,10 @@ imagePullPolicy: {{ $img.pullPolicy }}
   value: {{ .root.Values.pushgateway.url | quote }}
 - name: SAPD_JOB
   value: {{ .component }}
+# the training ranks (train pods × processes per pod): what the checks size ZeRO's shards by and divide a
+# minibatch's micro-batches over, in the driver and the preflight pod too
+- name: SAPD_TRAIN_PROCESSES
+  value: {{ mul (int .root.Values.train.parallelism) (int .root.Values.train.procsPerPod) | quote }}
 - name: SAPD_RELEASE
   value: {{ .root.Release.Name | quote }}
 - name: SAPD_NAMESPACE

@@ -270,7 +270,7 @@ spec:
 {{- $_ := set $c "extraMounts" (list (dict "name" "alfworld" "mountPath" "/data/alfworld" "readOnly" true)) }}
 {{- $args = concat $args (list "--data-dir" "/data/alfworld") }}
 {{- else if eq $bench "webshop" }}
-{{- $args = concat $args (list "--webshop-url" (required "evaluate.webshop.url is required for benchmark webshop: the URL of your WebShop server (README \"Evaluation\"; the chart deploys none)" $e.webshop.url)) }}
+{{- $args = concat $args (list "--webshop-url" (required "evaluate.webshop.url is required for benchmark webshop: the URL of your WebShop server (docs/kubernetes/operate.md \"Evaluation\"; the chart deploys none)" $e.webshop.url)) }}
 {{- $_ := set $c "webshop" true }}
 {{- else if eq $bench "searchqa" }}
 {{- $url := $e.searchqa.retrieverUrl | default (ternary (printf "http://%s:%d" (include "sapd.name" (dict "root" .root "component" "retriever")) (int $e.searchqa.retriever.port)) "" $e.searchqa.retriever.enabled) }}

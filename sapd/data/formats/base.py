@@ -1,6 +1,6 @@
-"""What every trajectory format shares: the options of a load, the :class:`TrajectoryFormat` entry each
-format module declares (its ``FORMAT``), the :class:`Collector` a format hands its trajectories and
-problems to, and the record and turn checks every parser applies. The registry of formats is
+"""What every trajectory format shares: the options of a load, the :class:`~sapd.data.formats.base.TrajectoryFormat`
+entry each format module declares (its ``FORMAT``), the :class:`~sapd.data.formats.base.Collector` a format hands
+its trajectories and problems to, and the record and turn checks every parser applies. The registry of formats is
 :data:`sapd.data.loaders.FORMATS`.
 """
 
@@ -166,7 +166,8 @@ def validate_trajectory(traj: Trajectory, path: str, location: str) -> None:
 
 def checked_turn(path: str, loc: str, spec: BenchmarkSpec, *, observation: str, obs_field: str, response: str,
                  action: str, resp_field: str, admissible: list[str] | None = None) -> Turn:
-    """A :class:`Turn` once it fits the benchmark (:mod:`sapd.data.fit`); every loader builds turns here."""
+    """A :class:`~sapd.data.schema.Turn` once it fits the benchmark (:mod:`sapd.data.fit`); every loader builds
+    turns here."""
     if (p := text_problem(observation)) is not None:
         raise InvalidRecordError(path, loc, obs_field, *p)
     if (p := turn_problem(response, action, spec)) is not None:
