@@ -179,7 +179,8 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
            f"The demo's models and logs (`sapd demo`, its default setting: a 128×2 student SFT'd on `coin_near`, the "
            f"teacher = the student SFT'd further on the clean expert's play of the training games, the ε = 0.25 noisy "
            f"expert's logs of those games), OPD+Rule (lr 3e-4) and SAPD (`no_action_step: penalty`, lr 1e-4) from "
-           f"the student as the demo runs them, {cfg.rounds} rounds, seeds {cfg.seeds}. Checkpoints "
+           f"the student as the demo runs them, {cfg.rounds} rounds, training seeds {cfg.seeds} planned "
+           f"({_seeds_run(runs)} recorded). Checkpoints "
            f"{cfg.curve} of every run are measured with the product's validation code (`distance_records`): "
            f"{cfg.group_size} samples per prefix at T = 1, the same sampling seed for every checkpoint, on three "
            "sets of prefixes:", "",
@@ -282,7 +283,7 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
         for s in settings:
             seeds = runs.get((method, s), {})
             if not seeds:
-                md.append(f"| {LABELS[method]} | {s} | (not run yet) | | | | | |")
+                md.append(f"| {LABELS[method]} | {s} | (not run) | | | | | |")
                 continue
             finals = [_kl(_final(r), "test") for r in seeds.values()]
             eff = {p: _paired_seed_effect(seeds, base, p) if s != "base" else None for p in ("test", "val")}
@@ -364,6 +365,14 @@ def _notes(cfg: Any, section: str) -> list[str]:
     """The author's notes for a section (``notes:`` in the study's config), as report lines."""
     text = cfg.notes.get(section, "").strip()
     return [text, ""] if text else []
+
+
+def _seeds_run(runs: dict[Any, dict[int, Any]]) -> str:
+    """Which training seeds the recorded units hold, e.g. ``seed 0 only``."""
+    seeds = sorted({seed for by_seed in runs.values() for seed in by_seed})
+    if not seeds:
+        return "none"
+    return f"seed {seeds[0]} only" if len(seeds) == 1 else "seeds " + ", ".join(map(str, seeds))
 
 
 def _n_seeds(n: int) -> str:

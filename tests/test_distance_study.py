@@ -82,7 +82,7 @@ def test_the_report_reads_seeds_and_noise_from_a_ledger(tmp_path):
     m, lo, hi = _t_interval([-0.02, -0.025, -0.015])
     assert m == pytest.approx(-0.02) and hi - m == pytest.approx(4.303 * 0.005 / math.sqrt(3), rel=1e-3)
     assert "| OPD+Rule | cosine | 0.075 ± 0.005 | -0.020 [-0.032, -0.008] |" in text
-    assert "*within noise*" in text
+    assert "*within noise*" in text and "training seeds [0, 1, 2] planned (seeds 0, 1, 2 recorded)" in text
     assert text.index("The reading of the knobs, kept across regenerations.") > text.index("## 3. What each knob")
     f.write_text("notes: {knobz: x}\n")
     with pytest.raises(ConfigError, match=r"notes: unknown section\(s\) \['knobz'\]"):
