@@ -238,7 +238,8 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
     # --- 2. held-out against training prefixes
     md += ["## 2. Held-out against training prefixes", ""]
     noise = setup.get("train_noise", {})
-    rows = ["| method | set | start | last | last / start |", "|---|---|---|---|---|"]
+    rows = ["| method | set | start | last | last / start | last − start, first seed: decisions' 95 % CI |",
+            "|---|---|---|---|---|---|"]
     split_rows = []
     for method in cfg.methods:
         seeds = runs.get((method, "base"), {})
@@ -248,7 +249,12 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
             start = st[p]["overall"]["reverse_kl_per_token"]["value"]
             lasts = [_kl(_final(r), p) for r in seeds.values()]
             rel = statistics.fmean(lasts) / start
-            rows.append(f"| {LABELS[method]} | {p} | {_f(start)} | {_ms(lasts)} | {rel:.0%} |")
+            last0 = _final(seeds[min(seeds)])[p]
+            moved = (_prefix_diff(last0, st[p]) if "per_prefix" in last0 and "per_prefix" in st[p] else None)
+            moved_cell = "–" if moved is None or moved["diff"] is None else (
+                f"{moved['diff']:+.3f} [{moved['ci'][0]:+.3f}, {moved['ci'][1]:+.3f}]")
+            rows.append(f"| {LABELS[method]} | {p} | {_f(start)} | {_ms(lasts)} | {rel:.0%} | {moved_cell} |")
+            summary.setdefault("moved", {})[f"{method}.{p}"] = moved
         if noise:  # the train panel split by the history the prefix carries
             for label, pick in (("clean history", lambda n: not n[0] and not n[1]),
                                 ("noise in the history", lambda n: not n[0] and n[1]),
@@ -337,13 +343,14 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
                f"{cost['settings']['group_size']} samples, every round) on the demo's SAPD arm, with a validation pool "
                f"(`data.val_fraction` 0.3), HF on one CPU thread, {cost['rounds']} rounds:", "",
                "| checkpoint | prefixes | validation s (sample / teacher / recorded / teacher's samples) "
-               "| round: sample s | score s | train s |", "|---|---|---|---|---|---|"]
+               "| round: samples | sample s | score s | train s |", "|---|---|---|---|---|---|---|"]
         for r in cost["per_round"]:
             t = r["validation_timings"]
             md.append(f"| {r['checkpoint']} | {r['prefixes']} | {r['validation_seconds']:.1f} "
                       f"({t.get('sample_seconds', 0):.1f} / "
                       f"{t.get('score_seconds', 0):.1f} / {t.get('recorded_seconds', 0):.1f} / "
-                      f"{t.get('teacher_sample_seconds', 0):.1f}) | {_f(r['round_sample_seconds'], 1)} "
+                      f"{t.get('teacher_sample_seconds', 0):.1f}) | {_f(r['round_samples'], 0)} "
+                      f"| {_f(r['round_sample_seconds'], 1)} "
                       f"| {_f(r['round_score_seconds'], 1)} | {_f(r['round_train_seconds'], 1)} |")
         md.append("")
         md += _notes(cfg, "cost")

@@ -5,7 +5,7 @@ the stage already holds, is :mod:`sapd.stages.validation`; this module is the on
 code), so the plan and the cluster driver can ask what is committed.
 
 Per prefix h of the validation sample (``validation.max_prefixes`` of ``prefixes/val``, seeded), G samples
-y ~ π_S(·|h) at temperature 1 and, summed over their tokens:
+y ~ π_S(· | h) at temperature 1 and, summed over their tokens:
 
 - ``reverse_kl``: Σ_k log π_S(y_k | h, y_<k) − log π_T(y_k | h, y_<k), the sampled estimate of
   G · KL(π_S ‖ π_T)(h) over whole responses (its expectation is the sequence-level reverse KL; per token

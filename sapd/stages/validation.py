@@ -5,11 +5,11 @@ how it is written and merged: :mod:`sapd.data.validation`.
 
 The same on every backend: the student's log-probs are its sampler's own temperature-1 log-probs
 (:class:`~sapd.models.generation.Sample`'s, HF or vLLM), the teacher's come from the teacher scorer the
-stage scores rounds with (:func:`sapd.models.scoring.score_groups` or :class:`VLLMScorer`), the recorded
-responses are scored by both models the same way, and the teacher samples through its own engine
-(:func:`engine_sampler`). So each backend computes Σ_k log π_S(y_k) − log π_T(y_k) from the numbers
-it already returns; tests/test_validation.py checks them against a direct full-softmax computation, and
-tests/vllm the vLLM path against HF.
+stage scores rounds with (:class:`~sapd.models.scoring.HFScorer` or
+:class:`~sapd.models.vllm_backend.VLLMScorer`), the recorded responses are scored by both models the same way,
+and the teacher samples through its own engine (:func:`engine_sampler`). So each backend computes
+Σ_k log π_S(y_k) − log π_T(y_k) from the numbers it already returns; tests/test_validation.py checks them
+against a direct full-softmax computation, and tests/vllm the vLLM path against HF.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def same_action(benchmark: BenchmarkSpec, a: str, b: str) -> bool:
 
 def engine_scorer(generator: Generator, pad_id: int) -> Scorer:
     """Log-probs of given tokens under a sampler's own weights (to score the recorded responses with the
-    student): the HF model behind an :class:`HFGenerator`, or a :class:`VLLMScorer` on the same vLLM
-    engine as a :class:`VLLMGenerator` (no second copy of the weights)."""
+    student): the HF model behind an :class:`~sapd.models.generation.HFGenerator`, or a
+    :class:`~sapd.models.vllm_backend.VLLMScorer` on the same vLLM engine as a
+    :class:`~sapd.models.vllm_backend.VLLMGenerator` (no second copy of the weights)."""
     if isinstance(generator, HFGenerator):
         return HFScorer(generator.model, pad_id)
     if isinstance(generator, VLLMGenerator):
