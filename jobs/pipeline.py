@@ -25,6 +25,11 @@ Local:   python -m jobs.pipeline --config run.yaml --release sapd-alfworld --nam
          python -m jobs.pipeline … --stage train --round 3      (one step, once its input is committed)
 First it runs the checks of `sapd check` (storage, run root, data sample, models and tokenizers; memory is
 checked by each stage pod on its own device): a failure exits before any Job is created (--no-check skips).
+Then it takes the run root's lease as the release (sapd/lease.py; `SAPD_LEASE_OWNER`, which the chart sets in
+every pod, else `release <release> in namespace <namespace>`): a restarted or upgraded driver, the gates and
+the stage Jobs of the same release share it; a root another run holds is refused with one line naming it
+(exit 2) — `--force-takeover` (the chart's `pipeline.forceTakeover`) takes it over. A complete run gives the
+lease back; a gate leaves it to expire (`storage.lease_ttl_s` after the release's last renewal).
 Exit codes (sapd.entry): 0 run (or step) complete — a failed final evaluation included, which it reports —,
 1 a stage kept failing (the message names the Job and what to do), 2 bad config or templates, 3 Kubernetes
 API error or a wait ran out, 75 storage unreachable.
@@ -40,6 +45,7 @@ from typing import Sequence
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
+from sapd import lease
 from sapd.entry import add_config_flags, config_from_args, log_line, run_main
 from sapd.run.check import preflight
 from sapd.run.k8s import STAGES, Driver, KubeError, StageTemplates, current_namespace, load_api_client
@@ -84,16 +90,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         templates = StageTemplates.from_dir(args.templates)
         namespace = current_namespace(args.namespace)
         log_line(f"pipeline: release {args.release}, templates {args.templates} ({', '.join(sorted(templates.texts))})")
-        try:
-            driver = Driver(cfg, templates, load_api_client(args.kubeconfig), namespace, retries=args.retries,
-                            poll_seconds=args.poll_seconds, log_every_seconds=args.log_every_seconds,
-                            stage_timeout_seconds=args.stage_timeout_seconds, owner=args.owner, log=log_line)
-            if args.stage is None:
-                driver.run()
-            else:
-                driver.run_stage(Step(args.stage, args.round))
-        except (ApiException, ConfigException) as e:
-            raise KubeError(f"Kubernetes API: {str(e).strip().splitlines()[0]}") from e
+        claimant = lease.Claimant.of_release(args.release, namespace, "python -m jobs.pipeline"
+                                             + (f" --stage {args.stage}" if args.stage else ""))
+        hint = (f"helm upgrade {args.release} --reuse-values --set pipeline.forceTakeover=true (or run "
+                "jobs.pipeline with --force-takeover)")
+        with lease.holding(cfg.run_root, claimant, ttl_s=cfg.storage.lease_ttl_s, log=log_line,
+                           force=args.force_takeover, takeover_hint=hint,
+                           give_back="owner" if args.stage is None else "no") as held:
+            log_line(f"pipeline: holding the lease of {cfg.run_root} as {claimant.owner}")
+            try:
+                driver = Driver(cfg, templates, load_api_client(args.kubeconfig), namespace, retries=args.retries,
+                                poll_seconds=args.poll_seconds, log_every_seconds=args.log_every_seconds,
+                                stage_timeout_seconds=args.stage_timeout_seconds, owner=args.owner, log=log_line,
+                                lease=held)
+                if args.stage is None:
+                    driver.run()
+                else:
+                    driver.run_stage(Step(args.stage, args.round))
+            except (ApiException, ConfigException) as e:
+                raise KubeError(f"Kubernetes API: {str(e).strip().splitlines()[0]}") from e
 
     return run_main("pipeline", body)
 

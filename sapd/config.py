@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from sapd import layout, storage, yamlio
 from sapd.method.benchmarks import BENCHMARKS
@@ -120,6 +120,17 @@ class ValidationConfig:
 
 
 @dataclass
+class StorageConfig:
+    # every storage operation (local or S3) retries transient failures — connection refused, timeouts, 5xx,
+    # SlowDown — with capped exponential backoff and full jitter for this long after its first failure,
+    # then the stage exits 75 (sapd.storage.configure_retries; docs/FAULTS.md)
+    retry_deadline_s: float = 300.0
+    # the run root's lease (one writer per run root, sapd.lease) expires this long after its holder last
+    # renewed it (every quarter of it); a run on the same root by anyone else waits for that or takes over
+    lease_ttl_s: float = 120.0
+
+
+@dataclass
 class RunConfig:
     run_root: str = "runs/default"  # a local folder or s3://bucket/prefix; everything of the run lives here
     # a named setting of the objective (docs/SAPD.md §4): a key of sapd.method.objective.VARIANTS (listed in
@@ -133,6 +144,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     workers: int = 1  # teacher-scores workers that split one round (Indexed Job completions on Kubernetes)
+    storage: StorageConfig = field(default_factory=StorageConfig)  # riding out outages; the run root's lease
     # the variant with its `loss` overrides, resolved (and typed) once: by construction and by validate()
     loss_cfg: LossConfig = field(init=False, repr=False, compare=False)
 
@@ -379,8 +391,20 @@ def validate(cfg: RunConfig) -> None:
     if v.max_new_tokens is not None and v.max_new_tokens < 1:
         raise ConfigError("validation.max_new_tokens: must be at least 1 (or null: sampling.max_new_tokens)",
                           "validation.max_new_tokens")
+    if not cfg.storage.retry_deadline_s >= 0:
+        raise ConfigError("storage.retry_deadline_s: must be ≥ 0 seconds (0: fail at the first error)",
+                          "storage.retry_deadline_s")
+    if not cfg.storage.lease_ttl_s >= 4:
+        raise ConfigError("storage.lease_ttl_s: must be at least 4 seconds (the lease is renewed every quarter "
+                          "of it)", "storage.lease_ttl_s")
     if cfg.data.reopd_kappa is not None and cfg.data.reopd_kappa <= 0:
         raise ConfigError("data.reopd_kappa: must be positive", "data.reopd_kappa")
+
+
+def apply_storage_settings(cfg: RunConfig, log: Callable[[str], None] | None = None) -> None:
+    """This process's storage retries as the run config says (``storage.retry_deadline_s``); ``log``: where
+    the "retrying until …" lines go (default: stderr)."""
+    storage.configure_retries(cfg.storage.retry_deadline_s, log)
 
 
 def micro_batch_problem(cfg: RunConfig, world_size: int) -> str | None:
@@ -425,7 +449,7 @@ def dump_config(cfg: RunConfig) -> str:
 #: may change between rounds of one run, or differ between the stages of one run (the scoring workers of a
 #: round record their own count; the chart gives only the scoring stage its engines' tensor-parallel sizes)
 MAY_CHANGE = ("workers", "sampling.tensor_parallel_size", "sampling.teacher_tensor_parallel_size",
-              "sampling.weight_sync_timeout_s")
+              "sampling.weight_sync_timeout_s", "storage.retry_deadline_s", "storage.lease_ttl_s")
 #: may change between two invocations of one run (a `helm upgrade --set config.train.rounds=40`, a `sapd run`
 #: with more rounds): the run continues from its newest committed checkpoint. Only under a constant
 #: lr_schedule: a linear or cosine decay spans train.rounds, so another count would change the learning rate

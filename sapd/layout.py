@@ -7,11 +7,17 @@ Checkpoint k is the policy that samples round k (π_old of round k); training ro
 
 from __future__ import annotations
 
+import re
+
 from sapd import storage
 
 
 def config_uri(root: str) -> str:
     return storage.join(root, "config.yaml")
+
+
+def lease_uri(root: str) -> str:
+    return storage.join(root, "_LEASE.json")
 
 
 def prefixes_dir(root: str) -> str:
@@ -40,6 +46,15 @@ def checkpoint_state_dir(root: str, k: int) -> str:
 
 def checkpoint_marker(root: str, k: int) -> str:
     return storage.join(checkpoint_state_dir(root, k), "_COMMITTED")
+
+
+_MODEL_DIR = re.compile(r"^(?P<root>.+)/checkpoints/(?P<k>[0-9]{6})/model/?$")
+
+
+def checkpoint_of_model_dir(uri: str) -> tuple[str, int] | None:
+    """(run root, k) when ``uri`` is checkpoint k's model folder (:func:`checkpoint_model_dir`), else None."""
+    m = _MODEL_DIR.match(uri)
+    return (m.group("root"), int(m.group("k"))) if m else None
 
 
 def round_log_uri(root: str, k: int) -> str:

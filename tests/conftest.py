@@ -22,6 +22,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -270,6 +271,24 @@ def private_s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Weed
     finally:
         server.stop(grace_s=3.0)  # scratch data: no reason to wait long for a clean shutdown
         server.cleanup_sockets()
+
+
+@pytest.fixture
+def retries() -> Iterator[Any]:
+    """``retries(deadline_s, log=…)`` sets how long sapd.storage retries in this test (and where its lines
+    go; the first wait logs at once); the previous settings are restored after it."""
+    from sapd import storage
+
+    previous = storage.configure_retries()
+
+    def configure(deadline_s: float, log: Any = None) -> None:
+        storage.configure_retries(deadline_s, log)
+        storage._outage["last_line"] = -float("inf")  # the next wait logs at once, whatever earlier tests logged
+
+    try:
+        yield configure
+    finally:
+        storage.configure_retries(*previous)
 
 
 @pytest.fixture

@@ -561,6 +561,27 @@ def test_s3_secret_reference_endpoint_and_pushgateway(rendered):
     assert "AWS_ACCESS_KEY_ID" not in json.dumps(irsa) and "sapd-s3-credentials" not in json.dumps(irsa)
 
 
+def test_every_pod_of_a_release_claims_the_run_roots_lease_as_the_release(rendered):
+    """The driver, its gates, the stage Jobs it creates and the evaluation CronJob share one lease owner —
+    the one the driver computes from its release and namespace (sapd.lease.release_owner) — so none of them
+    waits for another, and a second release on the same runRoot is refused."""
+    from sapd.lease import OWNER_ENV, release_owner
+    _, docs = rendered
+    owners = {name: env_of(pod["containers"][0]).get(OWNER_ENV, {}).get("value") for name, pod in pod_specs(docs)
+              if "webshop" not in name and "retriever" not in name}
+    assert owners and set(owners.values()) == {release_owner("sapd-test", "sapd")}, owners
+
+
+def test_force_takeover_is_a_value_of_the_driver_and_its_gates():
+    for values in ({}, manual({})):
+        drivers = [d for d in render(values, with_templates=False) if d["kind"] == "Job"
+                   and container(d["spec"])["args"][:3] == ["python", "-m", "jobs.pipeline"]]
+        assert drivers and not [d for d in drivers if "--force-takeover" in container(d["spec"])["args"]]
+        forced = [d for d in render({**values, "pipeline": {"forceTakeover": True}}, with_templates=False)
+                  if d["kind"] == "Job" and container(d["spec"])["args"][:3] == ["python", "-m", "jobs.pipeline"]]
+        assert len(forced) == len(drivers) and all("--force-takeover" in container(d["spec"])["args"] for d in forced)
+
+
 def test_pipeline_driver_rbac_is_what_it_calls():
     docs = render({})
     (role,) = by_kind(docs, "Role").values()

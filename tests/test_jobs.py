@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import yaml
 
@@ -84,6 +86,37 @@ def test_build_prefixes_then_scores_then_train_from_one_config(tmp_path, models)
     assert teacher_scores.main(["--config", str(config), "--round", "0", "--commit"]) == 0
     assert train.main(["--config", str(config), "--round", "0", "--no-progress"]) == 0
     assert checkpoints.is_committed(root, 1)
+
+
+def test_stage_jobs_share_their_releases_lease_and_refuse_anothers(tmp_path, models, monkeypatch, capsys):
+    """A stage Job claims the run root's lease as its release (SAPD_LEASE_OWNER, which the chart sets in
+    every pod): it shares the release's lease (its driver holds it) and leaves it to the release; a Job of
+    another release refuses the root in one line, exit 2; an evaluation only checks. A door run by hand
+    holds the lease as itself and gives it back."""
+    from jobs import build_prefixes
+    from jobs import evaluate as ev
+    from sapd import layout, lease, storage
+    root = str(tmp_path / "run")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(root, *models)))
+    driver = lease.RunLease(root, lease.Claimant(lease.release_owner("sapd-a", "team"), "sapd-a-pipeline-1-x pid 1",
+                                                 "python -m jobs.pipeline"), ttl_s=60).acquire()
+    monkeypatch.setenv(lease.OWNER_ENV, lease.release_owner("sapd-b", "team"))
+    assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"build_prefixes: error: run root {root} is held by release sapd-a in "
+                                               "namespace team (python -m jobs.pipeline on sapd-a-pipeline-1-x pid 1")
+    assert not storage.exists(layout.config_uri(root))  # refused before any write
+    assert ev.main(["--config", str(config)]) == 2  # an evaluation of another release's root: refused too
+    assert "is held by release sapd-a in namespace team" in capsys.readouterr().err
+    monkeypatch.setenv(lease.OWNER_ENV, lease.release_owner("sapd-a", "team"))
+    assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 0  # its own release's: shared
+    assert checkpoints.is_committed(root, 0)
+    assert '"owner": "release sapd-a in namespace team"' in storage.read_text(layout.lease_uri(root))  # still theirs
+    driver.release(for_owner=True)
+    monkeypatch.delenv(lease.OWNER_ENV)
+    assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 0  # by hand: held, then given back
+    assert not storage.exists(layout.lease_uri(root))
 
 
 @pytest.mark.integration
@@ -274,6 +307,10 @@ def test_unreachable_storage_exits_75(tmp_path, models, monkeypatch, capsys):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(tiny_config("s3://bucket/run", *models)))
+    config.write_text(yaml.safe_dump(tiny_config("s3://bucket/run", *models, storage={"retry_deadline_s": 2})))
+    t0 = time.monotonic()
     assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 75
-    assert "unreachable" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert 2 <= time.monotonic() - t0 < 60  # retried until the config's deadline, then given up
+    assert "unreachable" in err and "still failing after 2 s of retries; storage.retry_deadline_s is 2" in err
+    assert "S3 unreachable: retrying until " in err  # the wait said so while it lasted

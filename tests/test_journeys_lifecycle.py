@@ -11,7 +11,9 @@ nobody touched.
   waiting; the evaluation's deadline starts when it runs), round after round with `--set round=K+1`;
 - `--set kueue.queueName=…` on a cluster whose queue (a Kueue-like admission by quota) cannot admit the
   train stage yet: the driver logs its stage Job as queued, does not count its deadline while it waits,
-  and the run completes once the platform's admin raises the quota.
+  and the run completes once the platform's admin raises the quota;
+- a second release installed with the runRoot of one that runs: its driver refuses in one line naming the
+  holder (the first release) and how to take over, creates nothing, and the first run is untouched.
 
 Inputs are what a user uploads (a tiny student and teacher, TextWorld expert games recorded with sapd's
 collector) in a real S3 server (SeaweedFS); the first four releases run side by side in one cluster, the
@@ -156,6 +158,17 @@ def releases(cluster, inputs) -> Releases:
         return True
     cluster.wait_for(lambda: first_sight("sapd-man-teacher-scores-r0", 0), 600, "the manual teacher-scores-r0 Job")
 
+    # dup: a second release on base's runRoot, once base's driver holds its lease: refused (exit 2, the Job
+    # fails at once), nothing created
+    cluster.wait_for(lambda: "pipeline: holding the lease of" in logs_of_job(cluster, "sapd-base-pipeline-1"), 600,
+                     "sapd-base's driver to hold its run root's lease")
+    cluster.helm.install("sapd-dup", CHART, values_files=[SMOKE], set_json=LR,
+                         set_values=user_sets(inputs, "sapd-dup", f"runRoot={roots['base']}"))
+    seen["dup state"] = cluster.wait_job("sapd-dup-pipeline-1", 600)
+    seen["dup log"] = logs_of_job(cluster, "sapd-dup-pipeline-1")
+    seen["dup jobs"] = sorted(j["metadata"]["name"] for j in cluster.store.list("Job", NS)
+                              if j["metadata"]["name"].startswith("sapd-dup-"))
+
     # upg: `helm upgrade` while train-r0 runs (a value change: a new driver revision). The tiny model
     # trains in seconds, a real one for hours: the train pod is paused (SIGSTOP) from its start until the
     # new driver has met it running, so the upgrade lands mid-stage whatever the load on this machine
@@ -215,6 +228,24 @@ def test_helm_upgrade_mid_stage_keeps_the_running_stage(releases, cluster):
     cluster.helm.uninstall("sapd-upg")
     cluster.wait_for(lambda: not [j for j in cluster.store.list("Job", NS)
                                   if j["metadata"]["name"].startswith("sapd-upg-")], 120, "sapd-upg's Jobs to go")
+
+
+def test_a_second_release_on_a_running_root_is_refused_naming_the_holder(releases, cluster):
+    """Two releases, one runRoot: the second's driver fails at once (exit 2, no retry) with one line naming
+    the release that holds the root and the value that takes it over; it created no stage Job, and the
+    first run ends with the result every other release reaches."""
+    base = releases.roots["base"]
+    assert releases.seen["dup state"] == "Failed" and releases.seen["dup jobs"] == ["sapd-dup-pipeline-1"]
+    (error,) = [ln for ln in releases.seen["dup log"].splitlines() if "error:" in ln]
+    # held by the release; the process named is whichever of its pods renewed last (driver or stage Job)
+    assert error.startswith(f"pipeline: error: run root {base} is held by release sapd-base in namespace {NS} ("), error
+    assert re.search(r"\(\S+ on sapd-base-[a-z0-9-]+ pid \d+, since ", error), error
+    assert error.endswith("take over now: helm upgrade sapd-dup --reuse-values --set pipeline.forceTakeover=true "
+                          "(or run jobs.pipeline with --force-takeover)"), error
+    (pod,) = cluster.pods("batch.kubernetes.io/job-name=sapd-dup-pipeline-1")
+    assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 2
+    log = logs_of_job(cluster, "sapd-base-pipeline-1")
+    assert "pipeline done: checkpoints [0, 1, 2] committed" in log and "this run's lease is held by" not in log
 
 
 def test_more_rounds_extend_a_finished_run(releases, cluster):

@@ -47,7 +47,7 @@ FLOORS: dict[str, int] = {
     "sapd": 0,
     "sapd.method": 1, "sapd.storage": 1, "sapd.metrics": 1, "sapd.yamlio": 1, "sapd.progress": 1,
     "sapd.layout": 2,
-    "sapd.config": 3,
+    "sapd.config": 3, "sapd.lease": 3,
     "sapd.data": 4, "sapd.models": 4,
     "sapd.checkpoints": 5,
     "sapd.envs": 6,
@@ -81,6 +81,7 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "sapd.progress": set(),
     "sapd.layout": set(),
     "sapd.config": set(),
+    "sapd.lease": set(),
     "sapd.data": {"pyarrow"},  # never a model library: data is contracts and transforms
     "sapd.models": {"torch", "transformers", "tokenizers", "safetensors", "vllm"},
     "sapd.checkpoints": {"torch", "safetensors"},

@@ -153,6 +153,10 @@ def _make_whole(root: str, k: int) -> None:
     torch.save(state, buf)
     storage.delete_prefix(checkpoints.optimizer_dir(root, k))
     storage.write_bytes(storage.join(layout.checkpoint_state_dir(root, k), "trainer.pt"), buf.getvalue())
+    marker = checkpoints.read_marker(root, k)
+    for key in ("files", "optimizer"):  # that sapd recorded no digests, and no sharded optimizer
+        marker.pop(key, None)
+    storage.write_json(layout.checkpoint_marker(root, k), marker)
 
 
 def _pod_round(s3, cfg_path: Path, k: int, cache: Path, out: Path, per_rank_cache: bool) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -73,20 +74,94 @@ def pin_model_path(path_or_uri: str, field: str, log: Callable[[str], None]) -> 
     return folder
 
 
-def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cache_key: str = "") -> Path:
+def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cache_key: str = "",
+                      marker: dict | None = None) -> Path:
     """A local folder as is; an ``s3://`` prefix downloaded into the cache **once per cache**, whichever
     of the processes sharing that cache asks first (:func:`fetch_once`): the ranks of a training pod
     share its scratch (or the node's model cache), so checkpoint k and the teacher cross the network once
     per pod (or node), not once per rank. ``cache_key`` distinguishes versions of one URI (a checkpoint's
-    commit id). A run root stands for its newest committed checkpoint's model (:func:`model_folder`)."""
+    commit id). A run root stands for its newest committed checkpoint's model (:func:`model_folder`). A
+    checkpoint's model folder is checked file by file against the digests its commit recorded
+    (:func:`verify_checkpoint_model`; ``marker``: its commit marker, when the caller has read it) before it
+    is handed out."""
     path_or_uri = model_folder(path_or_uri)
     if not storage.is_s3(path_or_uri):
         p = Path(path_or_uri.removeprefix("file://"))
         if not p.is_dir():
             raise FileNotFoundError(f"{path_or_uri}: model folder does not exist")
-        return p
-    key = hashlib.sha256(f"{path_or_uri}|{cache_key}".encode()).hexdigest()[:16]
-    return fetch_once(path_or_uri, Path(cache_dir or default_cache_dir()) / "models" / key)
+    else:
+        key = hashlib.sha256(f"{path_or_uri}|{cache_key}".encode()).hexdigest()[:16]
+        p = fetch_once(path_or_uri, Path(cache_dir or default_cache_dir()) / "models" / key)
+    if (checkpoint := layout.checkpoint_of_model_dir(path_or_uri)) is not None:
+        verify_checkpoint_model(path_or_uri, p, *checkpoint, marker=marker)
+    return p
+
+
+# ----------------------------------------------------------------------------------------- checked loads
+
+_unverified_told: set[tuple[str, int]] = set()
+_verified: dict[str, tuple[int, int, int, str]] = {}  # path → (inode, mtime_ns, size, sha256) already hashed here
+
+
+def note_unverified(root: str, k: int) -> None:
+    """One line per checkpoint and process: it was committed without digests (by an earlier sapd)."""
+    if (root, k) not in _unverified_told:
+        _unverified_told.add((root, k))
+        print(f"checkpoint {k} of {root} was committed without file digests (by an earlier sapd): its files are "
+              "loaded unverified", file=sys.stderr, flush=True)
+
+
+def checkpoint_files(root: str, k: int, marker: dict) -> dict[str, dict] | None:
+    """The size and SHA-256 of every file of checkpoint ``k`` as its commit ``marker`` recorded them, by path
+    in the checkpoint folder (``model/config.json``, ``state/trainer.pt`` …); None for a checkpoint committed
+    before digests existed (said once: :func:`note_unverified`)."""
+    files = marker.get("files")
+    if files is None:
+        note_unverified(root, k)
+    return files
+
+
+def _local_digest(path: Path) -> dict:
+    st = path.stat()
+    known = _verified.get(str(path))
+    if known is not None and known[:3] == (st.st_ino, st.st_mtime_ns, st.st_size):
+        return {"bytes": st.st_size, "sha256": known[3]}
+    found = storage.file_digest(path)
+    _verified[str(path)] = (st.st_ino, st.st_mtime_ns, st.st_size, found["sha256"])
+    return found
+
+
+def verify_checkpoint_model(uri: str, local: Path, root: str, k: int, marker: dict | None = None) -> None:
+    """Checkpoint ``k``'s model folder ``uri`` (its local copy ``local``, or itself) holds exactly the files
+    its commit recorded, each of the recorded size and SHA-256; else :class:`sapd.storage.CorruptObject`
+    naming the file. A copy fetched from S3 that differs is fetched once more before it is refused (the copy
+    may be what was damaged). Hashing is skipped for a file this process hashed already, unchanged since."""
+    marker_uri = layout.checkpoint_marker(root, k)
+    if marker is None:
+        if not storage.exists(marker_uri):
+            raise FileNotFoundError(f"{uri}: checkpoint {k} of {root} is not committed (no {marker_uri}); a "
+                                    "checkpoint is used only once committed")
+        marker = storage.read_json(marker_uri)
+    files = checkpoint_files(root, k, marker)
+    if files is None:
+        return
+    expected = {name.removeprefix("model/"): d for name, d in files.items() if name.startswith("model/")}
+    present = {f.relative_to(local).as_posix() for f in local.rglob("*")
+               if f.is_file() and not any(part.startswith(".") for part in f.relative_to(local).parts)}
+    copied = storage.is_s3(uri)
+    where = f" (its copy {local})" if copied else ""
+    for name in sorted(present - set(expected)):
+        raise storage.CorruptObject(f"{storage.join(uri, name)}{where}: not one of the files {marker_uri} records; "
+                                    "refusing to load the checkpoint with it there")
+    for name in sorted(set(expected) - present):
+        raise storage.CorruptObject(f"{storage.join(uri, name)}{where}: recorded in {marker_uri} but missing")
+    for name in sorted(expected):
+        target = local / name
+        found = _local_digest(target)
+        if copied and (found["bytes"], found["sha256"]) != (expected[name]["bytes"], expected[name]["sha256"]):
+            storage.download_to(storage.join(uri, name), target)  # atomically replaced: readers keep the old one
+            found = _local_digest(target)
+        storage.check_digest(f"{storage.join(uri, name)}{where}", found, expected[name], marker_uri)
 
 
 class FetchStalled(RuntimeError):
@@ -98,8 +173,9 @@ class FetchStalled(RuntimeError):
 
 def fetch_stall_seconds() -> float:
     """How long a process waits on another's download that makes no progress (``SAPD_FETCH_STALL_S``,
-    default 600 s) before it gives up with :class:`FetchStalled`."""
-    raw = os.environ.get("SAPD_FETCH_STALL_S", "600")
+    default 600 s, or a minute more than storage operations retry through an outage, if that is longer:
+    a downloader riding one out makes no progress meanwhile) before it gives up with :class:`FetchStalled`."""
+    raw = os.environ.get("SAPD_FETCH_STALL_S") or str(max(600.0, storage.retry_deadline_s() + 60))
     try:
         value = float(raw)
     except ValueError:

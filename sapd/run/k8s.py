@@ -29,7 +29,9 @@ A permanent failure (exit code 2: the podFailurePolicy's exit-code rule, or JobS
 ``FailJobSetFailurePolicyAction``) is not retried. A Job that Kueue keeps suspended is logged as queued,
 and the driver's own limit on a stage (its ``activeDeadlineSeconds`` + 600 s) counts from its admission.
 A failed final evaluation is reported and leaves the run complete: its checkpoints are committed.
-Every wait is bounded; every decision is one plain log line.
+Every wait is bounded; every decision is one plain log line. Given the run root's lease (``lease``, which
+``jobs.pipeline`` holds for the release), the driver stops (exit 2) once another run holds it: it checks
+between its polls and before it creates a Job.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from sapd import layout, yamlio
+from sapd import layout, storage, yamlio
 from sapd.config import RunConfig
 from sapd.data import scored, shards, validation
 from sapd.method.objective import objective_of
@@ -207,7 +209,7 @@ class Driver:
                  stage_timeout_seconds: float | None = None, delete_timeout_seconds: float = 600.0,
                  owner: str | None = None, log: Callable[[str], None] = print,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
-                 api_attempts: int = 5):
+                 api_attempts: int = 5, lease: Any = None):
         self.cfg, self.templates, self.namespace = cfg, templates, namespace
         self.batch = client.BatchV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
@@ -218,6 +220,7 @@ class Driver:
         self.owner, self.log, self.sleep, self.clock = owner, log, sleep, clock
         self.api_attempts = api_attempts
         self.stats = DriverStats()
+        self.lease = lease  # the run root's sapd.lease.RunLease this driver holds (jobs.pipeline), if any
         self._owner_ref: dict[str, Any] | None = None
         self.evaluation_failed: str | None = None
 
@@ -295,7 +298,19 @@ class Driver:
             if now - last >= self.log_every:
                 self.log(f"stage {step}: still waiting ({_fmt_s(now - start)}): {why}")
                 last = now
+            self._still_holding(strict=False)
             self.sleep(self.poll)
+
+    def _still_holding(self, *, strict: bool) -> None:
+        """Stop (``LeaseLost``, exit 2) once another run holds the run root's lease; ``strict``: also when it
+        cannot be confirmed now (before creating a Job), else an outage is left to the lease's own thread."""
+        if self.lease is None:
+            return
+        try:
+            self.lease.check()
+        except storage.StorageUnavailable:
+            if strict:
+                raise
 
     def _run_step(self, step: plan.Step) -> None:
         cfg = self.cfg
@@ -428,6 +443,7 @@ class Driver:
         return attempt
 
     def _create_job(self, stage: str, k: int | None, name: str, attempt: int) -> None:
+        self._still_holding(strict=True)
         body = self.manifest(stage, k, attempt)
         try:
             if name in self._jobsets:
@@ -530,6 +546,7 @@ class Driver:
             if key != last_line or now - last_log >= self.log_every:
                 self.log(line)
                 last_line, last_log = key, now
+            self._still_holding(strict=False)
             self.sleep(self.poll)
 
     def _unscheduled_pods(self, name: str) -> str:

@@ -142,8 +142,8 @@ imagePullPolicy: {{ $img.pullPolicy }}
 {{- $y -}}
 {{- end -}}
 
-{{/* Environment every job gets: S3 endpoint and credentials, the Pushgateway, caches on /scratch (or the
-     shared model cache), then the job's extraEnv. `.index` true: SAPD_METRICS_INSTANCE is the pod's
+{{/* Environment every job gets: S3 endpoint and credentials, the Pushgateway, the lease owner (the
+     release), caches on /scratch (or the shared model cache), then the job's extraEnv. `.index` true: SAPD_METRICS_INSTANCE is the pod's
      completion index (a Pushgateway grouping key per worker). */}}
 {{- define "sapd.env" -}}
 {{- $s := include "sapd.settings" . | fromYaml -}}
@@ -173,6 +173,10 @@ imagePullPolicy: {{ $img.pullPolicy }}
   value: {{ mul (int .root.Values.train.parallelism) (int .root.Values.train.procsPerPod) | quote }}
 - name: SAPD_RELEASE
   value: {{ .root.Release.Name | quote }}
+{{- /* every pod of the release claims the run root's lease as the release: the driver, its successor after a
+     restart or an upgrade, the gates and the stage Jobs share it; another release on the root is refused */}}
+- name: SAPD_LEASE_OWNER
+  value: {{ printf "release %s in namespace %s" .root.Release.Name .root.Release.Namespace | quote }}
 - name: SAPD_NAMESPACE
   valueFrom:
     fieldRef:
