@@ -3,9 +3,12 @@
 Worker w of W (W = the config's ``workers``) samples G responses per prefix i of round K's batch with
 i % W == w from checkpoint K, scores them with the frozen teacher and writes
 ``rounds/K/scored/part-w.parquet`` plus its done-marker; the worker that finds every part written
-commits the round (``_MANIFEST.json``). ``--commit`` commits a round whose parts are all written (the
-pipeline driver does the same when a Job completes). A rerun of a finished worker does nothing, so a
-retried pod redoes only uncommitted work.
+commits the round (``_MANIFEST.json``). First, when the run validates checkpoint K (``validation.*``), the
+worker measures checkpoint K's distance to the teacher on its share of the held-out prefixes
+(``validation/K/part-w.json``), merged into ``validation/K.json`` by the committing worker before the
+manifest; ``--round R`` (R = ``train.rounds``) has no round to score and only validates the last checkpoint.
+``--commit`` commits a round whose parts are all written (the pipeline driver does the same when a Job
+completes). A rerun of a finished worker does nothing, so a retried pod redoes only uncommitted work.
 
 With ``--rounds N`` the worker stays up for rounds K … K+N-1 (0: to the run's last round): it keeps the
 teacher and the student sampler loaded, takes each round's checkpoint in place, and starts round k once

@@ -110,6 +110,20 @@ class TrainConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """The student's distance to the teacher on held-out prefixes (``prefixes/val``), measured inside the
+    teacher-scores stage of round k on checkpoint k with the engines already up (docs/DESIGN.md
+    "Validation"): the reverse KL(student ‖ teacher) per sampled token, the forward log-ratio on the
+    recorded responses, the student's and the teacher's sampled action match."""
+
+    every_rounds: int = 1  # checkpoint k is validated when k is a multiple of this, and the last one; 0 = never
+    max_prefixes: int = 64  # a seeded sample of the validation pool, at most this many prefixes (0 = all)
+    group_size: int = 4  # samples per prefix, at temperature 1 (the KL is an expectation under the student)
+    max_new_tokens: int | None = None  # per sample; None = sampling.max_new_tokens
+    seed: int = 0  # which prefixes the cap keeps, and the samples' seed (the same every round)
+
+
+@dataclass
 class StorageConfig:
     # every storage operation (local or S3) retries transient failures — connection refused, timeouts, 5xx,
     # SlowDown — with capped exponential backoff and full jitter for this long after its first failure,
@@ -132,6 +146,7 @@ class RunConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rules: RuleConfig = field(default_factory=RuleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     workers: int = 1  # teacher-scores workers that split one round (Indexed Job completions on Kubernetes)
     storage: StorageConfig = field(default_factory=StorageConfig)  # riding out outages; the run root's lease
     # the variant with its `loss` overrides, resolved (and typed) once: by construction and by validate()
@@ -371,6 +386,15 @@ def validate(cfg: RunConfig) -> None:
     if not cfg.sampling.weight_sync_timeout_s > 0:
         raise ConfigError("sampling.weight_sync_timeout_s: must be a positive number of seconds",
                           "sampling.weight_sync_timeout_s")
+    v = cfg.validation
+    for name, zero in (("every_rounds", "never"), ("max_prefixes", "all of prefixes/val")):
+        if getattr(v, name) < 0:
+            raise ConfigError(f"validation.{name}: must be at least 0 (0 = {zero})", f"validation.{name}")
+    if v.group_size < 1:
+        raise ConfigError("validation.group_size: must be at least 1", "validation.group_size")
+    if v.max_new_tokens is not None and v.max_new_tokens < 1:
+        raise ConfigError("validation.max_new_tokens: must be at least 1 (or null: sampling.max_new_tokens)",
+                          "validation.max_new_tokens")
     if not cfg.storage.retry_deadline_s >= 0:
         raise ConfigError("storage.retry_deadline_s: must be ≥ 0 seconds (0: fail at the first error)",
                           "storage.retry_deadline_s")

@@ -71,6 +71,18 @@ def evals_dir(root: str, k: int) -> str:
     return storage.join(root, "evals", f"{k:06d}")
 
 
+def validation_uri(root: str, k: int) -> str:
+    return storage.join(root, "validation", f"{k:06d}.json")
+
+
+def validation_part_uri(root: str, k: int, worker: int) -> str:
+    return storage.join(root, "validation", f"{k:06d}", f"part-{worker:05d}.json")
+
+
+def teacher_validation_part_uri(root: str, worker: int) -> str:
+    return storage.join(root, "validation", "teacher", f"part-{worker:05d}.json")
+
+
 def committed_checkpoints(root: str) -> list[int]:
     """Indices of every checkpoint whose commit marker exists, ascending."""
     out = []

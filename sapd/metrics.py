@@ -101,6 +101,21 @@ class Metrics:
         self.optimizer_steps = Counter("sapd_optimizer_steps_total", "Optimizer steps taken", registry=r)
         self.eval_success = Gauge("sapd_eval_success_ratio", "Task success (or exact match) of the newest evaluation",
                                   ["benchmark", "category"], registry=r)
+        # the newest validated checkpoint's distance to the teacher on held-out prefixes (sapd.data.validation)
+        self.validation_checkpoint = Gauge("sapd_validation_checkpoint",
+                                           "Checkpoint whose held-out validation the sapd_validation_* figures are",
+                                           registry=r)
+        self.validation_reverse_kl = Gauge("sapd_validation_reverse_kl",
+                                           "Reverse KL(student ‖ teacher) per sampled token on held-out prefixes "
+                                           "(nats)", ["category"], registry=r)
+        self.validation_recorded_logratio = Gauge(
+            "sapd_validation_recorded_logratio",
+            "Mean teacher − student log-prob per token of the recorded responses of held-out prefixes (nats)",
+            ["category"], registry=r)
+        self.validation_action_match = Gauge("sapd_validation_action_match_ratio",
+                                             "Share (0-1) of samples at T = 1 on held-out prefixes whose action is "
+                                             "the recorded one, by model (student, teacher)", ["model", "category"],
+                                             registry=r)
         self.last_success = Gauge("sapd_job_last_success_timestamp_seconds",
                                   "Unix time the job last finished successfully", registry=r)
         self.startup = Gauge("sapd_startup_seconds",
@@ -155,6 +170,19 @@ class Metrics:
     def record_startup(self, seconds: dict[str, float]) -> None:
         for phase, value in seconds.items():
             self.startup.labels(phase=phase).set(value)
+    def record_validation(self, checkpoint: int, by_category: dict[str, dict[str, float | None]]) -> None:
+        """A committed validation (:func:`sapd.stages.validation.record_metrics`): per category ("all" too)
+        ``reverse_kl_per_token``, ``recorded_logratio_per_token``, ``action_match``, ``teacher_action_match``;
+        a figure that is None (no tokens) is left unset."""
+        self.validation_checkpoint.set(checkpoint)
+        for cat, figures in by_category.items():
+            for key, gauge, labels in (("reverse_kl_per_token", self.validation_reverse_kl, {}),
+                                       ("recorded_logratio_per_token", self.validation_recorded_logratio, {}),
+                                       ("action_match", self.validation_action_match, {"model": "student"}),
+                                       ("teacher_action_match", self.validation_action_match, {"model": "teacher"})):
+                value = figures.get(key)
+                if value is not None:
+                    gauge.labels(category=cat, **labels).set(value)
 
     def mark_success(self) -> None:
         self.last_success.set(time.time())

@@ -31,7 +31,7 @@ import yaml
 
 from sapd import checkpoints, layout, storage
 from sapd.config import load_config
-from sapd.data import shards
+from sapd.data import shards, validation
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "sapd"
@@ -308,8 +308,14 @@ def job_effect(root: str, commit: bool = True) -> Callable[[dict], None]:
             shards.commit_manifest(layout.prefixes_dir(root), {"kind": "prefix-build", "stats": {"train": 4, "val": 1}})
             storage.write_json(layout.checkpoint_marker(root, 0), {"checkpoint": 0, "commit_id": "c0"})
         elif stage == "teacher-scores":
+            cfg = load_config(Path(root).parent / "config.yaml", overrides={"run_root": root})
             out = layout.scored_dir(root, k)
             for w in range(job["spec"]["completions"]):  # pod w = JOB_COMPLETION_INDEX w
+                if validation.wanted(cfg, k):  # checkpoint k's validation, before the scored part
+                    validation.write_teacher_part(cfg, w, [], 0.0)
+                    validation.write_part(cfg, k, w, [], {"sample_seconds": 0.1})
+                if k >= cfg.train.rounds:
+                    continue  # the last checkpoint: validated only
                 data = f"part {w} of round {k}".encode()
                 storage.write_bytes(storage.join(out, f"part-{w:05d}.parquet"), data)
                 storage.write_json(storage.join(out, f"_worker-{w:05d}.json"),
@@ -432,8 +438,10 @@ def env(tmp_path, monkeypatch):
     return e
 
 
+# teacher-scores-r2: no round to score, the last checkpoint's validation (validation.every_rounds: 1)
 ORDER = [f"{RELEASE}-build-prefixes", f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0",
-         f"{RELEASE}-teacher-scores-r1", f"{RELEASE}-train-r1", f"{RELEASE}-evaluate-r2"]
+         f"{RELEASE}-teacher-scores-r1", f"{RELEASE}-train-r1", f"{RELEASE}-teacher-scores-r2",
+         f"{RELEASE}-evaluate-r2"]
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -461,7 +469,13 @@ def test_two_rounds_in_order_with_valid_manifests(env, capsys):
     for k in (0, 1):  # committed by the driver (commit_round) once the Indexed Job completed
         m = shards.read_manifest(layout.scored_dir(env.root, k))
         assert m["round"] == k and m["workers"] == 2 and m["rows"] == 6
+    # each checkpoint's validation too, the last one (2) by its own teacher-scores Job, which scores nothing
+    assert [validation.read(env.root, k)["workers"] for k in (0, 1, 2)] == [2, 2, 2]
+    assert not shards.read_manifest(layout.scored_dir(env.root, 2))
+    assert "checkpoint 2: committed its validation on 0 held-out prefixes" in out
     jobs = {b["metadata"]["name"]: b for b in env.kube.posted if b["kind"] == "Job"}
+    last = jobs[f"{RELEASE}-teacher-scores-r2"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert last[last.index("--round") + 1] == "2"
     for k in (0, 1):
         ts = jobs[f"{RELEASE}-teacher-scores-r{k}"]
         assert ts["spec"]["completionMode"] == "Indexed"
@@ -474,8 +488,9 @@ def test_two_rounds_in_order_with_valid_manifests(env, capsys):
         assert tcmd[tcmd.index("--round") + 1] == str(k)
         assert f"--master-addr={RELEASE}-train-r{k}-0.{RELEASE}-train" in tcmd
         assert tr["spec"]["completionMode"] == "Indexed"
-    for body in jobs.values():
-        assert body["metadata"]["annotations"] == {"sapd.io/attempt": "1", "sapd.io/run-root": env.root}
+    for name, body in jobs.items():
+        last = {"sapd.io/validation-only": "true"} if name == f"{RELEASE}-teacher-scores-r2" else {}
+        assert body["metadata"]["annotations"] == {"sapd.io/attempt": "1", "sapd.io/run-root": env.root, **last}
         # owned by the release's templates ConfigMap, which `helm upgrade` keeps (it deletes the old driver
         # Job, whose dependents the garbage collector would delete), and `helm uninstall` removes
         assert body["metadata"]["ownerReferences"] == [{
@@ -525,8 +540,8 @@ def test_restart_skips_committed_stages_and_adopts_the_running_job(env):
     env.kube.reads[f"{RELEASE}-train-r1"] = 0
     env.lines.clear()
     result = env.driver().run()
-    assert env.kube.posted_jobs() == ORDER  # only evaluate is new: no duplicate train-r1
-    assert result["adopted"] == [f"{RELEASE}-train-r1"] and result["created"] == [f"{RELEASE}-evaluate-r2"]
+    assert env.kube.posted_jobs() == ORDER  # only the last validation and evaluate are new: no duplicate train-r1
+    assert result["adopted"] == [f"{RELEASE}-train-r1"] and result["created"] == ORDER[5:]
     assert result["skipped"] == ["build-prefixes", "teacher-scores-r0", "train-r0", "teacher-scores-r1"]
     assert f"job {RELEASE}-train-r1: exists (running, attempt 1), adopting it" in env.lines
     assert layout.committed_checkpoints(env.root) == [0, 1, 2]
@@ -619,7 +634,50 @@ def test_sft_runs_no_teacher_scores(tmp_path, monkeypatch):
     e = Env(tmp_path, monkeypatch, {"config": {"variant": "sft", "train": {"rounds": 2}}})
     e.lines = []
     e.driver().run()
-    assert e.kube.posted_jobs() == [ORDER[0], ORDER[2], ORDER[4], ORDER[5]]
+    assert e.kube.posted_jobs() == [ORDER[0], ORDER[2], ORDER[4], ORDER[6]]
+
+
+def test_a_run_extended_past_its_last_validation_scores_that_round_in_a_new_job(tmp_path, monkeypatch):
+    """A 1-round run ends with teacher-scores-r1 validating checkpoint 1 (nothing to score). Given 2 rounds
+    (`helm upgrade --set config.train.rounds=2`), round 1 must be scored under the same Job name: the finished
+    validation-only Job is replaced, not adopted as if it had scored the round, and not counted as a retry."""
+    e = Env(tmp_path, monkeypatch, {"config": {"train": {"rounds": 1}}})
+    e.lines = []
+    e.driver().run()
+    first = e.kube.jobs[f"{RELEASE}-teacher-scores-r1"]
+    assert first["metadata"]["annotations"]["sapd.io/validation-only"] == "true"
+    assert validation.is_committed(e.root, 1) and not shards.read_manifest(layout.scored_dir(e.root, 1))
+    e.config.write_text(e.config.read_text().replace("rounds: 1", "rounds: 2"))
+    e.cfg = load_config(e.config, overrides={"run_root": e.root})
+    assert e.cfg.train.rounds == 2
+    e.lines = []
+    result = e.driver().run()
+    name = f"{RELEASE}-teacher-scores-r1"
+    assert f"job {name}: exists, but it only validated checkpoint 1, the last of a shorter run; the run now " \
+           "scores round 1: creating it anew" in e.lines
+    assert result["created"][:3] == [name, f"{RELEASE}-train-r1", f"{RELEASE}-teacher-scores-r2"]
+    assert name not in result["retried"] and name not in result["adopted"]
+    assert "sapd.io/validation-only" not in e.kube.jobs[name]["metadata"]["annotations"]
+    assert shards.read_manifest(layout.scored_dir(e.root, 1))["workers"] == 2 and validation.is_committed(e.root, 2)
+
+
+def test_a_build_without_validation_prefixes_has_no_last_validation_job(tmp_path, monkeypatch):
+    """data.val_fraction 0: the plan made before the build names the last checkpoint's validation; once the
+    build shows no validation prefixes, the driver skips it, saying why, and creates no Job for it."""
+    e = Env(tmp_path, monkeypatch)
+    e.lines = []
+    real = e.kube.effect
+
+    def no_val(job: dict) -> None:  # the build commits no validation prefixes
+        real(job)
+        if job["metadata"]["labels"]["app.kubernetes.io/component"] == "build-prefixes":
+            shards.commit_manifest(layout.prefixes_dir(e.root), {"kind": "prefix-build", "stats": {"train": 4, "val": 0}})
+    e.kube.effect = no_val
+    e.driver().run()
+    assert e.kube.posted_jobs() == [ORDER[0], ORDER[1], ORDER[2], ORDER[3], ORDER[4], ORDER[6]]
+    assert "stage teacher-scores-r2: nothing to validate (the prefix build has no validation prefixes), skipping" \
+        in e.lines
+    assert not validation.is_committed(e.root, 0)
 
 
 def test_forbidden_is_a_clear_exit_3(env, capsys):

@@ -9,6 +9,7 @@ import yaml
 
 from sapd import checkpoints
 from sapd.config import config_from_dict, load_config
+from sapd.data import validation
 from sapd.data.batches import round_batch
 from sapd.data.scored import read_scored
 from tests.pipeline_util import make_models, tiny_config
@@ -39,7 +40,8 @@ def test_teacher_scores_two_indexed_workers_then_commit(tmp_path, models, monkey
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")
     assert teacher_scores.main(args) == 0
     assert teacher_scores.main([*args, "--commit"]) == 2  # worker 0 has not finished
-    assert "worker 0 of 2 has not finished" in capsys.readouterr().err
+    # checkpoint 0's validation is committed first (a committed round implies it), and waits for worker 0 too
+    assert "worker 0 of 2 has not written its part; cannot commit checkpoint 0's validation" in capsys.readouterr().err
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
     assert teacher_scores.main(args) == 0
     assert teacher_scores.main(args) == 0  # a retried pod redoes nothing
@@ -48,6 +50,7 @@ def test_teacher_scores_two_indexed_workers_then_commit(tmp_path, models, monkey
     assert teacher_scores.main([*args, "--worker", "2"]) == 2  # outside 0..W-1
     assert "outside 0..1" in capsys.readouterr().err
     assert teacher_scores.main([*args, "--commit"]) == 0
+    assert validation.read(root, 0)["workers"] == 2
 
     table = read_scored(root, 0)
     assert sorted(table.column("prefix_id").to_pylist()) == \

@@ -177,8 +177,9 @@ def wait_query(prom: str, expr: str, seconds: float = 30.0) -> list[dict]:
 LR = ["config.train.lr=0.001"]
 ROUNDS = 4  # the smoke overlay's run, four rounds long (issue 34: persistent workers shown over ≥ 4 rounds)
 # the default, persistent stage Jobs: one scoring Job and one train Job serve every round, created with the
-# prefix build (their pods start up while it runs)
-ORDER = ["teacher-scores-r0", "train-r0", "build-prefixes", f"evaluate-r{ROUNDS}"]
+# prefix build (their pods start up while it runs); then the last checkpoint's validation (nothing to score:
+# checkpoint ROUNDS's distance to the teacher, the default validation) and the evaluation
+ORDER = ["teacher-scores-r0", "train-r0", "build-prefixes", f"teacher-scores-r{ROUNDS}", f"evaluate-r{ROUNDS}"]
 CHECKPOINTS = list(range(ROUNDS + 1))
 
 
@@ -186,9 +187,10 @@ CHECKPOINTS = list(range(ROUNDS + 1))
 def smoke(cluster, inputs, monitoring):
     """`helm install sapd-smoke charts/sapd -f charts/sapd/values/smoke.yaml --set …`, then nothing by hand."""
     t0 = time.monotonic()
+    # one of the two trajectories held out (the users' sets hold none out): the per-round validation runs too
     rel = cluster.helm.install("sapd-smoke", CHART, values_files=[SMOKE],
                                set_values=user_sets(inputs, monitoring, "sapd-smoke", f"config.train.rounds={ROUNDS}"),
-                               set_json=LR)
+                               set_json=[*LR, "config.data.val_fraction=0.5"])
     state = cluster.wait_job("sapd-smoke-pipeline-1", timeout=1200)
     TIMINGS["smoke install → run complete"] = time.monotonic() - t0
     print(cluster.timeline())
@@ -211,6 +213,12 @@ def test_smoke_install_finishes_four_rounds_and_an_evaluation(smoke, cluster):
     result = storage.read_json(storage.join(layout.evals_dir(smoke.root, ROUNDS), "textworld.json"))
     assert result["checkpoint"] == ROUNDS and result["overall"]["episodes"] == 2
     assert set(result["by_category"]) == {"simple", "coin"} and result["horizon"] == 8  # the smoke panel
+    # each checkpoint's validation was committed by the scoring workers (the last one's by the validation-only
+    # teacher-scores Job), on held-out prefixes the smoke build keeps (val_fraction 0.5)
+    from sapd.data import validation
+    for k in range(ROUNDS + 1):
+        v = validation.read(smoke.root, k)
+        assert v["workers"] == 2 and v["prefixes"] > 0 and v["overall"]["reverse_kl_per_token"]["value"] is not None
     # one scoring Job and one train Job served every round (their rounds annotated), and the driver logged
     # each round's commits as they came
     for stage in ("teacher-scores", "train"):
@@ -300,7 +308,7 @@ def test_the_readme_and_notes_kubectl_commands_show_the_run(smoke, cluster):
     assert {r[0]: (r[1], r[2]) for r in rows[1:]} == {
         "sapd-smoke-pipeline-1": ("Complete", "1/1"), "sapd-smoke-build-prefixes": ("Complete", "1/1"),
         "sapd-smoke-teacher-scores-r0": ("Complete", "2/2"), "sapd-smoke-train-r0": ("Complete", "1/1"),
-        f"sapd-smoke-evaluate-r{ROUNDS}": ("Complete", "1/1")}
+        f"sapd-smoke-teacher-scores-r{ROUNDS}": ("Complete", "2/2"), f"sapd-smoke-evaluate-r{ROUNDS}": ("Complete", "1/1")}
     # the driver's whole log (one pod, so no "Found N pods" choice), as `logs -f` prints it once it ended
     assert driver == driver_log(cluster, "sapd-smoke-pipeline-1")
     assert DRIVER_CHECKS in driver and f"pipeline done: checkpoints {CHECKPOINTS} committed" in driver
@@ -356,6 +364,13 @@ def test_prometheus_sees_the_train_pods_metrics_and_each_workers_push(smoke, clu
     assert all(0 < float(r["value"][1]) < 600 for r in first_work), first_work
     evals = wait_query(prom, 'sapd_eval_success_ratio{release="sapd-smoke", category="all"}')
     assert evals and evals[0]["metric"]["benchmark"] == "textworld"
+    # the distance to the teacher, pushed by the teacher-scores workers (the newest: checkpoint 2's)
+    kl = wait_query(prom, 'sapd_validation_reverse_kl{job="teacher_scores", release="sapd-smoke", category="all"}')
+    assert kl and all(float(r["value"][1]) == float(kl[0]["value"][1]) for r in kl)
+    (ckpt, *_) = wait_query(prom, 'max(sapd_validation_checkpoint{job="teacher_scores", release="sapd-smoke"})')
+    assert float(ckpt["value"][1]) == 2
+    match = wait_query(prom, 'sapd_validation_action_match_ratio{release="sapd-smoke", category="all"}')
+    assert {r["metric"]["model"] for r in match} == {"student", "teacher"}
 
 
 def test_helm_test_preflight_passes(smoke, cluster):

@@ -62,8 +62,9 @@ FLOORS: dict[str, int] = {
 EXACT = {"sapd"}  # entries that cover only themselves
 
 # inside a package its modules may import each other, except: a stage never imports another stage (its
-# engine and the stage context are not stages), and no environment knows the loop or the panels
-STAGE_HELPERS = {"sapd.stages", "sapd.stages.context", "sapd.stages.train_deepspeed"}
+# engine, the stage context and the held-out validation that teacher-scores and evaluate share are not
+# stages), and no environment knows the loop or the panels
+STAGE_HELPERS = {"sapd.stages", "sapd.stages.context", "sapd.stages.train_deepspeed", "sapd.stages.validation"}
 ALLOWED_BETWEEN_STAGES = {("sapd.stages.train", "sapd.stages.train_deepspeed")}
 ENVS_NOBODY_IMPORTS = {"sapd.envs.loop", "sapd.envs.panels"}
 LAZY_OK = {"sapd/cli.py"}  # the one production file whose sapd imports may sit inside functions

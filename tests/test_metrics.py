@@ -54,6 +54,16 @@ def test_pipeline_metrics_reach_prometheus(tmp_path, prometheus_stack):
     log = read_step_log(cfg.run_root)
     assert float(steps["value"][1]) == len(log)
     assert _wait_query(prom, "sapd_teacher_student_gap")
+    # the held-out distance to the teacher of the newest validated checkpoint (1, the last), as committed
+    from sapd.data import validation
+    committed = validation.read(cfg.run_root, 1)
+    (ckpt,) = _wait_query(prom, "sapd_validation_checkpoint")
+    assert float(ckpt["value"][1]) == 1
+    kl = {r["metric"]["category"]: float(r["value"][1]) for r in _wait_query(prom, "sapd_validation_reverse_kl")}
+    assert kl["all"] == pytest.approx(committed["overall"]["reverse_kl_per_token"]["value"], rel=1e-9)
+    match = {r["metric"]["model"] for r in _wait_query(prom, 'sapd_validation_action_match_ratio{category="all"}')}
+    assert match == {"student", "teacher"}
+    assert {r["metric"]["stage"] for r in stages} >= {"validation"}
     # the round's update in the weights the optimizer keeps: its size, and all of the computed update applied
     (last,) = [r for r in log if "round_update_rel" in r]
     (moved,) = _wait_query(prom, "sapd_weight_update_ratio")

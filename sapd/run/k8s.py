@@ -55,7 +55,7 @@ from kubernetes.client.exceptions import ApiException
 
 from sapd import layout, storage, yamlio
 from sapd.config import RunConfig
-from sapd.data import scored, shards
+from sapd.data import scored, shards, validation
 from sapd.method.objective import objective_of
 from sapd.run import plan
 
@@ -69,6 +69,9 @@ JOBSET_API = ("jobset.x-k8s.io", "v1alpha2", "jobsets")  # the train stage may b
 TRAIN_SERVICE = "train-service"
 ATTEMPT_ANNOTATION = "sapd.io/attempt"
 RUN_ROOT_ANNOTATION = "sapd.io/run-root"
+# teacher-scores of the last checkpoint (k = train.rounds): it only validates; a run extended later scores that
+# round under the same Job name, so the driver recreates such a Job instead of adopting it
+VALIDATION_ONLY_ANNOTATION = "sapd.io/validation-only"
 MANAGED_BY = "sapd-pipeline"
 # the Failed condition's reasons that end a stage at once: the Job's podFailurePolicy matched its exit-code
 # rule (the message then names the rule: "… matching FailJob rule at index N"), or JobSet applied its
@@ -247,11 +250,16 @@ class Driver:
         served = 0  # rounds below this were seen through by persistent stage Jobs in this run of the driver
         started: tuple[list[Pool], int] | None = None  # persistent Jobs created while the prefixes are built
         for step in plan.steps(cfg, evaluate=self.templates.has("evaluate")):
-            pooled = self.stage_jobs == "persistent" and step.stage in POOL_STAGES
+            # the last checkpoint's validation (teacher-scores R) is a Job of its own, after the pools
+            pooled = self.stage_jobs == "persistent" and step.stage in POOL_STAGES and \
+                (step.round is None or step.round < cfg.train.rounds)
             if pooled and step.round is not None and step.round < served:
                 continue
             if plan.missing(cfg, step) is None:
-                self.log(f"stage {step}: committed, skipping")
+                nothing = step.stage == "teacher-scores" and step.round is not None and step.round >= cfg.train.rounds \
+                    and not validation.is_committed(root, step.round)
+                self.log(f"stage {step}: " + ("nothing to validate (the prefix build has no validation prefixes), "
+                                              "skipping" if nothing else "committed, skipping"))
                 self.stats.skipped.append(str(step))
                 continue
             if pooled:
@@ -361,17 +369,22 @@ class Driver:
                           "`helm upgrade` the release, which creates it again")
 
     def _commit_scores(self, step: plan.Step) -> str | None:
-        """After a teacher-scores Job completes: its last worker committed the round; if that worker died
-        between its part and the commit, every part is there and the driver commits it."""
+        """After a teacher-scores Job completes: its last worker committed the round (checkpoint k's validation,
+        then the scored manifest); if that worker died between its part and the commit, every part is there
+        and the driver commits it."""
         if plan.missing(self.cfg, step) is None:
             return None
         assert step.round is not None
         try:
-            manifest = scored.commit_round(self.cfg, step.round)
+            result, manifest = scored.commit_teacher_scores(self.cfg, step.round)
         except shards.ShardError as e:
             return str(e)
-        self.log(f"round {step.round}: committed {manifest['rows']} scored groups from {manifest['workers']} workers")
-        return None
+        if result is not None:
+            self.log(f"checkpoint {step.round}: committed its validation on {result['prefixes']} held-out prefixes")
+        if manifest is not None:
+            self.log(f"round {step.round}: committed {manifest['rows']} scored groups from {manifest['workers']} "
+                     "workers")
+        return plan.missing(self.cfg, step)
 
     # ---------------------------------------------------------------------------------- one stage Job
 
@@ -392,6 +405,8 @@ class Driver:
             per_round = sum(d for st in self._pool_stages() if (d := _deadline(self.templates.render(st, k))))
             if per_round:
                 _set_deadline(doc, int(rounds * per_round))
+        if stage == "teacher-scores" and k is not None and k >= self.cfg.train.rounds:
+            meta["annotations"][VALIDATION_ONLY_ANNOTATION] = "true"
         if self._owner_ref:
             meta["ownerReferences"] = [dict(self._owner_ref)]
         return doc
@@ -403,6 +418,9 @@ class Driver:
         if doc["kind"] == "JobSet":
             self._jobsets.add(name)
         job = self._get_job(name)
+        if job is not None and self._stale_validation_only(stage, k, name, job):
+            self._delete_job(name)
+            job = None
         if job is None:
             attempt = 1
             self._create_job(stage, k, name, attempt)
@@ -654,6 +672,17 @@ class Driver:
         if out.unscheduled:
             return f"the group never assembled ({out.unscheduled})"
         return ""
+
+    def _stale_validation_only(self, stage: str, k: int | None, name: str, job) -> bool:
+        """A finished teacher-scores Job that only validated the last checkpoint of a shorter run, where the run
+        (``train.rounds`` grown since) now scores that round: it did other work, so it is replaced, not adopted."""
+        ann = job.metadata.annotations or {}
+        if (stage != "teacher-scores" or k is None or k >= self.cfg.train.rounds
+                or ann.get(VALIDATION_ONLY_ANNOTATION) != "true" or _finished(job) is None):
+            return False
+        self.log(f"job {name}: exists, but it only validated checkpoint {k}, the last of a shorter run; the run "
+                 f"now scores round {k}: creating it anew")
+        return True
 
     def _adopt(self, name: str, job) -> int:
         ann = job.metadata.annotations or {}

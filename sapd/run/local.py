@@ -73,6 +73,8 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
                 ran += 1
                 push_metrics(cfg, metrics, "run", skipped=False, log=ctx.log)
                 bar.update()
+                # the last validation step goes when the build has no validation prefixes
+                bar.set_total(len(plan.steps(cfg)))
         metrics.mark_success()
         # a rerun over a finished run restates what the run pushed, rather than emptying its group (its record
         # is written while the lease is held)

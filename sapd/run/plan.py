@@ -7,7 +7,12 @@ Both executors follow it — :mod:`sapd.run.local` (``sapd run``: every stage in
 2. for each round k < ``train.rounds`` whose checkpoint k+1 is not committed:
    ``teacher-scores`` k until round k's scored manifest is committed (no such step for the ``sft``
    objective, which trains on the recorded responses), then ``train`` k until checkpoint k+1 is committed;
-3. optionally ``evaluate`` R (R = ``train.rounds``) until ``evals/R/<benchmark>.json`` is written.
+   the teacher-scores stage of round k also validates checkpoint k (:mod:`sapd.data.validation`) and
+   commits that before the manifest;
+3. ``teacher-scores`` R (R = ``train.rounds``) when the last checkpoint is validated: no round to score, only
+   checkpoint R's distance to the teacher, until ``validation/R.json`` is written (nothing to do when the
+   prefix build turned out to have no validation prefixes);
+4. optionally ``evaluate`` R until ``evals/R/<benchmark>.json`` is written.
 
 :func:`missing` says, in one line, what a step has not committed yet (None once it is done); an
 executor runs a step, then asks again. :func:`input_step` says which step's output a step needs, so a
@@ -23,7 +28,7 @@ from typing import Callable
 
 from sapd import checkpoints, layout, storage
 from sapd.config import RunConfig, sampler_checkpoint
-from sapd.data import scored, shards
+from sapd.data import scored, shards, validation
 from sapd.entry import EXIT_UNAVAILABLE
 from sapd.method.objective import objective_of
 from sapd.stages.context import STAGE_NAMES, StageName, Step
@@ -42,6 +47,8 @@ def steps(cfg: RunConfig, *, evaluate: bool = False) -> list[Step]:
         if scores:
             out.append(Step("teacher-scores", k))
         out.append(Step("train", k))
+    if scores and validation.wanted(cfg, cfg.train.rounds):
+        out.append(Step("teacher-scores", cfg.train.rounds))  # the last checkpoint's validation
     if evaluate:
         out.append(Step("evaluate", cfg.train.rounds))
     return out
@@ -63,6 +70,10 @@ def missing(cfg: RunConfig, step: Step) -> str | None:
         return None
     k = step.round
     assert k is not None
+    if step.stage == "teacher-scores" and k >= cfg.train.rounds:  # the last checkpoint: validation only
+        if validation.is_committed(root, k) or not validation.wanted(cfg, k):  # (no validation prefixes)
+            return None
+        return f"checkpoint {k}'s validation is not committed ({layout.validation_uri(root, k)})"
     if step.stage == "teacher-scores":
         if checkpoints.is_committed(root, k + 1) or scored.is_committed(root, k):
             return None  # a trained round needs no scores any more

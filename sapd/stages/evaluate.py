@@ -9,7 +9,8 @@ from the run config (the job's) or, for ``sapd evaluate``, the run root's resolv
 records both.
 
 :func:`offline_eval` is the environment-free check on held-out prefixes (the paper's 5 % split): format
-validity, repeated actions and agreement with the recorded action.
+validity, repeated actions and agreement with the recorded action, and, given the teacher, the student's
+distance to it (the figures the teacher-scores stage records every round: :mod:`sapd.data.validation`).
 
 Entry: :func:`run` (the stage interface of :mod:`sapd.stages.context`); ``sapd evaluate`` calls
 :func:`evaluate_checkpoint` on a run root directly.
@@ -26,19 +27,21 @@ import pyarrow as pa
 
 from sapd import checkpoints, layout, storage, yamlio
 from sapd.data.prompts import PrefixOptions
+from sapd.data.validation import summarize as summarize_validation
 from sapd.envs.alfworld_env import split_source as alfworld_split_source
 from sapd.envs.base import EpisodeSpec
 from sapd.envs.loop import LoopOptions, run_episodes, summarize
 from sapd.envs.panels import PanelSpec, episode_specs
 from sapd.envs.searchqa import exact_match_by_source
-from sapd.method.benchmarks import alfworld_action_key, get_benchmark, noop_action, parse_decision
-from sapd.method.rules import normalize_action
+from sapd.method.benchmarks import get_benchmark, noop_action, parse_decision
 from sapd.metrics import Metrics
 from sapd.models.generation import Generator, HFGenerator, SamplingParams, stops_for
 from sapd.models.loading import load_tokenizer
+from sapd.models.scoring import HFScorer
 from sapd.models.vllm_backend import VLLMGenerator
 from sapd.progress import Progress
 from sapd.stages.context import Outcome, StageContext, Startup, Step
+from sapd.stages.validation import distance_records, same_action, teacher_records
 
 
 def latest_checkpoint(root: str) -> int:
@@ -245,9 +248,12 @@ def run(ctx: StageContext, step: Step) -> Outcome:
 
 def offline_eval(model, tokenizer, prefixes: pa.Table, benchmark: str, *, max_new_tokens: int = 64,
                  prompts_per_batch: int = 8, device: str = "cpu", temperature: float = 0.0,
-                 seed: int = 0) -> dict[str, Any]:
+                 seed: int = 0, teacher=None, group_size: int = 4) -> dict[str, Any]:
     """Greedy (``temperature`` 0) or seeded sampled decision per prefix → rates of valid format, repeated
-    action and recorded-action match.
+    action and recorded-action match. With a ``teacher`` (a loaded model sharing the tokenizer), also the
+    student's distance to it (``distance``: :func:`sapd.stages.validation.distance_records` with
+    ``group_size`` samples per prefix at temperature 1, summarised by :func:`sapd.data.validation.summarize`,
+    the teacher's own sampled action match included) — what the teacher-scores stage measures every round.
     No environment, so it measures only what the recorded history can check; task success needs
     :func:`evaluate_checkpoint`."""
     spec = get_benchmark(benchmark)
@@ -259,19 +265,26 @@ def offline_eval(model, tokenizer, prefixes: pa.Table, benchmark: str, *, max_ne
         n=1, temperature=temperature, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision), seed=seed))
     valid = match = repeated = 0
     by_category: dict[str, list[int]] = {}
-    # ALFWorld actions compare wording-free ("put X in/on Y" = "move X to Y")
-    key = alfworld_action_key if spec.name == "alfworld" else normalize_action
-
-    def same(a: str, b: str) -> bool:
-        return key(a) == key(b)
-
     for r, (s,) in zip(rows, samples):
         d = parse_decision(s.text, spec)
         ok = int(d.valid)
-        hit = int(d.valid and same(d.content, r["recorded_action"]))
-        rep = int(bool(d.content) and r["previous_action"] is not None and same(d.content, r["previous_action"]))
+        # ALFWorld actions compare wording-free ("put X in/on Y" = "move X to Y")
+        hit = int(d.valid and same_action(spec, d.content, r["recorded_action"]))
+        rep = int(bool(d.content) and r["previous_action"] is not None
+                  and same_action(spec, d.content, r["previous_action"]))
         valid, match, repeated = valid + ok, match + hit, repeated + rep
         by_category.setdefault(r["category"] or "-", []).append(hit)
     n = len(rows)
-    return {"prefixes": n, "format_valid": valid / n, "action_match": match / n, "repeated_action": repeated / n,
-            "action_match_by_category": {k: sum(v) / len(v) for k, v in sorted(by_category.items())}}
+    out: dict[str, Any] = {
+        "prefixes": n, "format_valid": valid / n, "action_match": match / n, "repeated_action": repeated / n,
+        "action_match_by_category": {k: sum(v) / len(v) for k, v in sorted(by_category.items())}}
+    if teacher is not None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        params = SamplingParams(n=group_size, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                stop=stops_for(spec.decision), seed=seed)
+        records, timings = distance_records(rows, gen, HFScorer(teacher, pad), HFScorer(model, pad), tokenizer,
+                                            benchmark, params)
+        theirs = teacher_records(rows, HFGenerator(teacher, tokenizer, prompts_per_batch=prompts_per_batch,
+                                                   device=device), benchmark, params)
+        out["distance"] = {**summarize_validation(records, theirs), "timings": timings, "records": records}
+    return out

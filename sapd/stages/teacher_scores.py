@@ -30,7 +30,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from sapd import checkpoints, layout, storage
 from sapd.config import RunConfig, sampler_checkpoint
-from sapd.data import scored
+from sapd.data import scored, validation
 from sapd.data.batches import round_batch, worker_rows
 from sapd.method.benchmarks import get_benchmark
 from sapd.method.rules import RuleWeights
@@ -42,6 +42,10 @@ from sapd.models.scoring import HFScorer
 from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
 from sapd.progress import Progress
 from sapd.stages.context import Engines, Outcome, StageContext, Step
+from sapd.stages.validation import pending as validation_pending
+from sapd.stages.validation import record_metrics as record_validation
+from sapd.stages.validation import summary_line as validation_line
+from sapd.stages.validation import validate_worker
 
 
 class TeacherScorer(Protocol):
@@ -101,6 +105,7 @@ def teacher_scorer(cfg: RunConfig, tokenizer) -> TeacherScorer:
                                     gpu_memory_utilization=cfg.sampling.gpu_memory_utilization,
                                     tensor_parallel_size=cfg.sampling.teacher_tensor_parallel_size)
     device = rank_device(cfg.model.device)
+    # a scorer object (not a closure): the validation samples the teacher through the same engine
     return HFScorer(load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=device),
                     pad_id=tokenizer.pad_token_id, device=device)
 
@@ -112,6 +117,7 @@ class WorkerResult:
     timings: dict[str, float]
     generated_tokens: int = 0
     committed: bool = False  # this worker committed the round (it found every part written)
+    validation_seconds: float = 0.0  # this worker validated checkpoint k now (its share), in this long
     responses: int = 0
     truncated: int = 0  # responses cut at sampling.max_new_tokens
 
@@ -121,12 +127,14 @@ class WorkerResult:
 
 
 def record_metrics(metrics: Metrics, k: int, result: WorkerResult) -> None:
-    """Stage timings (sample, score, masks_rules) and tokens of a worker that did its work."""
+    """Stage timings (sample, score, masks_rules; validation) and tokens of a worker that did its work."""
     if not result.skipped:
         for key, seconds in result.timings.items():
             metrics.observe_stage(key.removesuffix("_seconds"), seconds)
         metrics.add_tokens("sample", result.generated_tokens)
         metrics.add_tokens("score", result.generated_tokens)
+    if result.validation_seconds > 0:
+        metrics.observe_stage("validation", result.validation_seconds)
     if result.truncated_share is not None:
         metrics.truncated.set(result.truncated_share)
     metrics.round.set(k)
@@ -136,10 +144,21 @@ def run_worker(cfg: RunConfig, k: int, worker: int, generator: Generator, teache
                log: Callable[[str], None] = print, show_progress: bool = True,
                progress: Progress | None = None) -> WorkerResult:
     """Sample, score and write worker ``worker``'s part of round ``k``; commit the round when every part
-    is written. ``progress`` counts the prefixes sampled and scored."""
+    is written. First, when the run validates checkpoint k (:func:`sapd.data.validation.wanted`), this
+    worker's share of that validation with the same engines (:func:`sapd.stages.validation.validate_worker`),
+    written before its scored part, so a worker whose scored part is there has validated. Round
+    ``train.rounds`` (the last checkpoint) is only validated. ``progress`` counts the prefixes sampled and
+    scored."""
     progress = progress or Progress.of(log, show_progress)
+    validated = None
+    if validation.wanted(cfg, k):
+        validated = validate_worker(cfg, k, worker, generator, teacher, tokenizer, log=log, progress=progress)
+    seconds = sum(validated["timings"].values()) if validated else 0.0
+    if k >= cfg.train.rounds:  # the last checkpoint: nothing to score
+        return WorkerResult(validated is None, 0, {}, 0, _commit_if_complete(cfg, k, log), seconds)
     done = _finished(cfg, k, worker, log)
     if done is not None:
+        done.validation_seconds = seconds
         return done
     out_dir = layout.scored_dir(cfg.run_root, k)
     spec = get_benchmark(cfg.data.benchmark)
@@ -177,7 +196,8 @@ def run_worker(cfg: RunConfig, k: int, worker: int, generator: Generator, teache
         f"(sample {timings['sample_seconds']:.1f}s, teacher {timings['score_seconds']:.1f}s); "
         f"{truncated} of {responses} responses ({truncated / max(responses, 1):.1%}) cut at "
         f"sampling.max_new_tokens={cfg.sampling.max_new_tokens}")
-    return WorkerResult(False, n_rows, timings, n_tokens, _commit_if_complete(cfg, k, log), responses, truncated)
+    return WorkerResult(False, n_rows, timings, n_tokens, _commit_if_complete(cfg, k, log), seconds, responses,
+                        truncated)
 
 
 def _finished(cfg: RunConfig, k: int, worker: int, log: Callable[[str], None]) -> WorkerResult | None:
@@ -188,19 +208,28 @@ def _finished(cfg: RunConfig, k: int, worker: int, log: Callable[[str], None]) -
     log(f"round {k} worker {worker}: already done")
     done: dict[str, Any] = marker if marker is not None else {"rows": -1, "timings": {}}
     return WorkerResult(True, done["rows"], done.get("timings", {}), done.get("generated_tokens", 0),
-                        _commit_if_complete(cfg, k, log), done.get("responses", 0), done.get("truncated_responses", 0))
+                        _commit_if_complete(cfg, k, log), responses=done.get("responses", 0),
+                        truncated=done.get("truncated_responses", 0))
 
 
 def _commit_if_complete(cfg: RunConfig, k: int, log: Callable[[str], None]) -> bool:
-    """The last worker to finish commits the round (idempotent); False while some part is missing."""
-    if scored.is_committed(cfg.run_root, k):
+    """The last worker to finish commits the round — checkpoint k's validation, then the scored manifest
+    (:func:`sapd.data.scored.commit_teacher_scores`; idempotent); False while some part is missing."""
+    scores, validates = k < cfg.train.rounds, validation.wanted(cfg, k)
+    todo_scores = scores and not scored.is_committed(cfg.run_root, k)
+    todo_validation = validates and not validation.is_committed(cfg.run_root, k)
+    if not (todo_scores or todo_validation):
         return False
-    done = len(scored.workers_done(cfg, k))
+    done = min(len(scored.workers_done(cfg, k)) if todo_scores else cfg.workers,
+               len(validation.workers_done(cfg, k)) if todo_validation else cfg.workers)
     if done < cfg.workers:
         log(f"round {k}: {done}/{cfg.workers} workers done; the last one to finish commits the round")
         return False
-    manifest = scored.commit_round(cfg, k)
-    log(f"round {k}: committed {manifest['rows']} scored groups from {manifest['workers']} workers")
+    result, manifest = scored.commit_teacher_scores(cfg, k)
+    if result is not None and todo_validation:
+        log(validation_line(result))
+    if manifest is not None and todo_scores:
+        log(f"round {k}: committed {manifest['rows']} scored groups from {manifest['workers']} workers")
     return True
 
 
@@ -267,16 +296,26 @@ def _forget_old_checkpoints(e: Engines, cfg: RunConfig, s: int, log: Callable[[s
 def run(ctx: StageContext, step: Step) -> Outcome:
     """The stage for round ``step.round`` (every door calls it through :func:`sapd.stages.context.run_stage`):
     check the inputs, then each of this door's workers (:class:`Options`) that is not done: build (or reuse)
-    the round's sampler and the teacher, :func:`run_worker`. The last worker to finish commits the round.
-    → the workers' results."""
+    the round's sampler and the teacher, :func:`run_worker` (which first validates checkpoint k on its share
+    of the held-out prefixes when the run validates it). The last worker to finish commits the round. Round
+    ``train.rounds`` (the last checkpoint) has nothing to score: it is only validated. → the workers' results."""
     cfg, k = ctx.cfg, step.round
     assert k is not None, "teacher-scores runs for a round"
     opts: Options = ctx.options.get("teacher-scores") or Options()
+    scores, validates = k < cfg.train.rounds, validation.wanted(cfg, k)
+    if not (scores or validates):
+        raise ValueError(f"round {k}: the run has {cfg.train.rounds} rounds (0..{cfg.train.rounds - 1}) and "
+                         f"checkpoint {k} is not validated (validation.every_rounds: {cfg.validation.every_rounds}); "
+                         "nothing to score or validate")
     if opts.commit_only:
-        manifest = scored.commit_round(cfg, k)
+        checked, manifest = scored.commit_teacher_scores(cfg, k)
         ctx.metrics.round.set(k)
-        return Outcome(f"round {k}: committed {manifest['rows']} scored groups from {manifest['workers']} workers",
-                       value=manifest)
+        if checked is not None:
+            record_validation(ctx.metrics, checked)
+        lines = ([validation_line(checked)] if checked is not None else []) + (
+            [f"round {k}: committed {manifest['rows']} scored groups from {manifest['workers']} workers"]
+            if manifest is not None else [])
+        return Outcome("; ".join(lines), value=manifest if manifest is not None else checked)
     workers = list(range(cfg.workers)) if opts.worker is None else [opts.worker]
     for w in workers:
         if not 0 <= w < cfg.workers:
@@ -287,7 +326,10 @@ def run(ctx: StageContext, step: Step) -> Outcome:
                                 f"train round {s - 1} first")
     results = []
     for w in workers:
-        result = _finished(cfg, k, w, ctx.log)
+        result = None
+        if not (validates and validation_pending(cfg, k, w)):  # nothing to validate: maybe nothing to do
+            result = _finished(cfg, k, w, ctx.log) if scores else WorkerResult(
+                True, 0, {}, 0, _commit_if_complete(cfg, k, ctx.log))
         if result is None:
             scoring_cfg, generator, teacher, tokenizer = _scoring_engines(ctx, k)
             ctx.startup.mark("first_work")
@@ -295,6 +337,8 @@ def run(ctx: StageContext, step: Step) -> Outcome:
                                 progress=ctx.progress)
         record_metrics(ctx.metrics, k, result)
         results.append(result)
+    if validates and validation.is_committed(cfg.run_root, k):
+        record_validation(ctx.metrics, validation.read(cfg.run_root, k))  # restated when found committed too
     if not ctx.engines.keep:
         ctx.engines.student = ctx.engines.teacher = None
     elif ctx.engines.release:  # the engines stay up; training gets the device (sapd run)
@@ -305,9 +349,10 @@ def run(ctx: StageContext, step: Step) -> Outcome:
         ctx.metrics.truncated.set(round_manifest["truncated_responses"] / round_manifest["responses"])
     who = f"worker {workers[0]}/{cfg.workers}" if len(workers) == 1 else f"{len(workers)} workers"
     done = "already done" if all(r.skipped for r in results) else "done"
-    committed = ", round committed" if any(r.committed for r in results) else ""
-    return Outcome(f"round {k} {who}: {done}, {sum(max(r.rows, 0) for r in results)} groups{committed}",
-                   all(r.skipped for r in results), results)
+    committed = "" if not any(r.committed for r in results) else ", round committed" if scores else \
+        ", validation committed"
+    what = f"{sum(max(r.rows, 0) for r in results)} groups" if scores else "the last checkpoint validated"
+    return Outcome(f"round {k} {who}: {done}, {what}{committed}", all(r.skipped for r in results), results)
 
 
 def _seed(seed: int, k: int, worker: int) -> int:
