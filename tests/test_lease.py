@@ -68,7 +68,7 @@ def test_an_expired_lease_is_taken_over_and_its_old_holder_writes_nothing_more(r
     try:
         a._stop.set()  # … but stalls: no renewal from now on (a stopped process, a partition)
         storage.write_text(storage.join(root, "config.yaml"), "a writes while it holds the lease\n")
-        time.sleep(4.5)  # the store's clock says: expired
+        time.sleep(5.5)  # the store's clock says: expired (S3 dates have one-second steps: age 5 s at least)
         lines: list[str] = []
         RunLease(root, who("run B"), ttl_s=4, log=lines.append).acquire()
         assert len(lines) == 1 and lines[0].startswith(f"lease: taking over {root} from run A (") and " ago)" in lines[0]

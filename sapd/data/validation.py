@@ -49,12 +49,15 @@ TEACHER_FIELDS = ("samples", "action_match", "format_valid")
 
 def wanted(cfg: RunConfig, k: int) -> bool:
     """Whether checkpoint ``k`` is validated: a run whose objective has a teacher (it scores rounds),
-    ``validation.every_rounds`` > 0 and k a multiple of it, or k the run's last checkpoint — unless the
+    ``validation.every_rounds`` > 0 and k a multiple of it, or k the run's last checkpoint — unless
+    ``train.overlap`` is ``one_step`` (the scoring workers sample with checkpoint k−1), or the
     committed prefix build has no validation prefixes at all (``data.val_fraction`` 0, or one trajectory):
     then there is nothing to measure on, and nothing is validated."""
     every = cfg.validation.every_rounds
     if every <= 0 or objective_of(cfg.loss_cfg).data != "scored":
         return False
+    if cfg.train.overlap == "one_step":  # round k's scoring workers hold checkpoint k-1, not k: nothing
+        return False                    # validates checkpoint k with the engines that are up
     if not (k % every == 0 or k == cfg.train.rounds):
         return False
     build = committed_build(layout.prefixes_dir(cfg.run_root))

@@ -56,6 +56,8 @@ class Rounds:
     timeout_seconds: float = 86400.0
 
     def steps(self, stage: str, cfg: RunConfig) -> list[Step]:
+        if self.first >= cfg.train.rounds:  # round R (the last checkpoint): its validation alone, asked by name
+            return [Step(stage, self.first)]  # type: ignore[arg-type]  # a stage name
         last = cfg.train.rounds if self.count == 0 else min(cfg.train.rounds, self.first + self.count)
         return [Step(stage, k) for k in range(self.first, last)]  # type: ignore[arg-type]  # a stage name
 
