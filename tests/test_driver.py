@@ -940,7 +940,8 @@ def pools(tmp_path, monkeypatch):
 
 # the rounds' Jobs are created with the prefix build (their pods start up meanwhile; their workers wait for
 # checkpoint 0), then the final evaluation
-POOLS = [f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0", f"{RELEASE}-build-prefixes", f"{RELEASE}-evaluate-r3"]
+POOLS = [f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0", f"{RELEASE}-build-prefixes",
+         f"{RELEASE}-teacher-scores-r3", f"{RELEASE}-evaluate-r3"]  # r3: the last checkpoint's validation, alone
 
 
 def test_persistent_jobs_serve_every_round_from_one_scoring_and_one_train_job(pools, capsys):
@@ -993,7 +994,7 @@ def test_a_restarted_driver_adopts_the_persistent_jobs_whatever_round_they_are_a
     result = pools.driver().run()
     assert pools.kube.posted_jobs() == POOLS
     assert result["adopted"] == [f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0"]
-    assert result["created"] == [f"{RELEASE}-evaluate-r3"]
+    assert result["created"] == POOLS[3:]
     assert f"job {RELEASE}-train-r0: exists (running, attempt 1), adopting it" in pools.lines
     assert "stage train-r0: committed, skipping" in pools.lines
     assert layout.committed_checkpoints(pools.root) == [0, 1, 2, 3]
@@ -1051,7 +1052,7 @@ def test_a_persistent_job_that_failed_while_no_driver_watched_is_retried_under_i
     result = pools.driver(retries=1).run()
     assert f"job {name}: exists (failed, attempt 1), adopting it" in pools.lines
     assert result["retried"] == [name] and pools.kube.incarnations[name] == 2
-    assert pools.kube.posted_jobs() == POOLS[:3] + [name, POOLS[3]]  # no train-r1
+    assert pools.kube.posted_jobs() == POOLS[:3] + [name, *POOLS[3:]]  # no train-r1
     assert [b for b in pools.kube.posted if b["metadata"]["name"] == name][-1]["metadata"]["annotations"][
         "sapd.io/rounds"] == "0-2"
     assert layout.committed_checkpoints(pools.root) == [0, 1, 2, 3]
@@ -1104,7 +1105,7 @@ def test_rounds_per_job_starts_a_new_pair_of_jobs_after_that_many_rounds(tmp_pat
     e.lines = []
     e.driver(rounds_per_job=2).run()
     assert e.kube.posted_jobs() == [f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0", f"{RELEASE}-build-prefixes",
-                                    f"{RELEASE}-teacher-scores-r2", f"{RELEASE}-train-r2", POOLS[3]]
+                                    f"{RELEASE}-teacher-scores-r2", f"{RELEASE}-train-r2", *POOLS[3:]]
     rounds = {b["metadata"]["name"]: b["metadata"]["annotations"]["sapd.io/rounds"] for b in e.kube.posted
               if "sapd.io/rounds" in b["metadata"].get("annotations", {})}
     assert rounds == {f"{RELEASE}-teacher-scores-r0": "0-1", f"{RELEASE}-train-r0": "0-1",
@@ -1132,7 +1133,7 @@ def test_sft_runs_one_persistent_train_job(tmp_path, monkeypatch):
     e = Env(tmp_path, monkeypatch, {"config": {"variant": "sft", "train": {"rounds": 3}}}, stage_jobs="persistent")
     e.lines = []
     e.driver().run()
-    assert e.kube.posted_jobs() == [POOLS[1], POOLS[2], POOLS[3]]
+    assert e.kube.posted_jobs() == [POOLS[1], POOLS[2], POOLS[4]]  # sft: nothing scored, nothing validated
     assert layout.committed_checkpoints(e.root) == [0, 1, 2, 3]
 
 
