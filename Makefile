@@ -48,9 +48,10 @@ lint: setup
 	$(BIN)/ruff check sapd jobs tests bench research scripts docs/conf.py
 	$(BIN)/mypy
 
-# the documentation site: every warning an error, every cross-reference resolved (-n); HTML in docs/_build/html
+# the documentation site: every warning an error, every cross-reference resolved (-n), every page read afresh
+# (-E: a cached page would hide its warnings, which CI, building from scratch, sees); HTML in docs/_build/html
 docs: setup
-	$(BIN)/sphinx-build -n -W --keep-going -q -b html docs docs/_build/html
+	$(BIN)/sphinx-build -E -n -W --keep-going -q -b html docs docs/_build/html
 
 .venv-vllm/.sapd-vllm-installed: scripts/setup_vllm_venv.sh docker/install.sh docker/constraints-gpu.txt
 	bash scripts/setup_vllm_venv.sh

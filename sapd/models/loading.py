@@ -227,7 +227,7 @@ class DownloadLock:
     """The exclusive right to download into ``dest``, shared by every process that can see ``dest``.
 
     ``flock`` on ``dest.lock`` where the file system does it: the kernel drops it when its holder dies.
-    Where ``flock`` fails with :data:`_NO_FLOCK` (logged once), a lock file instead: ``dest.lock.owner``
+    Where ``flock`` fails with ``_NO_FLOCK`` (logged once), a lock file instead: ``dest.lock.owner``
     created with ``O_EXCL`` (atomic on local file systems and on NFSv3+), holding its owner's name and a
     nonce, its modification time renewed every ``stale_s / 4`` by a heartbeat thread while the owner
     holds it. A waiter takes a lock file over when it has seen neither its time nor its content change

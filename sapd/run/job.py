@@ -168,7 +168,7 @@ def push_metrics(cfg: RunConfig, metrics: Metrics, step: str, *, skipped: bool,
     that did its work first records what it pushes in the run root (:func:`sapd.layout.pushed_metrics_uri`),
     and a step that found its work committed pushes that record again, with only the figures it set
     itself (its success time) on top — or, with no record (a stage committed by a process that died
-    before its push), only those, leaving the rest of the group alone (:meth:`Metrics.push_skip`)."""
+    before its push), only those, leaving the rest of the group alone (:meth:`~sapd.metrics.Metrics.push_skip`)."""
     if not metrics.pushgateway:
         return
     uri = layout.pushed_metrics_uri(cfg.run_root, metrics.group, step)
