@@ -1,9 +1,10 @@
-"""The chart's rendered manifests, held fixed: a digest of every file Helm renders, for the chart's own
-values and each overlay in ``values/``, in both modes (pipeline and manual), kept in
+"""The chart's rendered manifests, held fixed: a digest of every document Helm renders (by kind and name,
+whichever template file it comes from), for the chart's own values and each overlay in ``values/``, in
+both modes (pipeline and manual), and of NOTES.txt, kept in
 ``tests/data/chart-snapshot.json``. A restructure of the templates (helpers moved, keys stated once) must
 leave every digest as it was; a fix that changes what is rendered updates the file on purpose.
 
-    python scripts/chart_snapshot.py --check        # exit 1 naming each rendered file that changed
+    python scripts/chart_snapshot.py --check        # exit 1 naming each rendered document that changed
     python scripts/chart_snapshot.py --diff HEAD    # the unified diff against the chart at a git revision
     python scripts/chart_snapshot.py --write        # record the current rendering (a change meant)
 
@@ -22,6 +23,7 @@ from io import BytesIO
 from pathlib import Path
 
 import helm_python as helm
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "sapd"
@@ -39,7 +41,9 @@ def value_sets(chart: Path) -> dict[str, dict]:
 
 
 def render_all(chart: Path) -> dict[str, str]:
-    """``"<values>-<mode>/<template path>"`` → the text Helm renders for it (a fresh install, revision 1)."""
+    """``"<values>-<mode>/<kind>/<name>"`` → the document Helm renders (a fresh install, revision 1), as
+    sorted-key YAML: comments, key order and blank lines in the templates do not count, every value
+    does (a ConfigMap's stage templates are strings, compared whole)."""
     out: dict[str, str] = {}
     with helm.Chart.load(chart) as loaded:
         for name, values in value_sets(chart).items():
@@ -47,8 +51,15 @@ def render_all(chart: Path) -> dict[str, str]:
                 files = loaded.render(values={**values, "mode": mode}, name=RELEASE, namespace=NAMESPACE,
                                       revision=1, is_install=True, is_upgrade=False)
                 for path, text in files.items():
-                    if text.strip():
-                        out[f"{name}-{mode}/{path.split('/', 1)[-1]}"] = text
+                    if path.endswith("NOTES.txt"):
+                        out[f"{name}-{mode}/NOTES.txt"] = text
+                        continue
+                    for doc in yaml.safe_load_all(text):
+                        if doc:
+                            key = f"{name}-{mode}/{doc['kind']}/{doc['metadata']['name']}"
+                            if key in out:
+                                raise ValueError(f"{path}: a second {key}")
+                            out[key] = yaml.safe_dump(doc, sort_keys=True, width=120)
     return dict(sorted(out.items()))
 
 
@@ -57,7 +68,7 @@ def digests(rendered: dict[str, str]) -> dict[str, str]:
 
 
 def changes(recorded: dict[str, str], current: dict[str, str]) -> list[str]:
-    """One line per rendered file that appeared, disappeared or changed."""
+    """One line per rendered document that appeared, disappeared or changed."""
     lines = [f"changed: {k}" for k in sorted(recorded.keys() & current.keys()) if recorded[k] != current[k]]
     lines += [f"new: {k}" for k in sorted(current.keys() - recorded.keys())]
     lines += [f"gone: {k}" for k in sorted(recorded.keys() - current.keys())]
@@ -84,14 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     current = render_all(CHART)
     if args.write:
         SNAPSHOT.write_text(json.dumps(digests(current), indent=1) + "\n", encoding="utf-8")
-        print(f"recorded {len(current)} rendered files in {SNAPSHOT.relative_to(REPO)}")
+        print(f"recorded {len(current)} rendered documents in {SNAPSHOT.relative_to(REPO)}")
         return 0
     if args.check:
         found = changes(json.loads(SNAPSHOT.read_text(encoding="utf-8")), digests(current))
         for line in found:
             print(line)
         if found:
-            print(f"{len(found)} rendered files differ from {SNAPSHOT.relative_to(REPO)}: "
+            print(f"{len(found)} rendered documents differ from {SNAPSHOT.relative_to(REPO)}: "
                   "`python scripts/chart_snapshot.py --diff HEAD` shows how; `--write` records a change meant")
         return 1 if found else 0
     with tempfile.TemporaryDirectory() as tmp:
