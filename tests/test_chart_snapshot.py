@@ -22,7 +22,7 @@ def test_every_rendered_file_is_as_recorded():
 
 def test_a_changed_template_is_named(tmp_path):
     chart = shutil.copytree(chart_snapshot.CHART, tmp_path / "sapd")
-    stages = chart / "templates" / "_stages.tpl"
+    stages = chart / "templates" / "stages" / "_train.tpl"
     text = stages.read_text(encoding="utf-8")
     old = "  clusterIP: None\n"
     assert text.count(old) == 1
