@@ -279,6 +279,23 @@ def test_every_pod_requests_ephemeral_storage_and_sizes_its_scratch(rendered):
         assert scratch["emptyDir"]["sizeLimit"], name
 
 
+def test_chart_metadata_names_its_home_its_own_icon_and_the_images_it_runs():
+    """What Helm and ArtifactHub users read first: home, sources, the chart's own icon (a file of this
+    repository, served from it), and the images the jobs pull, consistent with values.yaml's defaults."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["home"].startswith("https://") and chart["sources"] and chart["maintainers"][0].get("url")
+    repo_raw = "https://raw.githubusercontent.com/sapd/sapd/main/"
+    assert chart["icon"].startswith(repo_raw)
+    icon = REPO / chart["icon"].removeprefix(repo_raw)
+    assert icon.is_file() and icon.read_text().lstrip().startswith("<svg")
+    notes = chart["annotations"]
+    assert notes["artifacthub.io/license"] == "Apache-2.0"
+    image = yaml.safe_load((CHART / "values.yaml").read_text())["image"]
+    images = {i["image"] for i in yaml.safe_load(notes["artifacthub.io/images"])}
+    assert images == {f"{image['repository']}:{chart['appVersion']}-{flavor}" for flavor in ("gpu", "cpu", "eval")}
+    assert all(link["url"].startswith("https://") for link in yaml.safe_load(notes["artifacthub.io/links"]))
+
+
 def test_image_tag_defaults_to_app_version_and_a_digest_per_flavor_pins_it():
     app = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     docs = render(overlay_values("searchqa"))
