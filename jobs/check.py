@@ -23,7 +23,7 @@ from sapd.run.check import check_command
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jobs.check", description=__doc__.splitlines()[0])
-    add_config_flags(p, progress=False, check=False)
+    add_config_flags(p, progress=False, check=False, takeover=False)
     p.add_argument("--device-memory-gib", type=float, default=None,
                    help="compare the memory estimate against this much device memory (default: the device here)")
     return p

@@ -2,17 +2,23 @@
 waiting for them, and resuming from what is committed in the run root (sapd/run/k8s.py).
 
 Order: the run's plan (sapd/run/plan.py, the one `sapd run` follows): build-prefixes (unless prefixes and
-checkpoint 0 are committed); per round k < train.rounds whose checkpoint k+1 is not committed:
-teacher-scores-r<k> (an Indexed Job whose last worker commits the round; skipped for sft or when already
-committed), then train-r<k>; finally evaluate-r<R> if the chart renders an evaluate template.
+checkpoint 0 are committed); then the rounds k < train.rounds whose checkpoint k+1 is not committed;
+finally evaluate-r<R> if the chart renders an evaluate template. The rounds (--stage-jobs):
+- persistent (the default): teacher-scores-r<k> (an Indexed Job) and train-r<k>, created together at the
+  first round k not done, whose pods stay up for --rounds-per-job rounds (0: the rest of the run), keep
+  their models loaded and start each round once its input is committed (the last scoring worker commits
+  a round, the trainer every checkpoint); the driver logs each round's commits and recreates a Job that
+  fails or commits nothing within one round's time limit once that round's input is committed;
+- per-round: per round, teacher-scores-r<k> (skipped for sft or when already committed), then train-r<k>.
 Stage manifests come from --templates (the chart's pipeline-templates ConfigMap); the stage Jobs are
 made dependents of --owner (the chart: that ConfigMap, which every Helm revision keeps, so an upgrade
 never deletes a running stage Job and `helm uninstall` removes them all). A restarted or replaced driver
-adopts the current round's Job instead of creating a duplicate and skips every committed stage. A Job
+adopts the running stage Jobs instead of creating duplicates and skips every committed stage. A Job
 that fails, or completes without committing its output, is deleted and created again at most
 --retries times (a preempted train pod or a train group that never assembled is not counted); a failed
-final evaluation is reported and the run still completes. Every line it prints is meant to be read with
-`kubectl logs job/<release>-pipeline-<revision>`.
+final evaluation is reported and the run still completes. The evaluation starts once the Jobs it needs
+are complete (--evaluate-after-job: the chart's ALFWorld data fill). Every line it prints is meant to be
+read with `kubectl logs job/<release>-pipeline-<revision>`.
 
 With --stage (and --round) it runs one step only: it waits until the step's input is committed (in its own
 small pod, holding no GPU), then runs that step's Job as above. The chart's `mode: manual` renders one such
@@ -25,6 +31,11 @@ Local:   python -m jobs.pipeline --config run.yaml --release sapd-alfworld --nam
          python -m jobs.pipeline … --stage train --round 3      (one step, once its input is committed)
 First it runs the checks of `sapd check` (storage, run root, data sample, models and tokenizers; memory is
 checked by each stage pod on its own device): a failure exits before any Job is created (--no-check skips).
+Then it takes the run root's lease as the release (sapd/lease.py; `SAPD_LEASE_OWNER`, which the chart sets in
+every pod, else `release <release> in namespace <namespace>`): a restarted or upgraded driver, the gates and
+the stage Jobs of the same release share it; a root another run holds is refused with one line naming it
+(exit 2) — `--force-takeover` (the chart's `pipeline.forceTakeover`) takes it over. A complete run gives the
+lease back; a gate leaves it to expire (`storage.lease_ttl_s` after the release's last renewal).
 Exit codes (sapd.entry): 0 run (or step) complete — a failed final evaluation included, which it reports —,
 1 a stage kept failing (the message names the Job and what to do), 2 bad config or templates, 3 Kubernetes
 API error or a wait ran out, 75 storage unreachable.
@@ -40,9 +51,10 @@ from typing import Sequence
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
+from sapd import lease
 from sapd.entry import add_config_flags, config_from_args, log_line, run_main
 from sapd.run.check import preflight
-from sapd.run.k8s import STAGES, Driver, KubeError, StageTemplates, current_namespace, load_api_client
+from sapd.run.k8s import STAGE_JOBS, STAGES, Driver, KubeError, StageTemplates, current_namespace, load_api_client
 from sapd.run.plan import Step
 
 
@@ -64,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="configmap/<name> or job/<name>: the object the stage Jobs belong to, so that deleting it "
                         "removes them (the chart: the release's pipeline-templates ConfigMap; default "
                         "$SAPD_PIPELINE_OWNER, else none)")
+    p.add_argument("--evaluate-after-job", action="append", default=[], metavar="JOB",
+                   help="a Job of the release the evaluation needs complete first (repeatable; the chart: the "
+                        "ALFWorld data fill); one that is not there is taken as done and deleted after its TTL")
+    p.add_argument("--stage-jobs", choices=STAGE_JOBS, default="persistent",
+                   help="persistent (default): one teacher-scores Job and one train Job whose pods stay up for "
+                        "--rounds-per-job rounds, keeping their models loaded; per-round: two Jobs per round")
+    p.add_argument("--rounds-per-job", type=int, default=0,
+                   help="with --stage-jobs persistent: rounds one Job serves before the next is created (default 0: "
+                        "every round left)")
     p.add_argument("--stage", choices=STAGES, default=None,
                    help="run this step only, once its input is committed (the chart's manual mode)")
     p.add_argument("--round", type=int, default=None, help="the round of --stage (not for build-prefixes)")
@@ -84,16 +105,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         templates = StageTemplates.from_dir(args.templates)
         namespace = current_namespace(args.namespace)
         log_line(f"pipeline: release {args.release}, templates {args.templates} ({', '.join(sorted(templates.texts))})")
-        try:
-            driver = Driver(cfg, templates, load_api_client(args.kubeconfig), namespace, retries=args.retries,
-                            poll_seconds=args.poll_seconds, log_every_seconds=args.log_every_seconds,
-                            stage_timeout_seconds=args.stage_timeout_seconds, owner=args.owner, log=log_line)
-            if args.stage is None:
-                driver.run()
-            else:
-                driver.run_stage(Step(args.stage, args.round))
-        except (ApiException, ConfigException) as e:
-            raise KubeError(f"Kubernetes API: {str(e).strip().splitlines()[0]}") from e
+        claimant = lease.Claimant.of_release(args.release, namespace, "python -m jobs.pipeline"
+                                             + (f" --stage {args.stage}" if args.stage else ""))
+        hint = (f"helm upgrade {args.release} --reuse-values --set pipeline.forceTakeover=true (or run "
+                "jobs.pipeline with --force-takeover)")
+        with lease.holding(cfg.run_root, claimant, ttl_s=cfg.storage.lease_ttl_s, log=log_line,
+                           force=args.force_takeover, takeover_hint=hint,
+                           give_back="owner" if args.stage is None else "no") as held:
+            log_line(f"pipeline: holding the lease of {cfg.run_root} as {claimant.owner}")
+            try:
+                driver = Driver(cfg, templates, load_api_client(args.kubeconfig), namespace, retries=args.retries,
+                                poll_seconds=args.poll_seconds, log_every_seconds=args.log_every_seconds,
+                                stage_timeout_seconds=args.stage_timeout_seconds, owner=args.owner, log=log_line,
+                                lease=held, evaluate_after=args.evaluate_after_job,
+                                stage_jobs=args.stage_jobs if args.stage is None else "per-round",
+                                rounds_per_job=args.rounds_per_job)
+                if args.stage is None:
+                    driver.run()
+                else:
+                    driver.run_stage(Step(args.stage, args.round))
+            except (ApiException, ConfigException) as e:
+                raise KubeError(f"Kubernetes API: {str(e).strip().splitlines()[0]}") from e
 
     return run_main("pipeline", body)
 

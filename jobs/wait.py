@@ -22,8 +22,8 @@ import sys
 import time
 from typing import Sequence
 
-from sapd.config import RunConfig, load_config
-from sapd.entry import EXIT_UNAVAILABLE, log_line, run_main
+from sapd.config import RunConfig
+from sapd.entry import EXIT_UNAVAILABLE, config_from_args, log_line, run_main
 from sapd.method.objective import objective_of
 from sapd.run.plan import Step, missing
 from sapd.storage import StorageError, StorageUnavailable
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
 
     def body() -> int:
-        cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+        cfg = config_from_args(args)
         step = step_for(args.target, cfg)
         what = {"build-prefixes": "the prefix build and checkpoint 0", "train": f"checkpoint {(step.round or 0) + 1}",
                 "teacher-scores": f"round {step.round}'s scored manifest"}[step.stage]

@@ -10,6 +10,7 @@
     python -m research powered final --arms sapd,sapd_paper,opd_rule   # these arms first
     python -m research powered status
     python -m research powered report                #   docs/results/POWERED.md from the ledger
+    python -m research distance setup run mismatch report   # why the distance to the teacher stalls (issue 36)
     python -m research sequential seq.yaml           # train on A, then B, …: the forgetting matrix
     python -m research smollm2 --out smollm2-out --results docs/results   # SmolLM2-135M through the pipeline
 
@@ -36,6 +37,7 @@ from sapd.entry import run_main
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = REPO / "experiments"
+DISTANCE_STEPS = ["setup", "run", "mismatch", "cost", "status", "report"]
 POWERED_STEPS = ["pilot", "gate", "regate", "probe", "smollm2", "sweep", "final", "status", "report"]
 
 
@@ -91,6 +93,36 @@ def cmd_powered(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distance(args: argparse.Namespace) -> int:
+    """The distance study (research.distance), the steps in the order given."""
+    from research.distance import DistanceStudy, load_distance_config
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+
+    def log(line: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.0f} s] {line}", flush=True)
+
+    study = DistanceStudy(load_distance_config(args.config), args.ledger, args.cache, log=log)
+    for step in args.steps:
+        log(f"step {step}")
+        if step == "setup":
+            study.setup()
+        elif step == "run":
+            log(f"run: finished {study.run(args.max_units)}")
+        elif step == "mismatch":
+            study.mismatch()
+        elif step == "cost":
+            study.cost()
+        elif step == "status":
+            print(json.dumps(study.status(), indent=1))
+        elif step == "report":
+            from research.distance_report import render_distance
+            log(f"report: {render_distance(study, args.results)}")
+    return 0
+
+
 def cmd_sequential(args: argparse.Namespace) -> int:
     """Train stage after stage, evaluating every earlier task after each: the forgetting matrix."""
     from research.sequential import forgetting_markdown, load_sequence, run_sequential
@@ -138,6 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "in this order (the order of work only; default: every arm, then the references)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads of this process")
     p.set_defaults(func=cmd_powered)
+
+    p = sub.add_parser("distance", help="why the student's distance to the teacher stalls in the demo's setting "
+                                        "(issue 36; docs/results/DISTANCE.md)")
+    p.add_argument("steps", nargs="+", choices=DISTANCE_STEPS)
+    p.add_argument("--results", default=str(REPO / "docs" / "results"), help="report: where DISTANCE.md goes")
+    p.add_argument("--config", default=str(EXPERIMENTS / "distance.yaml"))
+    p.add_argument("--ledger", default=str(EXPERIMENTS / "distance"))
+    p.add_argument("--cache", default="study-out/distance", help="the demo, panels and run roots (ignored by git)")
+    p.add_argument("--max-units", type=int, default=None, help="run: stop after this many new runs")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads of this process")
+    p.set_defaults(func=cmd_distance)
 
     p = sub.add_parser("sequential", help="train on task A, then B, then C …; evaluate every earlier task after "
                                           "each stage (the forgetting matrix)")

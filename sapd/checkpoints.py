@@ -28,6 +28,15 @@ DCP reshards on load for any layout that can name its slices, which ZeRO 1–3 a
 parameter sizes). Checkpoints written before (the whole optimizer inside ``trainer.pt``) still load:
 every rank reads that file whole, as it did then.
 
+**Every file is checked when it is loaded.** The commit marker records the size and SHA-256 of every file
+of the checkpoint (``files``: the model folder's, ``trainer.pt``, the optimizer's index and data files),
+computed as they were written; a loader compares what it reads and refuses a file that differs
+(:class:`sapd.storage.CorruptObject`, naming it). The optimizer's data files are read in ranges, so for
+them one SHA-256 per item DCP wrote is recorded too (cut where DCP asks the stream for its position, at
+the start and end of each item), in ``state/optimizer/_ITEM_DIGESTS.json`` — a file of the checkpoint like
+the others, so the marker every load reads stays small — and each ranged read is checked against the items
+it covers. A checkpoint committed before digests existed still loads, with a line saying it is unverified.
+
 **The fp32 master is optimizer state too.** With a half-precision ``model.dtype`` the optimizer updates an
 fp32 copy of the weights (DeepSpeed's fp32 partitions, the torch engine's master tensors) and the model
 folder holds their bfloat16 rounding, for sampling, evaluation and export. An lr-1e-6 AdamW step is far
@@ -41,9 +50,11 @@ weights, and :func:`restore_optimizer` says so.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import io
 import json
 import shutil
@@ -58,7 +69,7 @@ from typing import Any, ContextManager, Protocol
 import torch
 
 from sapd import layout, storage
-from sapd.models.loading import load_causal_lm, model_folder, resolve_model_dir
+from sapd.models.loading import checkpoint_files, load_causal_lm, model_folder, resolve_model_dir
 
 
 def is_committed(root: str, k: int) -> bool:
@@ -110,10 +121,12 @@ def _no_gather(params: list[torch.Tensor]) -> ContextManager[Any]:
 
 
 def write_model_folder(uri: str, model, tokenizer, *, gather: Gather = _no_gather, is_main: bool = True,
-                       max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+                       max_shard_bytes: int = MAX_SHARD_BYTES) -> dict[str, dict[str, Any]]:
     """A self-contained HF model folder at ``uri`` (config, generation config, tokenizer with its chat
     template, safetensors shards and their index), written shard by shard. With several ranks every rank
-    calls this (``gather`` is a collective); only ``is_main`` writes."""
+    calls this (``gather`` is a collective); only ``is_main`` writes. → the :func:`sapd.storage.digest` of
+    every file written, by its name in the folder (empty on the other ranks)."""
+    written: dict[str, dict[str, Any]] = {}
     entries = _weight_entries(model)
     shards = _plan_shards(entries, max_shard_bytes)
     names = ["model.safetensors"] if len(shards) == 1 else \
@@ -130,23 +143,28 @@ def write_model_folder(uri: str, model, tokenizer, *, gather: Gather = _no_gathe
                 Path(tmp, "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
             for f in sorted(Path(tmp).rglob("*")):
                 if f.is_file():
-                    storage.write_file_from(f, storage.join(uri, f.relative_to(tmp).as_posix()))
+                    name = f.relative_to(tmp).as_posix()
+                    written[name] = storage.file_digest(f)
+                    storage.write_file_from(f, storage.join(uri, name))
         for fname, shard in zip(names, shards, strict=True):
             with gather([e.tensor for e in shard]):
                 tensors = {e.name: e.tensor.detach().to("cpu").contiguous().clone() for e in shard} if is_main else {}
             if is_main:
-                _write_shard(tensors, Path(tmp, fname), storage.join(uri, fname))
+                written[fname] = _write_shard(tensors, Path(tmp, fname), storage.join(uri, fname))
             del tensors
+    return written
 
 
-def _write_shard(tensors: dict[str, torch.Tensor], scratch: Path, uri: str) -> None:
+def _write_shard(tensors: dict[str, torch.Tensor], scratch: Path, uri: str) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     save_file(tensors, str(scratch), metadata={"format": "pt"})
     try:
+        found = storage.file_digest(scratch)
         storage.write_file_from(scratch, uri)
     finally:
         scratch.unlink(missing_ok=True)
+    return found
 
 
 def save_checkpoint(root: str, k: int, model, tokenizer, state: dict[str, Any] | None,
@@ -162,20 +180,23 @@ def save_checkpoint(root: str, k: int, model, tokenizer, state: dict[str, Any] |
         if is_committed(root, k):
             raise RuntimeError(f"{layout.checkpoint_dir(root, k)} is already committed")
         storage.delete_prefix(layout.checkpoint_dir(root, k))
-    write_model_folder(layout.checkpoint_model_dir(root, k), model, tokenizer, gather=gather, is_main=is_main,
-                       max_shard_bytes=max_shard_bytes)
-    if optimizer is not None:
-        save_optimizer_shards(optimizer_dir(root, k), optimizer)
+    written = write_model_folder(layout.checkpoint_model_dir(root, k), model, tokenizer, gather=gather,
+                                 is_main=is_main, max_shard_bytes=max_shard_bytes)
+    files = {f"model/{name}": d for name, d in written.items()}
+    optimizer_written = save_optimizer_shards(optimizer_dir(root, k), optimizer) if optimizer is not None else {}
     if not is_main:
         return None
+    files.update(record_optimizer_files(root, k, optimizer_written))
     if optimizer is not None:
         state = {**(state or {}), SHARDED_KEY: optimizer.describe()}
     if state is not None:
         buf = io.BytesIO()
         torch.save(state, buf)
+        files["state/trainer.pt"] = storage.digest(buf.getbuffer())
         storage.write_bytes(storage.join(layout.checkpoint_state_dir(root, k), "trainer.pt"), buf.getvalue())
     marker = {"checkpoint": k, "commit_id": uuid.uuid4().hex, "has_state": state is not None,
-              "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(meta or {})}
+              "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(meta or {}),
+              "files": dict(sorted(files.items()))}
     if optimizer is not None:
         marker["optimizer"] = OPTIMIZER_FORMAT
     storage.write_json(layout.checkpoint_marker(root, k), marker)
@@ -194,8 +215,8 @@ def checkpoint_model_path(root: str, k: int) -> Path:
     marker = read_marker(root, k)
     uri = layout.checkpoint_model_dir(root, k)
     if storage.is_s3(uri):
-        return resolve_model_dir(uri, cache_key=marker["commit_id"])
-    return resolve_model_dir(uri)
+        return resolve_model_dir(uri, cache_key=marker["commit_id"], marker=marker)
+    return resolve_model_dir(uri, marker=marker)
 
 
 def load_checkpoint_model(root: str, k: int, dtype: str = "float32", device: str = "cpu", trainable: bool = False):
@@ -207,10 +228,58 @@ def load_trainer_state(root: str, k: int) -> dict[str, Any] | None:
     """Checkpoint ``k``'s ``trainer.pt`` (step counter, RNG; the optimizer's hyper-parameters under
     ``optimizer_shards``, or, in checkpoints written before sharding, the whole optimizer state under
     ``optimizer``); None when it has no trainer state."""
-    if not read_marker(root, k).get("has_state"):
+    marker = read_marker(root, k)
+    if not marker.get("has_state"):
         return None
-    data = storage.read_bytes(storage.join(layout.checkpoint_state_dir(root, k), "trainer.pt"))
+    uri = storage.join(layout.checkpoint_state_dir(root, k), "trainer.pt")
+    data = storage.read_bytes(uri)
+    files = checkpoint_files(root, k, marker)
+    if files is not None:
+        storage.check_digest(uri, storage.digest(data), files.get("state/trainer.pt"),
+                             layout.checkpoint_marker(root, k))
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+ITEM_DIGESTS = "_ITEM_DIGESTS.json"
+"""Beside the optimizer's data files: the SHA-256 of every item DCP wrote into each (``[offset, sha256]``
+lists by file name), itself recorded in the commit marker like every file of the checkpoint."""
+
+
+def record_optimizer_files(root: str, k: int, written: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The commit marker's entries (by name below the checkpoint) for the optimizer files ``written``
+    (:func:`save_optimizer_shards`' answer, every rank's), after writing their items' digests beside them
+    (:data:`ITEM_DIGESTS`, itself one of the entries); nothing for nothing written."""
+    files: dict[str, dict[str, Any]] = {}
+    item_digests: dict[str, Any] = {}
+    for name, d in written.items():
+        d = dict(d)
+        if "segments" in d:
+            item_digests[name] = d.pop("segments")
+        files[f"state/optimizer/{name}"] = d
+    if item_digests:  # beside the data files, so the marker that every load reads stays small
+        text = json.dumps(item_digests, sort_keys=True) + "\n"
+        files[f"state/optimizer/{ITEM_DIGESTS}"] = storage.digest(text.encode())
+        storage.write_text(storage.join(optimizer_dir(root, k), ITEM_DIGESTS), text)
+    return files
+
+
+def _optimizer_files(root: str, k: int) -> dict[str, dict[str, Any]] | None:
+    """The digests checkpoint ``k``'s commit recorded of its optimizer files, by name in ``state/optimizer``,
+    each data file's with its items' (``segments``; checked against the marker's digest of the items file
+    first); None when it recorded none (an unverified checkpoint)."""
+    files = checkpoint_files(root, k, read_marker(root, k))
+    if files is None:
+        return None
+    prefix = "state/optimizer/"
+    out = {name.removeprefix(prefix): dict(d) for name, d in files.items() if name.startswith(prefix)}
+    if ITEM_DIGESTS in out:
+        uri = storage.join(optimizer_dir(root, k), ITEM_DIGESTS)
+        data = storage.read_bytes(uri)
+        storage.check_digest(uri, storage.digest(data), out[ITEM_DIGESTS], layout.checkpoint_marker(root, k))
+        for name, segments in json.loads(data).items():
+            if name in out:
+                out[name]["segments"] = segments
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -377,34 +446,64 @@ def _dcp_state_dict(shard: OptimizerShard) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _quiet_dcp() -> Iterator[None]:
+def _quiet_dcp(*io_objects: Any) -> Iterator[None]:
     """DCP warns about ShardedTensor's deprecation at every use; the slices here are not one of its
-    tensor-parallel layouts, which DTensor would need (uneven, per-parameter ZeRO slices)."""
+    tensor-parallel layouts, which DTensor would need (uneven, per-parameter ZeRO slices). And DCP wraps
+    every rank's error into a ``CheckpointException`` (a BaseException with tracebacks in its text): a
+    storage error — an outage past the deadline, a damaged file, a lost lease — comes out as itself, so the
+    front door reports it in one line with its exit code (a storage error of a rank that cannot be helped
+    by retrying wins over an outage). ``io_objects``: this rank's reader or writer, whose file system keeps
+    the storage errors DCP turns into text (the index's: DCP then tries a per-rank index and asserts)."""
     import warnings
+
+    from torch.distributed.checkpoint.api import CheckpointException
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", message=".*ShardedTensor.*")
         warnings.filterwarnings("ignore", message=".*_shard.*")
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        yield
+        try:
+            yield
+        except CheckpointException as e:
+            errors = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+            errors = [x for x in errors if isinstance(x, storage.StorageError)]
+            errors += [x for obj in io_objects for x in getattr(obj.fs, "failed", [])]
+            if errors:
+                raise sorted(errors, key=lambda x: isinstance(x, storage.StorageUnavailable))[0] from e
+            raise
 
 
-def save_optimizer_shards(uri: str, shard: OptimizerShard) -> None:
+def save_optimizer_shards(uri: str, shard: OptimizerShard) -> dict[str, dict[str, Any]]:
     """Every rank writes its slices of the optimizer state below ``uri`` (its own file, streamed through
-    storage), then rank 0 the index; a collective where torch.distributed is initialised."""
+    storage), then rank 0 the index; a collective where torch.distributed is initialised. → the digest of
+    every file written (by any rank), by its name below ``uri``: what the commit marker records."""
     import torch.distributed.checkpoint as dcp
-    writer, _ = _dcp_io()
-    with _quiet_dcp():
-        dcp.save(_dcp_state_dict(shard), storage_writer=writer(uri), no_dist=not _distributed())
+    writer_cls, _ = _dcp_io()
+    writer = writer_cls(uri)
+    with _quiet_dcp(writer):
+        dcp.save(_dcp_state_dict(shard), storage_writer=writer, no_dist=not _distributed())
+    mine = {name.removeprefix(uri.rstrip("/") + "/"): d for name, d in writer.fs.digests.items()}
+    if not _distributed():
+        return mine
+    everyone: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    return {name: d for theirs in everyone for name, d in theirs.items()}
 
 
-def load_optimizer_shards(uri: str, shard: OptimizerShard) -> None:
+def load_optimizer_shards(uri: str, shard: OptimizerShard, files: dict[str, dict[str, Any]] | None = None) -> None:
     """Fill this rank's slices (``shard``'s views, in place) from the optimizer state below ``uri``,
-    whatever world size or engine wrote it: each rank reads only the byte ranges holding its slices."""
+    whatever world size or engine wrote it: each rank reads only the byte ranges holding its slices,
+    each checked against the digests ``files`` (by name below ``uri``; None: unverified)."""
     import torch.distributed.checkpoint as dcp
-    _, reader = _dcp_io()
-    with _quiet_dcp():
-        dcp.load(_dcp_state_dict(shard), storage_reader=reader(uri), no_dist=not _distributed())
+    _, reader_cls = _dcp_io()
+    reader = reader_cls(uri, files, _committed_in(uri))
+    with _quiet_dcp(reader):
+        dcp.load(_dcp_state_dict(shard), storage_reader=reader, no_dist=not _distributed())
+
+
+def _committed_in(optimizer_uri: str) -> str:
+    """The marker that records the digests of the optimizer files below ``optimizer_uri`` (for messages)."""
+    return storage.join(optimizer_uri.rstrip("/").rsplit("/", 1)[0], "_COMMITTED")
 
 
 def restore_optimizer(root: str, k: int, engine: ShardedOptimizer, state: dict[str, Any] | None,
@@ -449,7 +548,7 @@ def restore_optimizer(root: str, k: int, engine: ShardedOptimizer, state: dict[s
         raise ValueError(f"{layout.checkpoint_dir(root, k)}: its optimizer state is for {len(desc['numels'])} "
                          f"parameters, the model has {len(dest.numels)} (first difference at parameter {diff}): "
                          "a checkpoint of another model")
-    load_optimizer_shards(optimizer_dir(root, k), dest.only(saved))
+    load_optimizer_shards(optimizer_dir(root, k), dest.only(saved), _optimizer_files(root, k))
     if keeps_master and MASTER_KEY in saved:
         engine.weights_from_master()
     elif keeps_master:
@@ -477,9 +576,10 @@ def consolidated_optimizer_state(root: str, k: int) -> dict[str, Any] | None:
     shard = OptimizerShard(desc["numels"], [[(0, t)] for t in tensors], desc["hyper"], desc["step"], True,
                            keys=saved)
     import torch.distributed.checkpoint as dcp
-    _, reader = _dcp_io()
-    with _quiet_dcp():
-        dcp.load(_dcp_state_dict(shard), storage_reader=reader(optimizer_dir(root, k)), no_dist=True)
+    _, reader_cls = _dcp_io()
+    reader = reader_cls(optimizer_dir(root, k), _optimizer_files(root, k), layout.checkpoint_marker(root, k))
+    with _quiet_dcp(reader):
+        dcp.load(_dcp_state_dict(shard), storage_reader=reader, no_dist=True)
     shapes = desc.get("shapes") or [[n] for n in desc["numels"]]
     step = {} if desc["step"] is None else {"step": torch.tensor(float(desc["step"]))}
     return {"state": {i: {**step, **{key: t[key].reshape(shapes[i]) for key in saved}} for i, t in enumerate(tensors)},
@@ -487,10 +587,39 @@ def consolidated_optimizer_state(root: str, k: int) -> dict[str, Any] | None:
 
 
 class _RangeFile:
-    """A data file DCP opened for reading: nothing is fetched until a slice is asked for."""
+    """A data file DCP opened for reading: nothing is fetched until a slice is asked for; ``digest``: what
+    the commit recorded of it (None: unverified)."""
 
-    def __init__(self, uri: str) -> None:
-        self.uri = uri
+    def __init__(self, uri: str, digest: dict[str, Any] | None = None, committed_in: str = "") -> None:
+        self.uri, self.digest, self.committed_in = uri, digest, committed_in
+
+    def read(self, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset``, read together with the rest of the recorded items they touch and
+        checked against those items' digests (one reread before refusing: a bad transfer is not a bad
+        file)."""
+        if self.digest is None:
+            return storage.read_range(self.uri, offset, length)
+        size = int(self.digest["bytes"])
+        segments = self.digest.get("segments") or [[0, self.digest["sha256"]]]
+        starts = [int(s[0]) for s in segments]
+        ends = starts[1:] + [size]
+        if offset < 0 or offset + length > size:
+            raise storage.CorruptObject(f"{self.uri}: bytes {offset}..{offset + length} asked for, but "
+                                        f"{self.committed_in} recorded {size} bytes: the index does not match the "
+                                        "committed file")
+        first = bisect.bisect_right(starts, offset) - 1
+        last = bisect.bisect_left(ends, offset + length)
+        lo, hi = starts[first], ends[last]
+        for _ in (1, 2):
+            data = storage.read_range(self.uri, lo, hi - lo)
+            bad = [i for i in range(first, last + 1)
+                   if hashlib.sha256(memoryview(data)[starts[i] - lo:ends[i] - lo]).hexdigest() != segments[i][1]]
+            if not bad:
+                return data[offset - lo:offset - lo + length]
+        i = bad[0]
+        raise storage.CorruptObject(f"{self.uri}: bytes {starts[i]}..{ends[i]} differ from the digest "
+                                    f"{self.committed_in} recorded: damaged or replaced since it was committed; "
+                                    "refusing to use it")
 
     def __enter__(self) -> _RangeFile:
         return self
@@ -507,14 +636,47 @@ def _dcp_io() -> tuple[Any, Any]:
     from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
     class StorageFS(FileSystemBase):
+        """DCP's file system on :mod:`sapd.storage`. Writing, it records the digest of every file it wrote
+        (``digests``, by URI); reading, it checks what it reads against ``expected`` (by URI) when given."""
+
+        def __init__(self, expected: dict[str, dict[str, Any]] | None = None, committed_in: str = "") -> None:
+            self.digests: dict[str, dict[str, Any]] = {}
+            self.expected, self.committed_in = expected, committed_in
+            self.failed: list[storage.StorageError] = []  # what DCP may flatten into an assertion's text
+
+        def _expected(self, uri: str) -> dict[str, Any] | None:
+            if self.expected is None:
+                return None
+            if uri not in self.expected:
+                raise storage.CorruptObject(f"{uri}: not one of the files {self.committed_in} records; refusing to "
+                                            "use it")
+            return self.expected[uri]
+
         @contextlib.contextmanager
         def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
             uri = str(path)
             if mode == "wb":
                 with storage.open_write(uri) as out:
                     yield out
+                self.digests[uri] = out.digest()  # one SHA-256 per item too: DCP asks tell() around each
             elif mode == "rb":
-                yield io.BytesIO(storage.read_bytes(uri)) if uri.endswith(".metadata") else _RangeFile(uri)
+                if not uri.endswith(".metadata"):
+                    yield _RangeFile(uri, self._expected(uri), self.committed_in)
+                    return
+                try:
+                    data = storage.read_bytes(uri)
+                    if self.expected is not None:
+                        storage.check_digest(uri, storage.digest(data), self._expected(uri), self.committed_in)
+                except storage.StorageNotFound:
+                    if self.expected is None or uri not in self.expected:
+                        raise  # DCP looks for a per-rank index when there is no global one: not an error yet
+                    missing = storage.CorruptObject(f"{uri}: recorded in {self.committed_in} but missing")
+                    self.failed.append(missing)
+                    raise missing from None
+                except storage.StorageError as e:
+                    self.failed.append(e)
+                    raise
+                yield io.BytesIO(data)
             else:
                 raise ValueError(f"unsupported mode {mode!r}")
 
@@ -522,7 +684,13 @@ def _dcp_io() -> tuple[Any, Any]:
             return storage.join(str(path), suffix)
 
         def rename(self, path: Any, new_path: Any) -> None:  # only DCP's small index goes through here
-            storage.write_bytes(str(new_path), storage.read_bytes(str(path)))
+            data = storage.read_bytes(str(path))
+            written = self.digests.pop(str(path), None)
+            if written is not None:  # what came back is what was written
+                storage.check_digest(str(path), storage.digest(data), {k: written[k] for k in ("bytes", "sha256")},
+                                     "this process's write of it")
+            storage.write_bytes(str(new_path), data)
+            self.digests[str(new_path)] = storage.digest(data)
             storage.delete(str(path))
 
         def init_path(self, path: Any) -> str:
@@ -551,13 +719,14 @@ def _dcp_io() -> tuple[Any, Any]:
             self.path = uri
 
     class Reader(FileSystemReader):
-        def __init__(self, uri: str) -> None:
+        def __init__(self, uri: str, files: dict[str, dict[str, Any]] | None = None, committed_in: str = "") -> None:
             super().__init__(uri)
-            self.fs = StorageFS()  # type: ignore[assignment]
+            expected = None if files is None else {storage.join(uri, name): d for name, d in files.items()}
+            self.fs = StorageFS(expected, committed_in)  # type: ignore[assignment]
             self.path = uri
 
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
-            return io.BytesIO(storage.read_range(file.uri, sinfo.offset, sinfo.length))
+            return io.BytesIO(file.read(sinfo.offset, sinfo.length))
 
     return Writer, Reader
 
@@ -566,7 +735,8 @@ def export_model(source: str, out: str, *, checkpoint: int | None = None) -> str
     """Copy a run root's model (checkpoint ``checkpoint``, default the newest committed one) — or a model
     folder — to ``out`` as a self-contained Hugging Face folder (weights, config, tokenizer, chat template)
     that ``AutoModelForCausalLM.from_pretrained`` loads. A local ``out`` is written beside itself and
-    renamed into place, replacing an earlier export; returns ``out``."""
+    renamed into place, replacing an earlier export; returns ``out``. A checkpoint's files are checked
+    against the digests its commit recorded as they are copied (a damaged one is refused, nothing exported)."""
     if checkpoint is None:
         src = model_folder(source)
     elif not is_committed(source, checkpoint):
@@ -578,23 +748,31 @@ def export_model(source: str, out: str, *, checkpoint: int | None = None) -> str
     if not any(f.endswith("/config.json") for f in files):
         raise FileNotFoundError(f"{src}: no config.json; not a model folder or a sapd run root")
     rel = [f[len(src.rstrip("/")) + 1:] for f in files]
+    check = _copy_check(src, rel)
     if storage.is_s3(out):
         for name, f in zip(rel, files):
             dest = storage.join(out, name)
             if storage.is_s3(f):  # streamed through a local file: weights can be larger than memory
                 with tempfile.TemporaryDirectory(prefix="sapd-export-") as scratch:
                     storage.download_to(f, Path(scratch) / "file")
+                    check(name, Path(scratch) / "file")
                     storage.write_file_from(str(Path(scratch) / "file"), dest)
             else:
+                check(name, Path(f.removeprefix("file://")))
                 storage.write_file_from(str(Path(f.removeprefix("file://"))), dest)
         return out
     final = Path(out.removeprefix("file://"))
     if final.resolve() == Path(src.removeprefix("file://")).resolve():
         return out
     tmp = final.with_name(f".{final.name}.export-{uuid.uuid4().hex[:8]}")
-    for name, f in zip(rel, files):
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        storage.download_to(f, tmp / name)
+    try:
+        for name, f in zip(rel, files):
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            storage.download_to(f, tmp / name)
+            check(name, tmp / name)
+    except storage.CorruptObject:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         if not (final / "config.json").is_file():
             raise FileExistsError(f"{final}: exists and is not a model folder; choose another destination")
@@ -606,3 +784,24 @@ def export_model(source: str, out: str, *, checkpoint: int | None = None) -> str
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp.rename(final)
     return out
+
+
+def _copy_check(src: str, names: list[str]) -> Callable[[str, Path], None]:
+    """For :func:`export_model`: a check of each copied file of ``src`` — when ``src`` is a checkpoint's model
+    folder, against the digests its commit recorded (every recorded file must be among ``names``, and no
+    other); for a plain model folder, nothing."""
+    checkpoint = layout.checkpoint_of_model_dir(src)
+    files = checkpoint_files(*checkpoint, read_marker(*checkpoint)) if checkpoint is not None else None
+    if checkpoint is None or files is None:
+        return lambda name, path: None
+    marker_uri = layout.checkpoint_marker(*checkpoint)
+    expected = {n.removeprefix("model/"): d for n, d in files.items() if n.startswith("model/")}
+    for name in sorted(set(names) ^ set(expected)):
+        raise storage.CorruptObject(f"{storage.join(src, name)}: " + ("not one of the files" if name in names else
+                                                                     "missing, but one of the files")
+                                    + f" {marker_uri} records; refusing to export the checkpoint")
+
+    def check(name: str, path: Path) -> None:
+        storage.check_digest(storage.join(src, name), storage.file_digest(path), expected.get(name), marker_uri)
+
+    return check

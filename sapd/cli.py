@@ -103,9 +103,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Everything about a run that can be known without training (sapd.run.check)."""
-    from sapd.config import load_config
+    from sapd.entry import config_from_args
     from sapd.run.check import check_command
-    cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+    cfg = config_from_args(args)
     return check_command(cfg, sample_records=args.sample_records, device_memory_gib=args.device_memory_gib,
                          log=lambda s: print(s, flush=True))
 
@@ -127,14 +127,14 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from sapd.config import load_config
+    from sapd.entry import config_from_args
     from sapd.run.check import preflight
     from sapd.run.local import run_pipeline
-    overrides = {"run_root": args.run_root} if args.run_root else None
-    cfg = load_config(*args.config, overrides=overrides)
+    cfg = config_from_args(args)
     if not args.no_check:
         preflight(cfg, log=lambda s: print(s, flush=True))
-    result = run_pipeline(cfg, log=lambda s: print(s, flush=True), show_progress=not args.no_progress)
+    result = run_pipeline(cfg, log=lambda s: print(s, flush=True), show_progress=not args.no_progress,
+                          force_takeover=args.force_takeover)
     print(f"done: {result['run_root']} holds checkpoints {result['checkpoints']}")
     return 0
 
@@ -220,17 +220,21 @@ def cmd_alfworld_games(args: argparse.Namespace) -> int:
 def cmd_online(args: argparse.Namespace) -> int:
     """The online baselines (they need the environment, by design): rollouts of the current checkpoint
     in the TextWorld panel, then the same training stage as SAPD."""
+    from sapd import lease
     from sapd.baselines.online import cycling_games, run_online
-    from sapd.config import load_config
-    from sapd.entry import log_line
+    from sapd.entry import config_from_args, log_line
     from sapd.envs.panels import textworld_specs
     from sapd.panel_flags import env_timeout
-    cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+    cfg = config_from_args(args)
     families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
     panel = textworld_specs(families, args.games_per_family, args.seed, args.cache)
-    result = run_online(cfg, cycling_games(panel, args.games_per_round or len(panel)), args.method,
-                        episodes_per_game=args.episodes_per_game, horizon=args.horizon, reward=args.reward,
-                        env_timeout_s=env_timeout(args), log=log_line, show_progress=not args.no_progress)
+    claimant = lease.Claimant.this_process("sapd online")
+    with lease.holding(cfg.run_root, claimant, ttl_s=cfg.storage.lease_ttl_s, log=log_line,
+                       force=args.force_takeover, takeover_hint="run `sapd online` again with --force-takeover",
+                       give_back="mine" if claimant.local else "no"):
+        result = run_online(cfg, cycling_games(panel, args.games_per_round or len(panel)), args.method,
+                            episodes_per_game=args.episodes_per_game, horizon=args.horizon, reward=args.reward,
+                            env_timeout_s=env_timeout(args), log=log_line, show_progress=not args.no_progress)
     print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, default=str))
     return 0
 
@@ -288,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from sapd.data.loaders import FORMATS
+    from sapd.entry import add_takeover_flag
     from sapd.method.benchmarks import BENCHMARKS
     from sapd.panel_flags import add_panel_flags
 
@@ -322,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-check", action="store_true", help="skip the checks run first (see `sapd check`)")
+    add_takeover_flag(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("check", help="check a run config without training: inputs parse, tokenizers match, storage "
@@ -346,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines only)")
     p.add_argument("--no-check", action="store_true", help="skip the checks run first (see `sapd check`)")
+    add_takeover_flag(p)
     p.set_defaults(func=cmd_train_round)
 
     p = sub.add_parser("evaluate", help="task success of a checkpoint on a fixed, seeded environment panel")
@@ -399,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", choices=["won", "score"], default="won", help="GRPO reward: win, or score / max score")
     p.add_argument("--run-root", default=None)
     p.add_argument("--no-progress", action="store_true")
+    add_takeover_flag(p)
     p.set_defaults(func=cmd_online)
 
     p = sub.add_parser("teacher-pool", help="a teacher model plays a panel with sampling: a teacher-generated "

@@ -14,7 +14,7 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from sapd import layout, storage, yamlio
 from sapd.method.benchmarks import BENCHMARKS
@@ -103,6 +103,35 @@ class TrainConfig:
     # largest safetensors shard of a checkpoint; shards are gathered (ZeRO-3) and written one at a time
     checkpoint_shard_mb: float = 2048.0
     seed: int = 0  # seeds each round's sampling (per worker) and minibatch order
+    # "one_step": round k+1 is sampled and scored with checkpoint k while round k trains (the cluster's
+    # persistent workers then keep both pools busy). Not the paper's: π_old is one step stale, corrected by
+    # a truncated behaviour weight in the loss (docs/SAPD.md §6). "off": every round samples its own checkpoint
+    overlap: Literal["off", "one_step"] = "off"
+
+
+@dataclass
+class ValidationConfig:
+    """The student's distance to the teacher on held-out prefixes (``prefixes/val``), measured inside the
+    teacher-scores stage of round k on checkpoint k with the engines already up (docs/DESIGN.md
+    "Validation"): the reverse KL(student ‖ teacher) per sampled token, the forward log-ratio on the
+    recorded responses, the student's and the teacher's sampled action match."""
+
+    every_rounds: int = 1  # checkpoint k is validated when k is a multiple of this, and the last one; 0 = never
+    max_prefixes: int = 64  # a seeded sample of the validation pool, at most this many prefixes (0 = all)
+    group_size: int = 4  # samples per prefix, at temperature 1 (the KL is an expectation under the student)
+    max_new_tokens: int | None = None  # per sample; None = sampling.max_new_tokens
+    seed: int = 0  # which prefixes the cap keeps, and the samples' seed (the same every round)
+
+
+@dataclass
+class StorageConfig:
+    # every storage operation (local or S3) retries transient failures — connection refused, timeouts, 5xx,
+    # SlowDown — with capped exponential backoff and full jitter for this long after its first failure,
+    # then the stage exits 75 (sapd.storage.configure_retries; docs/FAULTS.md)
+    retry_deadline_s: float = 300.0
+    # the run root's lease (one writer per run root, sapd.lease) expires this long after its holder last
+    # renewed it (every quarter of it); a run on the same root by anyone else waits for that or takes over
+    lease_ttl_s: float = 120.0
 
 
 @dataclass
@@ -117,7 +146,9 @@ class RunConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rules: RuleConfig = field(default_factory=RuleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     workers: int = 1  # teacher-scores workers that split one round (Indexed Job completions on Kubernetes)
+    storage: StorageConfig = field(default_factory=StorageConfig)  # riding out outages; the run root's lease
     # the variant with its `loss` overrides, resolved (and typed) once: by construction and by validate()
     loss_cfg: LossConfig = field(init=False, repr=False, compare=False)
 
@@ -355,8 +386,47 @@ def validate(cfg: RunConfig) -> None:
     if not cfg.sampling.weight_sync_timeout_s > 0:
         raise ConfigError("sampling.weight_sync_timeout_s: must be a positive number of seconds",
                           "sampling.weight_sync_timeout_s")
+    v = cfg.validation
+    for name, zero in (("every_rounds", "never"), ("max_prefixes", "all of prefixes/val")):
+        if getattr(v, name) < 0:
+            raise ConfigError(f"validation.{name}: must be at least 0 (0 = {zero})", f"validation.{name}")
+    if v.group_size < 1:
+        raise ConfigError("validation.group_size: must be at least 1", "validation.group_size")
+    if v.max_new_tokens is not None and v.max_new_tokens < 1:
+        raise ConfigError("validation.max_new_tokens: must be at least 1 (or null: sampling.max_new_tokens)",
+                          "validation.max_new_tokens")
+    if not cfg.storage.retry_deadline_s >= 0:
+        raise ConfigError("storage.retry_deadline_s: must be ≥ 0 seconds (0: fail at the first error)",
+                          "storage.retry_deadline_s")
+    if not cfg.storage.lease_ttl_s >= 4:
+        raise ConfigError("storage.lease_ttl_s: must be at least 4 seconds (the lease is renewed every quarter "
+                          "of it)", "storage.lease_ttl_s")
     if cfg.data.reopd_kappa is not None and cfg.data.reopd_kappa <= 0:
         raise ConfigError("data.reopd_kappa: must be positive", "data.reopd_kappa")
+    if tc.overlap == "one_step" and not ({"old_logp_P_G_T", "behaviour_logp_P_G_T"}
+                                         <= objective_of(cfg.loss_cfg).accepts):
+        raise ConfigError(f"train.overlap: one_step samples a round with the previous checkpoint, which the objective "
+                          f"must correct for (it takes old_logp_P_G_T and behaviour_logp_P_G_T, as sapd does); "
+                          f"variant {cfg.variant} (objective {cfg.loss_cfg.objective}) needs train.overlap: off",
+                          "train.overlap")
+
+
+def sampler_checkpoint(cfg: RunConfig, k: int) -> int:
+    """The checkpoint that samples round ``k`` (its behaviour policy): checkpoint k, the paper's on-policy
+    rounds; with ``train.overlap: one_step``, checkpoint k−1 from round 1 on, so round k is scored while
+    round k−1 trains (round 0 and 1 both sample checkpoint 0).
+
+    >>> c = RunConfig(); c.train.overlap = "one_step"
+    >>> [sampler_checkpoint(RunConfig(), k) for k in range(3)], [sampler_checkpoint(c, k) for k in range(3)]
+    ([0, 1, 2], [0, 0, 1])
+    """
+    return k - 1 if cfg.train.overlap == "one_step" and k > 0 else k
+
+
+def apply_storage_settings(cfg: RunConfig, log: Callable[[str], None] | None = None) -> None:
+    """This process's storage retries as the run config says (``storage.retry_deadline_s``); ``log``: where
+    the "retrying until …" lines go (default: stderr)."""
+    storage.configure_retries(cfg.storage.retry_deadline_s, log)
 
 
 def micro_batch_problem(cfg: RunConfig, world_size: int) -> str | None:
@@ -401,7 +471,7 @@ def dump_config(cfg: RunConfig) -> str:
 #: may change between rounds of one run, or differ between the stages of one run (the scoring workers of a
 #: round record their own count; the chart gives only the scoring stage its engines' tensor-parallel sizes)
 MAY_CHANGE = ("workers", "sampling.tensor_parallel_size", "sampling.teacher_tensor_parallel_size",
-              "sampling.weight_sync_timeout_s")
+              "sampling.weight_sync_timeout_s", "storage.retry_deadline_s", "storage.lease_ttl_s")
 #: may change between two invocations of one run (a `helm upgrade --set config.train.rounds=40`, a `sapd run`
 #: with more rounds): the run continues from its newest committed checkpoint. Only under a constant
 #: lr_schedule: a linear or cosine decay spans train.rounds, so another count would change the learning rate

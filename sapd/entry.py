@@ -6,10 +6,12 @@ Exit codes (the chart's podFailurePolicy keys on them):
 
 - 0 done (or nothing to do);
 - 1 a stage kept failing (the pipeline driver gave up after its retries);
-- 2 a user error: bad config or input, a missing input, mismatched tokenizers — fix it and run again;
-  retrying as is cannot help;
+- 2 a user error: bad config or input, a missing input, mismatched tokenizers, a stored file that is not
+  what was committed, a run root whose lease another run holds — fix it and run again; retrying as is
+  cannot help;
 - 3 the Kubernetes API refused or kept failing, or a bounded wait ran out (the pipeline driver);
-- 75 a service was unreachable (object storage down, …): transient, worth retrying.
+- 75 a service was unreachable (object storage down past ``storage.retry_deadline_s``, …): transient,
+  worth retrying.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import gc
 import sys
 from typing import Callable
 
-from sapd.config import ConfigError, RunConfig, load_config
+from sapd.config import ConfigError, RunConfig, apply_storage_settings, load_config
 from sapd.data.errors import InvalidRecordError
 from sapd.data.shards import ShardError
 from sapd.storage import StorageError, StorageUnavailable
@@ -77,9 +79,10 @@ def log_line(line: str) -> None:
 # the run-config flags every job takes
 
 
-def add_config_flags(p: argparse.ArgumentParser, *, progress: bool = True, check: bool = True) -> None:
-    """``--config`` (overlays), ``--run-root``, and optionally ``--no-progress`` and ``--no-check`` (skip the
-    checks a job runs before its stage: :func:`sapd.run.check.preflight`)."""
+def add_config_flags(p: argparse.ArgumentParser, *, progress: bool = True, check: bool = True,
+                     takeover: bool = True) -> None:
+    """``--config`` (overlays), ``--run-root``, and optionally ``--no-progress``, ``--no-check`` (skip the
+    checks a job runs before its stage: :func:`sapd.run.check.preflight`) and ``--force-takeover``."""
     p.add_argument("--config", nargs="+", required=True, help="YAML overlays, applied in order over the defaults")
     p.add_argument("--run-root", default=None, help="override run_root (a folder or s3:// URI)")
     if progress:
@@ -87,9 +90,20 @@ def add_config_flags(p: argparse.ArgumentParser, *, progress: bool = True, check
     if check:
         p.add_argument("--no-check", action="store_true",
                        help="skip the checks run before the stage (storage, inputs, models: see `sapd check`)")
+    if takeover:
+        add_takeover_flag(p)
+
+
+def add_takeover_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force-takeover", action="store_true",
+                   help="take the run root's lease even from a live holder (only when you know that run is dead "
+                        "or must stop: docs/FAULTS.md)")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The run config of :func:`add_config_flags`' flags."""
-    return load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+    """The run config of :func:`add_config_flags`' flags; its storage settings (how long storage operations
+    retry) apply to this process from here on."""
+    cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
+    apply_storage_settings(cfg)
+    return cfg
 

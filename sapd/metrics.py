@@ -7,16 +7,38 @@ name, namespace (``SAPD_NAMESPACE``: two teams' releases of one name share a Pus
 (``SAPD_RELEASE``) and, for the workers of an Indexed Job, their index (``SAPD_METRICS_INSTANCE``);
 long training also serves ``/metrics`` on rank 0 (``SAPD_METRICS_PORT``). Without those variables
 nothing leaves the process, and the same figures are in the run's JSONL logs.
+
+A push replaces its group (``PUT``), so a stage that finds its work committed (a retried Job, a rerun)
+must not push an empty registry over the figures of the run that did the work: :meth:`Metrics.push_skip`
+pushes the group's last committed figures again (the exposition text :meth:`Metrics.exposition` gave
+when that run pushed, which the caller kept in the run root), with only what the skipping process set
+itself on top; without them it adds its own figures and leaves every other series of the group alone
+(``POST``). Generic over every family, so a new gauge needs no edit here. :func:`delete_release_groups`
+removes a release's groups (the chart's uninstall hook).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, push_to_gateway, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    delete_from_gateway,
+    generate_latest,
+    push_to_gateway,
+    pushadd_to_gateway,
+    start_http_server,
+)
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 # stage wall times span sub-second CPU steps to hour-long GPU rounds
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, float("inf"))
@@ -79,8 +101,29 @@ class Metrics:
         self.optimizer_steps = Counter("sapd_optimizer_steps_total", "Optimizer steps taken", registry=r)
         self.eval_success = Gauge("sapd_eval_success_ratio", "Task success (or exact match) of the newest evaluation",
                                   ["benchmark", "category"], registry=r)
+        # the newest validated checkpoint's distance to the teacher on held-out prefixes (sapd.data.validation)
+        self.validation_checkpoint = Gauge("sapd_validation_checkpoint",
+                                           "Checkpoint whose held-out validation the sapd_validation_* figures are",
+                                           registry=r)
+        self.validation_reverse_kl = Gauge("sapd_validation_reverse_kl",
+                                           "Reverse KL(student ‖ teacher) per sampled token on held-out prefixes "
+                                           "(nats)", ["category"], registry=r)
+        self.validation_recorded_logratio = Gauge(
+            "sapd_validation_recorded_logratio",
+            "Mean teacher − student log-prob per token of the recorded responses of held-out prefixes (nats)",
+            ["category"], registry=r)
+        self.validation_action_match = Gauge("sapd_validation_action_match_ratio",
+                                             "Share (0-1) of samples at T = 1 on held-out prefixes whose action is "
+                                             "the recorded one, by model (student, teacher)", ["model", "category"],
+                                             registry=r)
         self.last_success = Gauge("sapd_job_last_success_timestamp_seconds",
                                   "Unix time the job last finished successfully", registry=r)
+        self.startup = Gauge("sapd_startup_seconds",
+                             "Seconds from the stage process's start to each start-up phase: imports done, models "
+                             "loaded, engines ready, first work (once per process)", ["phase"], registry=r)
+        self.input_wait = Histogram("sapd_input_wait_seconds", "Time a persistent stage worker waited for its "
+                                    "round's input to be committed", ["stage"], buckets=_DURATION_BUCKETS,
+                                    registry=r)
 
     @classmethod
     def from_env(cls, job: str) -> "Metrics":
@@ -124,18 +167,113 @@ class Metrics:
         for cat, v in (by_category or {}).items():
             self.eval_success.labels(benchmark=benchmark, category=cat).set(v)
 
+    def record_startup(self, seconds: dict[str, float]) -> None:
+        for phase, value in seconds.items():
+            self.startup.labels(phase=phase).set(value)
+    def record_validation(self, checkpoint: int, by_category: dict[str, dict[str, float | None]]) -> None:
+        """A committed validation (:func:`sapd.stages.validation.record_metrics`): per category ("all" too)
+        ``reverse_kl_per_token``, ``recorded_logratio_per_token``, ``action_match``, ``teacher_action_match``;
+        a figure that is None (no tokens) is left unset."""
+        self.validation_checkpoint.set(checkpoint)
+        for cat, figures in by_category.items():
+            for key, gauge, labels in (("reverse_kl_per_token", self.validation_reverse_kl, {}),
+                                       ("recorded_logratio_per_token", self.validation_recorded_logratio, {}),
+                                       ("action_match", self.validation_action_match, {"model": "student"}),
+                                       ("teacher_action_match", self.validation_action_match, {"model": "teacher"})):
+                value = figures.get(key)
+                if value is not None:
+                    gauge.labels(category=cat, **labels).set(value)
+
     def mark_success(self) -> None:
         self.last_success.set(time.time())
 
     # -- export ------------------------------------------------------------------------------------
 
+    def grouping_key(self) -> dict[str, str]:
+        """The Pushgateway group's labels besides ``job``: namespace (when set), release, instance (when set)."""
+        return {**({"namespace": self.namespace} if self.namespace else {}), "release": self.release,
+                **({"instance": self.instance} if self.instance else {})}
+
+    @property
+    def group(self) -> str:
+        """The group's name within one release: the job, and the worker's instance when it has one."""
+        return f"{self.job}-{self.instance}" if self.instance else self.job
+
+    def exposition(self) -> str:
+        """The registry in the Prometheus text format: what :meth:`push` sends, for :meth:`push_skip` later."""
+        return generate_latest(self.registry).decode()
+
     def push(self) -> None:
-        """Push the registry to the Pushgateway, when one is configured (a batch job's metrics)."""
+        """Push the registry to the Pushgateway, when one is configured (a batch job's metrics): it replaces
+        the job's group."""
         if self.pushgateway:
-            key = {**({"namespace": self.namespace} if self.namespace else {}), "release": self.release,
-                   **({"instance": self.instance} if self.instance else {})}
-            push_to_gateway(self.pushgateway, job=self.job, registry=self.registry, grouping_key=key, timeout=10)
+            push_to_gateway(self.pushgateway, job=self.job, registry=self.registry, grouping_key=self.grouping_key(),
+                            timeout=10)
+
+    def push_skip(self, committed: str | None) -> str:
+        """The push of a stage that found its work committed (see the module docstring). ``committed``: the
+        exposition text the run that did the work pushed, or None when there is none. Returns how it
+        pushed: "restated" (the group replaced by ``committed`` with this process's own figures on top),
+        "added" (only this process's own figures, the rest of the group left alone), or "" (no
+        Pushgateway)."""
+        if not self.pushgateway:
+            return ""
+        own = self._families_set()
+        if committed is None:
+            pushadd_to_gateway(self.pushgateway, job=self.job, registry=_Families(own),
+                               grouping_key=self.grouping_key(), timeout=10)
+            return "added"
+        names = {f.name for f in own}
+        kept = [f for f in text_string_to_metric_families(committed) if f.name not in names]
+        push_to_gateway(self.pushgateway, job=self.job, registry=_Families(kept + own),
+                        grouping_key=self.grouping_key(), timeout=10)
+        return "restated"
+
+    def _families_set(self) -> list[Metric]:
+        """The families this process set: those with a labelled sample (a labelled family shows nothing
+        until a value is recorded), and the success time once :meth:`mark_success` ran. An unlabelled
+        family reads 0 whether set or not, so it counts as unset (restated from the committed figures)."""
+        out = []
+        for family in self.registry.collect():
+            if family.name == "sapd_job_last_success_timestamp_seconds":
+                if any(s.value for s in family.samples):
+                    out.append(family)
+            elif any(s.labels for s in family.samples if not s.name.endswith("_created")):
+                out.append(family)
+        return out
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve ``/metrics`` (rank 0 of a long training job). Returns (server, thread)."""
         return start_http_server(port, addr=addr, registry=self.registry)
+
+
+class _Families:
+    """A collector of given metric families (what a registry of them exposes and pushes)."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def release_groups(gateway: str, namespace: str, release: str, timeout: float = 10) -> list[dict[str, str]]:
+    """The grouping labels (``job`` included) of every group a release pushed to ``gateway``: those whose
+    ``release`` and ``namespace`` labels are these (``namespace`` "": groups pushed without one)."""
+    with urllib.request.urlopen(f"{gateway.rstrip('/')}/api/v1/metrics", timeout=timeout) as r:
+        body = json.load(r)
+    out = []
+    for group in body.get("data") or []:
+        labels = dict(group.get("labels") or {})
+        if labels.get("release") == release and labels.get("namespace", "") == namespace:
+            out.append(labels)
+    return sorted(out, key=lambda g: sorted(g.items()))
+
+
+def delete_release_groups(gateway: str, namespace: str, release: str, timeout: float = 10) -> list[dict[str, str]]:
+    """Delete every group of a release from ``gateway`` (:func:`release_groups`); returns their labels."""
+    groups = release_groups(gateway, namespace, release, timeout)
+    for labels in groups:
+        key = {k: v for k, v in labels.items() if k != "job"}
+        delete_from_gateway(gateway, job=labels["job"], grouping_key=key, timeout=timeout)
+    return groups

@@ -35,6 +35,10 @@ def add_panel_flags(p: argparse.ArgumentParser, *, benchmark_default: str | None
     p.add_argument("--alfworld-data", "--data-dir", dest="data_dir", default=None, metavar="DIR",
                    help="ALFWorld: the data folder holding json_2.1.1/<split>/ (default $ALFWORLD_DATA, else "
                         "~/.cache/alfworld)")
+    p.add_argument("--no-engine-cache", dest="engine_cache", action="store_false",
+                   help="ALFWorld: start every game as TextWorld ships it (no cached grammar parses or Fast Downward "
+                        "translations, nothing parsed ahead of the environment processes); the episodes are the "
+                        "same, only slower to start")
     p.add_argument("--webshop-url", default=None, help="WebShop: the server (default http://127.0.0.1:3000)")
     p.add_argument("--env-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="each episode's environment runs in its own process; a call that takes longer is "
@@ -48,7 +52,7 @@ def panel_fields(args: argparse.Namespace, benchmark: str | None = None) -> dict
                 games_per_family=args.games_per_family, seed=args.seed, cache_dir=args.cache,
                 tasks=_names(args.tasks), variations_per_task=args.variations_per_task, split=args.split,
                 rows=args.rows, retriever_url=args.retriever_url, limit=args.limit, data_dir=args.data_dir,
-                webshop_url=args.webshop_url)
+                alfworld_engine_cache=args.engine_cache, webshop_url=args.webshop_url)
 
 
 def env_timeout(args: argparse.Namespace) -> float | None:

@@ -10,6 +10,18 @@ Every failure a user can cause (bad credentials, a missing bucket, an unreachabl
 file) surfaces as :class:`StorageError` with a one-line message that names the URI and the endpoint, so
 a failed run says what to fix instead of dumping a botocore traceback.  The secret key never appears.
 
+**Outages are ridden out.** Every operation, local or S3 — reads, writes, each part of a multipart
+upload, listings, ranged reads, downloads — retries transient failures (connection refused, timeouts,
+5xx answers, SlowDown and the other throttling codes botocore's standard retry mode knows; locally the
+errors of a network file system that comes back: ``ESTALE``, ``ETIMEDOUT``, ``EIO`` …) with capped
+exponential backoff and full jitter, as the AWS SDKs' retry modes do, until a deadline
+(:func:`configure_retries`; the run config's ``storage.retry_deadline_s``, 300 s by default) after the
+first failure. While it waits it logs one line about every 30 s ("S3 unreachable: retrying until …");
+past the deadline it raises :class:`StorageUnavailable` (the front doors' exit 75). Anything else — a
+4xx such as bad credentials, a missing bucket or object — fails at once. Writes also pass the write
+checks registered with :func:`add_write_check` before every attempt (the run root's lease,
+:mod:`sapd.lease`, refuses writes once another run holds it).
+
 S3 settings come from the environment (``SAPD_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``) unless :func:`configure_s3`
 sets them explicitly.
@@ -17,17 +29,24 @@ sets them explicitly.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import io
 import json
 import os
+import random
 import re
 import shutil
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 from urllib.parse import unquote, urlparse
 
 import boto3
@@ -39,9 +58,16 @@ __all__ = [
     "StorageError",
     "StorageNotFound",
     "StorageUnavailable",
+    "CorruptObject",
+    "PreconditionFailed",
     "S3Settings",
+    "Versioned",
     "TRANSFER_CONFIG",
     "configure_s3",
+    "configure_retries",
+    "retry_deadline",
+    "retry_deadline_s",
+    "add_write_check",
     "is_s3",
     "join",
     "read_bytes",
@@ -59,6 +85,12 @@ __all__ = [
     "read_range",
     "open_write",
     "AtomicWriter",
+    "read_versioned",
+    "write_conditional",
+    "delete_conditional",
+    "digest",
+    "file_digest",
+    "check_digest",
     "transfer_stats",
     "reset_transfer_stats",
 ]
@@ -135,6 +167,134 @@ class StorageNotFound(StorageError):
 
 class StorageUnavailable(StorageError):
     """The server could not be reached or answered with a server-side error: transient, worth retrying."""
+
+
+class CorruptObject(StorageError):
+    """A stored file is not what was committed (its size or digest differs from the one recorded when it
+    was committed): damaged, truncated or replaced. Refused, never used; the message names the object."""
+
+
+class PreconditionFailed(StorageError):
+    """A conditional write or delete found the object changed (or present, or absent) since it was read."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Riding out outages: capped exponential backoff with full jitter up to a deadline (the AWS SDKs'
+# retry modes: delay = uniform(0, min(cap, base * 2**attempt))), one log line every 30 s while waiting
+
+RETRY_DEADLINE_S = 300.0  # the default of the run config's storage.retry_deadline_s
+_BACKOFF_BASE_S = 1.0
+_BACKOFF_CAP_S = 20.0  # botocore's standard mode caps its backoff at 20 s too
+OUTAGE_LOG_EVERY_S = 30.0
+_WRITE_ACTIONS = ("writing", "deleting")
+
+T = TypeVar("T")
+
+
+def _log_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class _RetrySettings:
+    deadline_s: float = RETRY_DEADLINE_S
+    log: Callable[[str], None] = _log_stderr
+
+
+_retry = _RetrySettings()
+_outage = {"last_line": -float("inf")}  # one line per process every OUTAGE_LOG_EVERY_S, whichever thread waits
+_outage_lock = threading.Lock()
+_write_checks: list[Callable[[str], None]] = []
+
+
+def configure_retries(deadline_s: float | None = None, log: Callable[[str], None] | None = None) -> tuple[float, Any]:
+    """Set how long every storage operation retries transient failures (seconds after its first failure;
+    0: not at all) and where its "retrying until …" lines go (default: stderr). Returns the previous
+    ``(deadline_s, log)``, so a caller can restore them."""
+    previous = (_retry.deadline_s, _retry.log)
+    if deadline_s is not None:
+        if not deadline_s >= 0:
+            raise ValueError(f"storage retry deadline must be ≥ 0 seconds, not {deadline_s!r}")
+        _retry.deadline_s = float(deadline_s)
+    if log is not None:
+        _retry.log = log
+    return previous
+
+
+def retry_deadline_s() -> float:
+    """How long storage operations retry transient failures (:func:`configure_retries`)."""
+    return _retry.deadline_s
+
+
+@contextlib.contextmanager
+def retry_deadline(seconds: float) -> Iterator[None]:
+    """Storage operations inside the block retry for at most ``seconds`` (e.g. ``sapd check``, which
+    diagnoses rather than waits)."""
+    previous, _ = configure_retries(seconds)
+    try:
+        yield
+    finally:
+        configure_retries(previous)
+
+
+def add_write_check(check: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``check(uri)`` before every attempt of every write or delete (it raises to refuse the write;
+    a :class:`StorageUnavailable` from it is retried like the write's own). → a function that removes it."""
+    _write_checks.append(check)
+
+    def remove() -> None:
+        if check in _write_checks:
+            _write_checks.remove(check)
+
+    return remove
+
+
+def _outage_line_due(now: float) -> bool:
+    with _outage_lock:
+        if now - _outage["last_line"] >= OUTAGE_LOG_EVERY_S:
+            _outage["last_line"] = now
+            return True
+        return False
+
+
+def _utc(epoch: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(epoch))
+
+
+def _retrying(uri: str, action: str, attempt: Callable[[], T], *, retry: bool = True) -> T:
+    """``attempt()`` (which raises :class:`StorageError` s), again after each :class:`StorageUnavailable`
+    until the deadline; writes pass the write checks first, at every attempt."""
+    started: float | None = None
+    tries = 0
+    told = False
+    while True:
+        try:
+            if action in _WRITE_ACTIONS:
+                for check in list(_write_checks):
+                    check(uri)
+            result = attempt()
+        except StorageUnavailable as exc:
+            now = time.monotonic()
+            started = now if started is None else started
+            deadline = _retry.deadline_s if retry else 0.0
+            left = started + deadline - now
+            if left <= 0:
+                if tries == 0:
+                    raise
+                raise StorageUnavailable(f"{exc} (still failing after {now - started:.0f} s of retries; "
+                                         f"storage.retry_deadline_s is {deadline:g})") from exc
+            if _outage_line_due(now):
+                what = "S3" if is_s3(uri) else "storage"
+                _retry.log(f"{what} unreachable: retrying until {_utc(time.time() + left)} "
+                           f"({left:.0f} s left of storage.retry_deadline_s): {exc}")
+                told = True
+            time.sleep(min(random.uniform(0.0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**tries)), left))
+            tries += 1
+            continue
+        if told and started is not None:
+            _retry.log(f"{'S3' if is_s3(uri) else 'storage'} reachable again after {time.monotonic() - started:.0f} s "
+                       f"({tries} retries): {action} {uri} went through")
+        return result
 
 
 # --------------------------------------------------------------------------------------------------
@@ -336,6 +496,31 @@ _CREDENTIAL_CODES = {
     "403",
 }
 _NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
+# what botocore's standard retry mode retries (botocore/retries/standard.py), and throttling by status
+_TRANSIENT_CODES = {
+    "RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete", "InternalError", "ServiceUnavailable",
+    "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException", "TooManyRequestsException",
+    "ProvisionedThroughputExceededException", "TransactionInProgressException", "RequestLimitExceeded",
+    "BandwidthLimitExceeded", "LimitExceededException", "RequestThrottled", "SlowDown", "EC2ThrottledException",
+    "ConditionalRequestConflict",  # S3: a conditional write raced another one in flight; retry
+}
+
+
+def _error_code(exc: BaseException) -> str:
+    cause = _root_cause(exc)
+    if isinstance(cause, bce.ClientError):
+        return str(cause.response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _transient_cause(cause: BaseException) -> bool:
+    """A failure on the way (no answer, a broken or mangled answer), not one the server decided on."""
+    if isinstance(cause, (bce.ConnectionError, bce.HTTPClientError, bce.IncompleteReadError)):
+        return True
+    if type(cause).__name__ == "FlexibleChecksumError":  # a body that arrived damaged
+        return True
+    # s3transfer's own retries of a download end with the socket's or urllib3's error
+    return isinstance(cause, (ConnectionError, TimeoutError)) or type(cause).__module__.startswith("urllib3")
 
 
 def _translate(exc: BaseException, client: Any, uri: str, action: str) -> StorageError:
@@ -355,10 +540,12 @@ def _translate(exc: BaseException, client: Any, uri: str, action: str) -> Storag
             return StorageError(f"bucket '{bucket}' does not exist at {endpoint} (while {action} {uri})")
         if code in _NOT_FOUND_CODES:
             return StorageNotFound(f"no such object {uri} at {endpoint}")
+        if code in ("PreconditionFailed", "412"):
+            return PreconditionFailed(f"{uri} at {endpoint} changed since it was read ({code}: {message})")
         status = int(cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-        kind = StorageUnavailable if status >= 500 or code in ("SlowDown", "ServiceUnavailable") else StorageError
+        kind = StorageUnavailable if status >= 500 or status == 429 or code in _TRANSIENT_CODES else StorageError
         return kind(f"S3 error while {action} {uri} at {endpoint}: {code}: {message}")
-    if isinstance(cause, (bce.HTTPClientError, bce.ConnectionError)):
+    if _transient_cause(cause):
         return StorageUnavailable(f"S3 server {endpoint} unreachable while {action} {uri}: {_one_line(cause)}")
     if isinstance(cause, (bce.NoCredentialsError, bce.PartialCredentialsError)):
         return StorageError(
@@ -372,14 +559,19 @@ def _translate(exc: BaseException, client: Any, uri: str, action: str) -> Storag
     )
 
 
-def _s3_call(uri: str, action: str, fn: Callable[[Any], Any]) -> Any:
-    client = _client()
-    try:
-        return fn(client)
-    except StorageError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a StorageError naming the URI
-        raise _translate(exc, client, uri, action) from exc
+def _s3_call(uri: str, action: str, fn: Callable[[Any], Any], *, retry: bool = True) -> Any:
+    """``fn(client)``, every failure a :class:`StorageError` naming the URI, transient ones retried."""
+
+    def attempt() -> Any:
+        client = _client()
+        try:
+            return fn(client)
+        except StorageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a StorageError naming the URI
+            raise _translate(exc, client, uri, action) from exc
+
+    return _retrying(uri, action, attempt, retry=retry)
 
 
 def _missing_object(client: Any, bucket: str, uri: str) -> StorageError:
@@ -409,10 +601,31 @@ def _is_not_found(exc: BaseException) -> bool:
 # Local atomic writes
 
 
+# what a network file system (NFS, a FUSE mount of object storage) answers while its server is away; a
+# local disk that fails with EIO is retried too, and fails with 75 at the deadline
+_TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE, errno.EIO, errno.ECONNREFUSED,
+                     errno.ECONNRESET, errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN,
+                     errno.EHOSTDOWN, errno.ENOLINK}
+
+
 def _local_error(exc: OSError, path: Path, action: str) -> StorageError:
     if isinstance(exc, FileNotFoundError):
         return StorageNotFound(f"no such file {path} (while {action})")
+    if exc.errno in _TRANSIENT_ERRNOS or isinstance(exc, TimeoutError):
+        return StorageUnavailable(f"local storage unavailable while {action} {path}: {exc.strerror or exc}")
     return StorageError(f"local {action} {path} failed: {exc.strerror or exc}")
+
+
+def _local_call(uri: str, path: Path, action: str, fn: Callable[[], T], *, retry: bool = True) -> T:
+    """``fn()`` on a local path, its OSErrors as :class:`StorageError` s, transient ones retried."""
+
+    def attempt() -> T:
+        try:
+            return fn()
+        except OSError as exc:
+            raise _local_error(exc, path, action) from exc
+
+    return _retrying(uri, action, attempt, retry=retry)
 
 
 def _atomic_local_write(path: Path, fill: Callable[[IO[bytes]], object]) -> None:
@@ -472,10 +685,7 @@ def read_bytes(uri: str) -> bytes:
         _count("s3_read_bytes", len(data), 1)
         return data
     path = _local_path(uri)
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise _local_error(exc, path, "reading") from exc
+    return _local_call(uri, path, "reading", path.read_bytes)
 
 
 def write_bytes(uri: str, data: bytes, *, transfer_config: TransferConfig | None = None) -> None:
@@ -483,14 +693,15 @@ def write_bytes(uri: str, data: bytes, *, transfer_config: TransferConfig | None
     if is_s3(uri):
         config = transfer_config or TRANSFER_CONFIG
         if len(data) >= config.multipart_threshold:
-            _s3_upload(io.BytesIO(data), uri, config)
+            _s3_upload(bytes(data), uri, config)
         else:
             bucket, key = _s3_object(uri)
             _s3_call(uri, "writing", lambda c: c.put_object(Bucket=bucket, Key=key, Body=data))
         _count("s3_written_bytes", len(data))
         return
     payload = bytes(data)
-    _atomic_local_write(_local_path(uri), lambda handle: handle.write(payload))
+    path = _local_path(uri)
+    _retrying(uri, "writing", lambda: _atomic_local_write(path, lambda handle: handle.write(payload)))
 
 
 def read_text(uri: str, encoding: str = "utf-8") -> str:
@@ -519,6 +730,182 @@ def write_json(uri: str, obj: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# Digests: what a commit records of each file, and the check of what is read against it
+
+
+def digest(data: bytes | memoryview) -> dict[str, Any]:
+    """The size and SHA-256 a commit records of a file's bytes."""
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def file_digest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """:func:`digest` of a local file, read in 4 MiB pieces."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(4 * MiB):
+            h.update(chunk)
+            n += len(chunk)
+    return {"bytes": n, "sha256": h.hexdigest()}
+
+
+def check_digest(what: str, found: dict[str, Any], expected: dict[str, Any] | None, committed_in: str) -> None:
+    """:class:`CorruptObject` naming ``what`` unless ``found`` (a :func:`digest`) is the ``expected`` one that
+    ``committed_in`` recorded (None: it recorded none for this file, which is refused as well)."""
+    if expected is None:
+        raise CorruptObject(f"{what}: not one of the files {committed_in} records; refusing to use it")
+    if found["bytes"] != expected["bytes"] or found["sha256"] != expected["sha256"]:
+        raise CorruptObject(f"{what}: {found['bytes']} bytes with SHA-256 {found['sha256'][:16]}…, but {committed_in} "
+                            f"recorded {expected['bytes']} bytes with {expected['sha256'][:16]}…: damaged, truncated "
+                            "or replaced since it was committed; refusing to use it")
+
+
+# --------------------------------------------------------------------------------------------------
+# Conditional writes (what a lease needs: create if absent, replace if unchanged since read)
+
+_LOCK_SUFFIX = ".sapd-lock"
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """An object's bytes with what names this version of it and how old it is."""
+
+    data: bytes
+    etag: str  # what a conditional write or delete names: S3's ETag; locally the file's inode, mtime and size
+    age_s: float  # seconds since it was written, by the store's clock: on S3 the answer's Date less Last-Modified
+
+
+def read_versioned(uri: str, *, retry: bool = True) -> Versioned | None:
+    """The object at ``uri`` with its version and age, or None when there is none. The age comes from one
+    clock — the S3 server's (its ``Date`` header against the object's ``Last-Modified``), or this machine's
+    against the file's mtime — so hosts whose clocks differ agree on it."""
+    if is_s3(uri):
+        bucket, key = _s3_object(uri)
+
+        def get(client: Any) -> Versioned | None:
+            try:
+                answer = client.get_object(Bucket=bucket, Key=key)
+            except Exception as exc:  # noqa: BLE001
+                if _is_not_found(exc):
+                    return None
+                raise
+            data = answer["Body"].read()
+            modified = answer["LastModified"].timestamp()
+            date = (answer.get("ResponseMetadata", {}).get("HTTPHeaders") or {}).get("date")
+            now = parsedate_to_datetime(date).timestamp() if date else time.time()
+            return Versioned(data, str(answer.get("ETag", "")), max(0.0, now - modified))
+
+        return _s3_call(uri, "reading", get, retry=retry)
+    path = _local_path(uri)
+
+    def read_local() -> Versioned | None:
+        try:
+            with path.open("rb") as handle:
+                st = os.fstat(handle.fileno())
+                data = handle.read()
+        except FileNotFoundError:
+            return None
+        return Versioned(data, _local_etag(st), max(0.0, time.time() - st.st_mtime))
+
+    return _local_call(uri, path, "reading", read_local, retry=retry)
+
+
+def _local_etag(st: os.stat_result) -> str:
+    return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
+
+@contextlib.contextmanager
+def _local_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` beside ``path`` for a read-compare-write; where the file system has no
+    ``flock`` (some NFS set-ups) it goes on without one (the lease's read-back still sees a lost race)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}{_LOCK_SUFFIX}"), "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        try:
+            yield
+        finally:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+            except OSError:
+                pass
+
+
+def write_conditional(uri: str, data: bytes, *, if_match: str | None = None, if_absent: bool = False,
+                      retry: bool = True) -> str:
+    """Write ``data`` only if the object is still the version ``if_match`` names, or (``if_absent``) only if
+    there is none: S3's conditional PUT (``If-Match`` / ``If-None-Match: *``); locally a compare and an
+    atomic rename under an ``flock``. → the new version; :class:`PreconditionFailed` when the condition
+    does not hold. (A retried PUT whose first attempt went through also ends in PreconditionFailed: a
+    caller reads the object back to tell.)"""
+    if (if_match is None) == (not if_absent):
+        raise ValueError("write_conditional: give exactly one of if_match and if_absent")
+    if is_s3(uri):
+        bucket, key = _s3_object(uri)
+        cond = {"IfMatch": if_match} if if_match is not None else {"IfNoneMatch": "*"}
+        answer = _s3_call(uri, "writing", lambda c: c.put_object(Bucket=bucket, Key=key, Body=data, **cond),
+                          retry=retry)
+        _count("s3_written_bytes", len(data))
+        return str(answer.get("ETag", ""))
+    path = _local_path(uri)
+    payload = bytes(data)
+
+    def write_local() -> str:
+        with _local_lock(path):
+            try:
+                current: str | None = _local_etag(path.stat())
+            except FileNotFoundError:
+                current = None
+            if (if_absent and current is not None) or (if_match is not None and current != if_match):
+                raise PreconditionFailed(f"{path} changed since it was read")
+            _atomic_local_write(path, lambda handle: handle.write(payload))
+            return _local_etag(path.stat())
+
+    return _local_call(uri, path, "writing", write_local, retry=retry)
+
+
+def delete_conditional(uri: str, if_match: str, *, retry: bool = True) -> None:
+    """Delete the object only if it is still the version ``if_match`` names (gone already: nothing to do);
+    :class:`PreconditionFailed` when it changed."""
+    if is_s3(uri):
+        bucket, key = _s3_object(uri)
+
+        def delete_s3(client: Any) -> None:
+            try:
+                client.delete_object(Bucket=bucket, Key=key, IfMatch=if_match)
+            except Exception as exc:  # noqa: BLE001
+                if _is_not_found(exc):
+                    return
+                if _error_code(exc) in ("PreconditionFailed", "412"):  # some servers answer 412 for "no object"
+                    try:
+                        client.head_object(Bucket=bucket, Key=key)
+                    except Exception as missing:  # noqa: BLE001
+                        if _is_not_found(missing):
+                            return
+                raise
+
+        _s3_call(uri, "deleting", delete_s3, retry=retry)
+        return
+    path = _local_path(uri)
+
+    def delete_local() -> None:
+        with _local_lock(path):
+            try:
+                current = _local_etag(path.stat())
+            except FileNotFoundError:
+                return
+            if current != if_match:
+                raise PreconditionFailed(f"{path} changed since it was read")
+            path.unlink(missing_ok=True)
+
+    _local_call(uri, path, "deleting", delete_local, retry=retry)
+
+
+# --------------------------------------------------------------------------------------------------
 # Existence, listing, deletion
 
 
@@ -526,18 +913,23 @@ def exists(uri: str) -> bool:
     """True for an existing file/object; "folders" do not count (S3 has none to ask about)."""
     if is_s3(uri):
         bucket, key = _s3_object(uri)
-        client = _client()
-        try:
-            client.head_object(Bucket=bucket, Key=key)
-            return True
-        except Exception as exc:  # noqa: BLE001
-            if not _is_not_found(exc):
-                raise _translate(exc, client, uri, "checking") from exc
-        missing = _missing_object(client, bucket, uri)
-        if isinstance(missing, StorageNotFound):
-            return False
-        raise missing
-    return _local_path(uri).is_file()
+
+        def attempt() -> bool:
+            client = _client()
+            try:
+                client.head_object(Bucket=bucket, Key=key)
+                return True
+            except Exception as exc:  # noqa: BLE001
+                if not _is_not_found(exc):
+                    raise _translate(exc, client, uri, "checking") from exc
+            missing = _missing_object(client, bucket, uri)
+            if isinstance(missing, StorageNotFound):
+                return False
+            raise missing
+
+        return _retrying(uri, "checking", attempt)
+    path = _local_path(uri)
+    return _local_call(uri, path, "checking", path.is_file)
 
 
 def _iter_s3_keys(client: Any, bucket: str, prefix: str, *, include_markers: bool = False) -> Iterator[str]:
@@ -563,32 +955,32 @@ def _iter_s3_keys(client: Any, bucket: str, prefix: str, *, include_markers: boo
 def list_files(prefix_uri: str) -> list[str]:
     """Every file below a folder, recursively, as full URIs in sorted order.
 
-    Hides the temp files of local writers that are in flight or crashed, since those are not files
-    anyone wrote on purpose.
+    Hides the temp files of local writers that are in flight or crashed, and the lock files of
+    conditional writes, since those are not files anyone wrote on purpose.
     """
     if is_s3(prefix_uri):
         bucket, prefix = _s3_folder(prefix_uri)
         keys = _s3_call(prefix_uri, "listing", lambda c: list(_iter_s3_keys(c, bucket, prefix)))
         return sorted(f"s3://{bucket}/{key}" for key in keys)
     root = _local_path(prefix_uri)
-    if not root.is_dir():
-        return []
-    found: list[str] = []
 
     def _raise(exc: OSError) -> None:
         raise exc
 
-    try:
+    def walk() -> list[str]:
+        if not root.is_dir():
+            return []
+        found: list[str] = []
         for dirpath, _dirnames, filenames in os.walk(root, onerror=_raise):
             rel_dir = os.path.relpath(dirpath, root)
             for name in filenames:
-                if name.startswith(".") and name.endswith(_TMP_SUFFIX):
+                if name.startswith(".") and name.endswith((_TMP_SUFFIX, _LOCK_SUFFIX)):
                     continue
                 rel = name if rel_dir == "." else f"{rel_dir}/{name}"
                 found.append(join(prefix_uri, rel.replace(os.sep, "/")))
-    except OSError as exc:
-        raise _local_error(exc, root, "listing") from exc
-    return sorted(found)
+        return sorted(found)
+
+    return _local_call(prefix_uri, root, "listing", walk)
 
 
 def delete(uri: str) -> None:
@@ -598,12 +990,7 @@ def delete(uri: str) -> None:
         _s3_call(uri, "deleting", lambda c: c.delete_object(Bucket=bucket, Key=key))
         return
     path = _local_path(uri)
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        raise _local_error(exc, path, "deleting") from exc
+    _local_call(uri, path, "deleting", lambda: path.unlink(missing_ok=True))
 
 
 def delete_prefix(prefix_uri: str) -> None:
@@ -643,21 +1030,23 @@ def delete_prefix(prefix_uri: str) -> None:
     resolved = root.resolve()
     if resolved == Path(resolved.anchor):
         raise StorageError(f"refusing to delete everything below the filesystem root ({prefix_uri})")
-    try:
+
+    def remove() -> None:
         if root.is_symlink():
             root.unlink()  # rmtree refuses links; the link is what lives below the parent
         elif root.is_dir():
             shutil.rmtree(root)
-    except OSError as exc:
-        raise _local_error(exc, root, "deleting") from exc
+
+    _local_call(prefix_uri, root, "deleting", remove)
 
 
 # --------------------------------------------------------------------------------------------------
 # Large files
 
 
-def _s3_upload(source: str | IO[bytes], uri: str, config: TransferConfig) -> None:
-    """Managed upload; on failure s3transfer aborts the multipart upload so no part becomes visible.
+def _s3_upload(source: str | bytes, uri: str, config: TransferConfig) -> None:
+    """Managed upload (a local file, or bytes); on failure s3transfer aborts the multipart upload so no
+    part becomes visible, and a transient failure starts the upload again, whole.
 
     The abort is best effort: if the server is gone it cannot be told, but an uncompleted multipart
     upload is never readable as an object, so readers still see either the old object or nothing.
@@ -668,7 +1057,8 @@ def _s3_upload(source: str | IO[bytes], uri: str, config: TransferConfig) -> Non
 
     def _run(client: Any) -> None:
         with TransferManager(client, config) as manager:
-            manager.upload(source, bucket, key).result()
+            body = source if isinstance(source, str) else io.BytesIO(source)  # a fresh stream per attempt
+            manager.upload(body, bucket, key).result()
 
     _s3_call(uri, "writing", _run)
 
@@ -691,7 +1081,7 @@ def write_file_from(
             shutil.copyfileobj(src, handle, length=4 * MiB)
 
     try:
-        _atomic_local_write(target, _copy)
+        _retrying(uri, "writing", lambda: _atomic_local_write(target, _copy))
     except StorageNotFound as exc:
         raise StorageNotFound(f"no such local file {source} to copy to {uri}") from exc
 
@@ -712,16 +1102,16 @@ def download_to(
             with src:
                 shutil.copyfileobj(src, handle, length=4 * MiB)
 
-        _atomic_local_write(target, _copy_local)
+        _retrying(uri, "reading", lambda: _atomic_local_write(target, _copy_local))
         return
 
     from s3transfer.manager import TransferManager
 
     bucket, key = _s3_object(uri)
     config = transfer_config or TRANSFER_CONFIG
-    client = _client()
 
     def _fetch(handle: IO[bytes]) -> None:
+        client = _client()
         try:
             with TransferManager(client, config) as manager:
                 manager.download(bucket, key, handle).result()
@@ -730,7 +1120,7 @@ def download_to(
                 raise _missing_object(client, bucket, uri) from exc
             raise _translate(exc, client, uri, "downloading") from exc
 
-    _atomic_local_write(target, _fetch)
+    _retrying(uri, "downloading", lambda: _atomic_local_write(target, _fetch))
     _count("s3_read_bytes", target.stat().st_size, 1)
 
 
@@ -754,15 +1144,16 @@ def read_range(uri: str, start: int, length: int) -> bytes:
         _count("s3_read_bytes", len(data), 1)
     else:
         path = _local_path(uri)
-        try:
+
+        def read_local() -> bytes:
             with path.open("rb") as handle:
                 handle.seek(start)
-                data = handle.read(length)
-        except OSError as exc:
-            raise _local_error(exc, path, "reading") from exc
+                return handle.read(length)
+
+        data = _local_call(uri, path, "reading", read_local)
     if len(data) != length:
-        raise StorageError(f"{uri}: asked for {length} bytes at offset {start}, got {len(data)} "
-                           "(the file is shorter than its index says: truncated or replaced)")
+        raise CorruptObject(f"{uri}: asked for {length} bytes at offset {start}, got {len(data)} "
+                            "(the file is shorter than its index says: truncated or replaced)")
     return data
 
 
@@ -771,7 +1162,12 @@ class AtomicWriter:
     target, fsynced and renamed into place; on S3 one PUT when small, else a multipart upload of
     ``part_bytes`` parts sent as the data comes (only one part is ever buffered), completed at the end.
     :meth:`close` (or leaving the ``with`` block normally) publishes it; an exception in the block, or
-    :meth:`abort`, leaves nothing (the multipart upload is aborted, the temp file removed)."""
+    :meth:`abort`, leaves nothing (the multipart upload is aborted, the temp file removed). Every piece
+    (a part, a write at its offset of the temp file, the completion) is retried on its own through an
+    outage, so a long stream does not start over. What passes through is hashed (:meth:`digest`): the
+    whole stream, and each stretch between two :meth:`tell` calls on its own — a writer that asks for its
+    position at the start and end of every record (torch's DCP does) gets one SHA-256 per record, against
+    which a ranged read of that record can be checked."""
 
     def __init__(self, uri: str, part_bytes: int = 16 * MiB) -> None:
         if part_bytes < 5 * MiB:
@@ -780,6 +1176,8 @@ class AtomicWriter:
         self._part_bytes = part_bytes
         self._pos = 0
         self._done = False
+        self._whole, self._piece, self._cut_at = hashlib.sha256(), hashlib.sha256(), 0
+        self._segments: list[list[Any]] = []
         self._s3 = is_s3(uri)
         if self._s3:
             self._bucket, self._key = _s3_object(uri)
@@ -788,14 +1186,15 @@ class AtomicWriter:
             self._parts: list[dict[str, Any]] = []
         else:
             self._path = _local_path(uri)
-            try:
+
+            def create() -> tuple[int, str]:
                 self._path.parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(prefix=f".{self._path.name}.", suffix=_TMP_SUFFIX, dir=self._path.parent)
                 os.fchmod(fd, _file_mode())
-            except OSError as exc:
-                raise _local_error(exc, self._path, "writing") from exc
+                return fd, tmp
+
+            self._fd, tmp = _local_call(uri, self._path, "writing", create)
             self._tmp = Path(tmp)
-            self._file = os.fdopen(fd, "wb")
 
     # -- the file-like surface torch.save and pickle use
     def writable(self) -> bool:
@@ -812,7 +1211,19 @@ class AtomicWriter:
         return self._done
 
     def tell(self) -> int:
+        self._cut()
         return self._pos
+
+    def _cut(self) -> None:
+        if self._pos > self._cut_at:
+            self._segments.append([self._cut_at, self._piece.hexdigest()])
+            self._piece, self._cut_at = hashlib.sha256(), self._pos
+
+    def digest(self) -> dict[str, Any]:
+        """:func:`digest` of everything written, with ``segments``: ``[offset, sha256]`` of each stretch
+        between two :meth:`tell` calls (and the last one before now)."""
+        self._cut()
+        return {"bytes": self._pos, "sha256": self._whole.hexdigest(), "segments": list(self._segments)}
 
     def flush(self) -> None:
         pass
@@ -825,6 +1236,8 @@ class AtomicWriter:
             raise ValueError(f"write to {self.uri} after it was closed")
         view = memoryview(data).cast("B")
         n = view.nbytes
+        self._whole.update(view)
+        self._piece.update(view)
         if self._s3:
             self._buf += view
             while len(self._buf) >= self._part_bytes:
@@ -832,11 +1245,18 @@ class AtomicWriter:
                 del self._buf[:self._part_bytes]
                 self._send_part(chunk)
         else:
+            offset = self._pos
+
+            def put() -> None:  # at its offset, so a retry after a failed write rewrites exactly these bytes
+                done = 0
+                while done < n:
+                    done += os.pwrite(self._fd, view[done:], offset + done)
+
             try:
-                self._file.write(view)
-            except OSError as exc:
+                _local_call(self.uri, self._path, "writing", put)
+            except BaseException:
                 self.abort()
-                raise _local_error(exc, self._path, "writing") from exc
+                raise
         self._pos += n
         return n
 
@@ -860,15 +1280,17 @@ class AtomicWriter:
         if self._done:
             return
         if not self._s3:
-            try:
-                self._file.flush()
-                os.fsync(self._file.fileno())
-                self._file.close()
+            def publish() -> None:
+                os.fsync(self._fd)
                 os.replace(self._tmp, self._path)
-            except OSError as exc:
+
+            try:
+                _local_call(self.uri, self._path, "writing", publish)
+            except BaseException:
                 self.abort()
-                raise _local_error(exc, self._path, "writing") from exc
+                raise
             self._done = True
+            os.close(self._fd)
             _fsync_dir(self._path.parent)
             return
         uri, bucket, key = self.uri, self._bucket, self._key
@@ -879,10 +1301,22 @@ class AtomicWriter:
         else:
             if self._buf:  # the last part may be smaller than the minimum
                 self._send_part(bytes(self._buf))
-            parts = list(self._parts)
+            parts, size, tries = list(self._parts), self._pos, [0]
+
+            def complete(client: Any) -> None:
+                tries[0] += 1
+                try:
+                    client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=self._upload_id,
+                                                     MultipartUpload={"Parts": parts})
+                except Exception as exc:  # noqa: BLE001
+                    # a retry after a completion whose answer was lost finds no upload: the object is there
+                    if tries[0] > 1 and _error_code(exc) == "NoSuchUpload" and \
+                            client.head_object(Bucket=bucket, Key=key).get("ContentLength") == size:
+                        return
+                    raise
+
             try:
-                _s3_call(uri, "writing", lambda c: c.complete_multipart_upload(
-                    Bucket=bucket, Key=key, UploadId=self._upload_id, MultipartUpload={"Parts": parts}))
+                _s3_call(uri, "writing", complete)
             except BaseException:
                 self.abort()
                 raise
@@ -896,7 +1330,7 @@ class AtomicWriter:
         self._done = True
         if not self._s3:
             try:
-                self._file.close()
+                os.close(self._fd)
             except OSError:
                 pass
             self._tmp.unlink(missing_ok=True)

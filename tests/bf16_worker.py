@@ -28,17 +28,19 @@ from sapd import checkpoints, layout, storage
 def write_as_before_master(root: str, k: int, moments_dtype: torch.dtype = torch.float32) -> None:
     """Rewrite checkpoint ``k`` of ``root`` in place as sapd wrote it before it kept an fp32 master: its
     optimizer state in format dcp-adamw/1 (the moments only, in ``moments_dtype``: the torch engine's were
-    bf16 then); checkpoint 0 (a master and no moments) without any state."""
+    bf16 then); checkpoint 0 (a master and no moments) without any state. The commit marker records the
+    digests of the files as rewritten (the model folder's are kept), so loading them is still checked."""
     marker = checkpoints.read_marker(root, k)
     state = checkpoints.load_trainer_state(root, k)
-    assert state is not None
+    assert state is not None and "files" in marker
     desc = state[checkpoints.SHARDED_KEY]
     state_dir = layout.checkpoint_state_dir(root, k)
+    files = {name: d for name, d in marker["files"].items() if not name.startswith("state/")}
     if desc["step"] is None:
         storage.delete_prefix(checkpoints.optimizer_dir(root, k))
         storage.delete(storage.join(state_dir, "trainer.pt"))
         marker = {key: v for key, v in marker.items() if key != "optimizer"}
-        storage.write_json(layout.checkpoint_marker(root, k), {**marker, "has_state": False})
+        storage.write_json(layout.checkpoint_marker(root, k), {**marker, "has_state": False, "files": files})
         return
     whole = checkpoints.consolidated_optimizer_state(root, k)
     assert whole is not None
@@ -47,12 +49,15 @@ def write_as_before_master(root: str, k: int, moments_dtype: torch.dtype = torch
     old = checkpoints.OptimizerShard(desc["numels"], [[(0, t)] for t in tensors], desc["hyper"], desc["step"], True,
                                      [tuple(s) for s in desc["shapes"]], checkpoints.STATE_KEYS)
     storage.delete_prefix(checkpoints.optimizer_dir(root, k))
-    checkpoints.save_optimizer_shards(checkpoints.optimizer_dir(root, k), old)
+    written = checkpoints.save_optimizer_shards(checkpoints.optimizer_dir(root, k), old)
+    files.update(checkpoints.record_optimizer_files(root, k, written))
     legacy = {key: v for key, v in desc.items() if key != "keys"}
     buf = io.BytesIO()
     torch.save({**state, checkpoints.SHARDED_KEY: {**legacy, "format": "dcp-adamw/1"}}, buf)
+    files["state/trainer.pt"] = storage.digest(buf.getbuffer())
     storage.write_bytes(storage.join(state_dir, "trainer.pt"), buf.getvalue())
-    storage.write_json(layout.checkpoint_marker(root, k), {**marker, "optimizer": "dcp-adamw/1"})
+    storage.write_json(layout.checkpoint_marker(root, k),
+                       {**marker, "optimizer": "dcp-adamw/1", "files": dict(sorted(files.items()))})
 
 
 def _full_master_and_weights(engine) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -8,6 +8,7 @@ own server that it may kill and restart.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,6 +23,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -246,9 +248,11 @@ class S3Server:
     server: WeedServer
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = WeedServer(tmp_path_factory.mktemp("seaweedfs"))
+@contextlib.contextmanager
+def running_s3_server(root: Path) -> Iterator[S3Server]:
+    """A started server in ``root`` with a fresh bucket, stopped on exit (the session's, or a script's:
+    tests/round_overhead.py)."""
+    server = WeedServer(root)
     server.start()
     try:
         bucket = f"sapd-test-{uuid.uuid4().hex[:8]}"
@@ -258,6 +262,12 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     finally:
         server.stop()
         server.cleanup_sockets()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with running_s3_server(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
 
 
 @pytest.fixture
@@ -270,6 +280,24 @@ def private_s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Weed
     finally:
         server.stop(grace_s=3.0)  # scratch data: no reason to wait long for a clean shutdown
         server.cleanup_sockets()
+
+
+@pytest.fixture
+def retries() -> Iterator[Any]:
+    """``retries(deadline_s, log=…)`` sets how long sapd.storage retries in this test (and where its lines
+    go; the first wait logs at once); the previous settings are restored after it."""
+    from sapd import storage
+
+    previous = storage.configure_retries()
+
+    def configure(deadline_s: float, log: Any = None) -> None:
+        storage.configure_retries(deadline_s, log)
+        storage._outage["last_line"] = -float("inf")  # the next wait logs at once, whatever earlier tests logged
+
+    try:
+        yield configure
+    finally:
+        storage.configure_retries(*previous)
 
 
 @pytest.fixture

@@ -7,7 +7,10 @@ files (a rank killed mid-download).
 
 ``python tests/fetch_worker.py cli OUT ARGS...``: run ``sapd.cli`` with ARGS (one torchrun rank of a
 train round), then write this rank's S3 traffic to ``OUT.rank{RANK}.json``; with ``SAPD_TEST_CACHE_PER_RANK``
-set, each rank gets a cache of its own (how every rank downloaded before: no shared cache)."""
+set, each rank gets a cache of its own (how every rank downloaded before: no shared cache).
+
+With ``SAPD_TEST_FLOCK_ERRNO`` set (e.g. ``ENOLCK``), every ``flock`` call of the process fails with that
+error, as on a file system without ``flock`` (NFSv3 mounted ``nolock``, some FUSE/CSI drivers)."""
 
 from __future__ import annotations
 
@@ -17,8 +20,22 @@ import signal
 import sys
 
 
+def refuse_flock(name: str) -> None:
+    """Every flock of this process fails with errno ``name``, as the file system's would."""
+    import errno
+    import fcntl
+    code = getattr(errno, name)
+
+    def flock(fd, operation):
+        raise OSError(code, os.strerror(code))
+
+    fcntl.flock = flock  # type: ignore[assignment]
+
+
 def main(argv: list[str]) -> int:
     from sapd import storage
+    if os.environ.get("SAPD_TEST_FLOCK_ERRNO"):
+        refuse_flock(os.environ["SAPD_TEST_FLOCK_ERRNO"])
     if argv[0] == "resolve":
         uri, cache, out = argv[1:4]
         if "--die-after-files" in argv:
@@ -34,6 +51,16 @@ def main(argv: list[str]) -> int:
 
             storage.download_to = dying  # type: ignore[assignment]
         from sapd.models.loading import resolve_model_dir
+        if "--hold-seconds" in argv:  # download slowly: each file takes this long (a big model on a slow link)
+            pause = float(argv[argv.index("--hold-seconds") + 1])
+            slow = storage.download_to
+
+            def slowly(*args, **kwargs):
+                import time
+                time.sleep(pause)
+                slow(*args, **kwargs)
+
+            storage.download_to = slowly  # type: ignore[assignment]
         folder = resolve_model_dir(uri, cache)
         with open(out, "w") as f:
             json.dump({"folder": str(folder), **storage.transfer_stats()}, f)

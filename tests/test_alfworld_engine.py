@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
 from alfworld.agents.environment.alfred_tw_env import AlfredTWEnv
 
 from sapd.cli import main
+from sapd.envs import alfworld_cache
 from sapd.envs.alfworld_env import AlfworldEnv, alfworld_specs, clean_observation, read_game
 from sapd.envs.alfworld_games import SPLITS, TASK_TYPES, candidates, generate_split
 from sapd.envs.base import EpisodeSpec
@@ -170,6 +172,180 @@ def test_the_eto_wording_is_played_translated_and_counted_not_invalid(games, tmp
     assert summarize([traj])["overall"]["reworded_steps"] == 1
     # and ETO's observation treatment of pre-0.4 games
     assert clean_observation("You arrive at loc 16. The cabinet 1 is closed.") == ("The cabinet 1 is closed.", None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the engine's start-up paid once (sapd.envs.alfworld_cache): the same episodes, cold, warm, forked
+
+
+@pytest.fixture
+def engine_cache():
+    """The caches off before and after (process-wide state: other tests start from the engine as shipped)."""
+    alfworld_cache.set_engine_cache(False)
+    yield alfworld_cache
+    alfworld_cache.set_engine_cache(False)
+
+
+def _episode(game: Path, engine_cache: bool) -> list[tuple]:
+    """The planner's episode on ``game``, with a command the engine does not know first: every observation,
+    admissible list, reward and outcome."""
+    env = AlfworldEnv(game, expert="planner", engine_cache=engine_cache)
+    first = env.reset()
+    out: list[tuple] = [(first.observation, first.task, first.admissible_actions, env.expert_action())]
+    action: str | None = "put box 1 in/on the moon"
+    while action is not None and len(out) <= 50:
+        res = env.step(action)
+        out.append((action, res.observation, res.admissible_actions, res.reward, res.done, res.won,
+                    env.expert_action()))
+        action = None if res.done else env.expert_action()
+    env.close()
+    return out
+
+
+def test_cached_engine_plays_the_same_episode_cold_and_warm_and_leaves_argv_alone(games, engine_cache, tmp_path,
+                                                                                  monkeypatch):
+    game = _game(games, PICK)
+    monkeypatch.setattr(sys, "argv", ["pytest-argv"])  # TextWorld's translation, as shipped, overwrites it
+    shipped = _episode(game, engine_cache=False)
+    assert shipped[-1][5] is True and len(shipped) > 3  # won, after the unknown command ("Nothing happens.")
+    assert shipped[1][1] == "Nothing happens."
+    sys.argv = ["pytest-argv"]
+    cache = tmp_path / "engine-cache"
+    engine_cache.set_engine_cache(True, cache)
+    cold = _episode(game, engine_cache=True)
+    stats = engine_cache.stats()
+    # load and reset each translate the problem plain and optimised: translated once, then from memory
+    assert (stats.translations, stats.memory_hits, stats.disk_hits) == (2, 2, 0)
+    assert stats.parses()["textgen"]["hits"] > stats.parses()["textgen"]["misses"] > 0  # templates parsed once
+    files = sorted(cache.rglob("*.sas.gz"))
+    assert len(files) == 2 and all(f.parent.parent.name == engine_cache.engine_versions() for f in files)
+    assert "textworld-1.7.0" in engine_cache.engine_versions()
+    engine_cache.set_engine_cache(False)  # a new process: nothing in memory, the folder warm
+    engine_cache.set_engine_cache(True, cache)
+    warm = _episode(game, engine_cache=True)
+    assert (engine_cache.stats().translations, engine_cache.stats().disk_hits) == (0, 2)
+    assert shipped == cold == warm
+    assert sys.argv == ["pytest-argv"] and not engine_cache.stats().disk_errors
+
+
+def test_cached_translation_equals_fast_downwards_own(games, engine_cache, tmp_path, monkeypatch):
+    import pickle
+
+    import fast_downward
+    game = read_game(_game(games, LOOK))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    shipped = {opt: fast_downward.pddl2sas(game["pddl_domain"], game["pddl_problem"], optimize=opt)
+               for opt in (False, True)}
+    engine_cache.set_engine_cache(True, tmp_path)
+    for _ in range(2):  # translated, then from memory
+        for opt in (False, True):
+            task, sas = fast_downward.pddl2sas(game["pddl_domain"], game["pddl_problem"], optimize=opt)
+            assert sas == shipped[opt][1] and pickle.dumps(task) == pickle.dumps(shipped[opt][0])
+    engine_cache.set_engine_cache(False)
+    engine_cache.set_engine_cache(True, tmp_path)
+    task, sas = fast_downward.pddl2sas(game["pddl_domain"], game["pddl_problem"], optimize=True)  # from disk
+    assert sas == shipped[True][1] and pickle.dumps(task) == pickle.dumps(shipped[True][0])
+    assert engine_cache.stats().disk_hits == 1
+
+
+def test_a_corrupt_cache_file_is_translated_again_and_an_unwritable_folder_says_so_once(games, engine_cache, tmp_path,
+                                                                                        capsys):
+    import fast_downward
+    game = read_game(_game(games, LOOK))
+    domain, problem = game["pddl_domain"], game["pddl_problem"]
+    engine_cache.set_engine_cache(True, tmp_path / "cache")
+    _, sas = fast_downward.pddl2sas(domain, problem)
+    (path,) = (tmp_path / "cache").rglob("*.sas.gz")
+    path.write_bytes(path.read_bytes()[:100])  # cut short (a full disk, a killed writer)
+    engine_cache.set_engine_cache(False)
+    engine_cache.set_engine_cache(True, tmp_path / "cache")
+    assert fast_downward.pddl2sas(domain, problem)[1] == sas
+    stats = engine_cache.stats()
+    assert (stats.translations, stats.disk_hits) == (1, 0) and str(path) in stats.disk_errors[0]
+    engine_cache.set_engine_cache(False)
+    engine_cache.set_engine_cache(True, tmp_path / "cache")
+    assert fast_downward.pddl2sas(domain, problem)[1] == sas and engine_cache.stats().disk_hits == 1  # rewritten
+    # another engine version never reads this translation
+    engine_cache.set_engine_cache(False)
+    engine_cache.set_engine_cache(True, tmp_path / "cache")
+    real = engine_cache.engine_versions()
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(engine_cache, "engine_versions", lambda: real.replace("textworld-1.7.0", "textworld-1.7.1"))
+    try:
+        assert fast_downward.pddl2sas(domain, problem)[1] == sas and engine_cache.stats().translations == 1
+    finally:
+        monkeypatch.undo()
+    # a folder that cannot be written: the translation still comes back, one line says so, once
+    (tmp_path / "a-file").write_text("")
+    engine_cache.set_engine_cache(False)
+    engine_cache.set_engine_cache(True, tmp_path / "a-file" / "cache")
+    capsys.readouterr()
+    assert fast_downward.pddl2sas(domain, problem)[1] == sas
+    assert fast_downward.pddl2sas(domain, problem, optimize=True)[1]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"ALFWorld engine cache: cannot write {tmp_path / 'a-file' / 'cache'}")
+    assert engine_cache.stats().translations == 2
+
+
+def test_a_textworld_with_other_internals_is_played_as_shipped_and_said_once(games, engine_cache, monkeypatch,
+                                                                            capsys):
+    from textworld.envs.pddl import textgen
+    monkeypatch.setattr(engine_cache, "_STATE", engine_cache._State())  # nothing said yet in this process
+    monkeypatch.delattr(textgen, "_Converter")  # as if a later textworld had renamed it
+    assert engine_cache.set_engine_cache(True) is False and not engine_cache.engine_cache_enabled()
+    assert engine_cache.set_engine_cache(True) is False
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ALFWorld engine cache: not available for this textworld (")
+    monkeypatch.undo()
+    assert engine_cache.set_engine_cache(True, disk=False) is True
+
+
+def test_the_shared_start_up_is_parsed_once_before_workers_fork(games, engine_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("SAPD_CACHE_DIR", str(tmp_path))
+    specs = alfworld_specs(games, "valid_unseen", expert="planner", log=None)
+    assert len({id(s.prepare) for s in specs}) == 1 and specs[0].prepare is not None  # one, run once by the loop
+    specs[0].prepare()
+    parsed = engine_cache.stats().parses()
+    assert parsed["pddl_logic"]["misses"] == 1 and parsed["textgen"]["misses"] > 50  # the grammar's rules
+    assert parsed["logic"]["misses"] > 0  # its conditions
+    # another game's grammar differs only in its goal: a handful of new rules, the rest already parsed
+    from textworld.envs.pddl.logic import GameLogic
+    other = read_game(_game(games, PICK))
+    GameLogic(domain=other["pddl_domain"], grammar=other["grammar"])
+    new = engine_cache.stats().parses()["textgen"]["misses"] - parsed["textgen"]["misses"]
+    assert 0 < new <= 5, new
+    # nothing was translated or started, and the folder is the one SAPD_CACHE_DIR names
+    assert engine_cache.stats().translations == 0 and engine_cache.default_cache_dir() == tmp_path / "alfworld-engine"
+    shipped = alfworld_specs(games, "valid_unseen", expert="planner", engine_cache=False, log=None)
+    assert all(s.prepare is None for s in shipped) and shipped[0].make_env().engine_cache is False
+
+
+@pytest.mark.slow
+def test_startup_bench_runs_collect_expert_three_ways_with_the_same_trajectories(games, tmp_path):
+    """bench/alfworld_startup.py as its user runs it: ``sapd collect-expert`` in isolated workers, as shipped
+    (``--no-engine-cache``), cached cold and warm; it fails by itself when the trajectories differ."""
+    import subprocess
+    repo = Path(__file__).resolve().parents[1]
+    out, work = tmp_path / "startup.json", tmp_path / "work"
+    run = subprocess.run([sys.executable, "bench/alfworld_startup.py", "--alfworld-data", str(games), "--split",
+                          "valid_unseen", "--limit", "3", "--work", str(work), "--json", str(out)],
+                         cwd=repo, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    last = run.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"alfworld start-up: cached (\d+\.\d)× faster cold, (\d+\.\d)× warm than as shipped; "
+                     r"CPU \d+\.\d× and \d+\.\d× \(3 planner episodes, isolated workers\)", last)
+    assert m, last
+    result = json.loads(out.read_text())
+    assert (float(m.group(1)), float(m.group(2))) == (round(result["speedup_cold"], 1), round(result["speedup_warm"], 1))
+    assert "identical expert trajectories in all 3 runs" in run.stdout
+    runs = result["runs"]
+    assert [r["episodes"] for c in ("shipped", "cold", "warm") for r in runs[c]] == [3, 3, 3]
+    assert all(r["cpu_seconds"] > 0 for rs in runs.values() for r in rs)
+    # the cold run translated each game once (plain and optimised) into the folder the warm run read
+    assert runs["cold"][0]["cache_files"] == runs["warm"][0]["cache_files"] == 6
+    assert not list((work / "unused-0").rglob("*.sas.gz"))  # as shipped: nothing cached
+    trajs = [json.loads(line) for line in (work / "expert-warm-0.jsonl").read_text().splitlines()]
+    assert all(t["success"] for t in trajs)
 
 
 # ---------------------------------------------------------------------------------------------------

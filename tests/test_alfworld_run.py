@@ -71,3 +71,15 @@ def test_alfworld_journey_games_expert_init_run_evaluate(tmp_path, capsys, monke
                                "--no-progress"]) == 0
     job = json.loads((run_root / "evals" / "000001" / "alfworld.json").read_text())
     assert set(job["by_category"]) == SIX and job["checkpoint"] == 1
+    # the panel's default split ("test") is recorded under ALFWorld's own name, the folder it played, and
+    # the games are recorded as sapd's generated ones, not ALFWorld's official split
+    assert job["split"] == "valid_unseen"
+    assert job["games"] == {"generated_by": "sapd alfworld-games", "generator_version": 1, "seed": 0, "per_type": 1,
+                            "check_expert": "planner"}
+    # a file written before (the split recorded as "test") is the same panel: skipped, not refused
+    old = run_root / "evals" / "000001" / "alfworld.json"
+    old.write_text(json.dumps({**job, "split": "test"}))
+    capsys.readouterr()
+    assert jobs.evaluate.main(["--config", str(run_root / "config.yaml"), "--checkpoint", "1", "--horizon", "3",
+                               "--no-progress"]) == 0
+    assert "checkpoint 1: alfworld already evaluated" in capsys.readouterr().out

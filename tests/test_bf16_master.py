@@ -88,6 +88,7 @@ def same_round(tmp_path_factory, models):
     return {"tmp": tmp, "fp32": fp32, "bf16": bf16, "reference": reference, "log": lines}
 
 
+@pytest.mark.slow  # a torch and a DeepSpeed round of the tiny model (minutes on 2 cores)
 def test_a_bf16_round_moves_the_master_as_float32_moves_the_weights(same_round):
     fp32, bf16 = same_round["fp32"], same_round["bf16"]
     # checkpoint 0: the master is the student's own float32 weights, the folder their bf16 rounding
@@ -110,6 +111,7 @@ def test_a_bf16_round_moves_the_master_as_float32_moves_the_weights(same_round):
     assert not any("WARNING" in line for line in same_round["log"])
 
 
+@pytest.mark.slow  # a torch and a DeepSpeed round of the tiny model (minutes on 2 cores)
 def test_restore_writes_the_master_back_into_the_bf16_weights(same_round, tmp_path):
     # an engine built from checkpoint 0's folder, given checkpoint 1's optimizer state: its master is the
     # saved one bit for bit, and its bf16 weights become the master's rounding (they were checkpoint 0's)
@@ -120,6 +122,7 @@ def test_restore_writes_the_master_back_into_the_bf16_weights(same_round, tmp_pa
     assert got["weights_changed_by_restore"] > 0 and not lines
 
 
+@pytest.mark.slow  # a torch and a DeepSpeed round of the tiny model (minutes on 2 cores)
 def test_checkpoints_without_a_master_resume_with_it_rebuilt(same_round, models, tmp_path):
     """Checkpoints written before sapd kept the master: checkpoint 0 with no state, checkpoint k with the
     moments only (format dcp-adamw/1; the torch engine's were bf16). Both resume, the master rebuilt from
@@ -193,6 +196,7 @@ def test_the_probe_measures_the_step_against_adamw_by_hand():
     assert torch.equal(before, after) and figures["update_rel"] == 0.0 and figures["update_applied_ratio"] == 0.0
 
 
+@pytest.mark.slow  # a torch and a DeepSpeed round of the tiny model (minutes on 2 cores)
 def test_a_round_that_loses_its_update_warns(models, tmp_path):
     """lr 1e-11 is below half the float32 spacing of every weight above ~2^-13: the round log, the metric and
     a warning naming the cause say so, though the loss and gradient norm look as usual."""
@@ -223,7 +227,8 @@ def test_zero_rounds_on_two_ranks_move_the_master_as_float32_moves_the_weights(s
     for z in stages:  # the same scored round 0 and checkpoint 0 (with its master) as the torch engine's bf16 run
         root = tmp / f"zero{z}"
         _seed(bf16, root, "prefixes", "rounds/000000", "checkpoints/000000")
-        cfg = _config(root, models, "bfloat16", engine="deepspeed", zero_stage=z)
+        # one prefix per micro-batch: a minibatch of 2 feeds both ranks (train.micro_batch_prefixes 2 would idle one)
+        cfg = _config(root, models, "bfloat16", engine="deepspeed", zero_stage=z, micro_batch_prefixes=1)
         jobs.append({"do": "train", "config": cfg})
     for z in stages:  # checkpoint 1's state into an engine built from checkpoint 0's folder
         jobs.append({"do": "restore", "config": _config(tmp / f"restore{z}", models, "bfloat16", engine="deepspeed",

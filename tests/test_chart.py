@@ -36,6 +36,7 @@ OVERLAYS = ["alfworld", "webshop", "searchqa", "textworld", "smoke"]
 VALUE_SETS = ["base", *OVERLAYS]
 GPU = "nvidia.com/gpu"
 ROUND_PLACEHOLDER = "__SAPD_ROUND__"  # what the pipeline driver replaces in its stage templates
+ROUNDS_PLACEHOLDER = "__SAPD_ROUNDS__"  # … and the rounds a (persistent) stage Job serves
 STAGES = ("build-prefixes", "teacher-scores", "train", "evaluate")
 JOBSET_SCHEMA = crd_schema(BY_KIND["JobSet"])
 
@@ -67,7 +68,8 @@ def render(values: dict, release: str = "sapd-test", with_templates: bool = True
 def stage_templates(docs: list[dict], round_: int = 0) -> list[tuple[str, dict]]:
     found = [d for d in docs if d["kind"] == "ConfigMap"
              and d["metadata"]["labels"]["app.kubernetes.io/component"] == "pipeline-templates"]
-    return [(key.removesuffix(".yaml"), yaml.safe_load(text.replace(ROUND_PLACEHOLDER, str(round_))))
+    return [(key.removesuffix(".yaml"), yaml.safe_load(text.replace(ROUND_PLACEHOLDER, str(round_))
+                                                       .replace(ROUNDS_PLACEHOLDER, "1")))
             for cm in found for key, text in sorted(cm["data"].items())]
 
 
@@ -214,10 +216,12 @@ def test_batch_fields_and_failure_policy_on_every_job(rendered):
     name, docs = rendered
     specs = job_specs(docs)
     # the four stage templates (the driver's, or the manual gates'), the CronJob's, the driver (pipeline)
-    # or the four gates (manual), and ALFWorld's data fill where the benchmark is ALFWorld
+    # or the four gates (manual), ALFWorld's data fill where the benchmark is ALFWorld, and the uninstall
+    # hook that deletes the release's Pushgateway groups
     alfworld = any(n.startswith("sapd-test-alfworld-fill-") for n, _ in specs)
     assert alfworld == (name.split("-")[0] in ("base", "alfworld")), name
-    assert len(specs) == (6 if name.endswith("pipeline") else 9) + alfworld, [n for n, _ in specs]
+    assert "sapd-test-delete-metrics" in [n for n, _ in specs]
+    assert len(specs) == (7 if name.endswith("pipeline") else 10) + alfworld, [n for n, _ in specs]
     for job_name, spec in specs:
         retries = "backoffLimitPerIndex" if "teacher-scores" in job_name and "gate" not in job_name else "backoffLimit"
         for f in (retries, "activeDeadlineSeconds", "ttlSecondsAfterFinished"):
@@ -434,7 +438,7 @@ def test_train_as_a_jobset_restarts_the_group_and_the_driver_may_create_it():
     assert res["requests"] == res["limits"]
     assert "Service" not in {d["kind"] for d in docs}  # JobSet creates its own
     (role,) = by_kind(docs, "Role").values()
-    assert {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["create", "get", "delete"]} in role["rules"]
+    assert {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["create", "get", "list", "delete"]} in role["rules"]
     # manual mode: the same JobSet template, created by the train gate
     m = render(manual(values))
     assert job(m, "train")["kind"] == "JobSet" and job(m, "gate-train")["kind"] == "Job"
@@ -443,7 +447,7 @@ def test_train_as_a_jobset_restarts_the_group_and_the_driver_may_create_it():
 def test_kueue_labels_on_every_job_the_cronjob_template_and_the_driver_templates():
     docs = render({"kueue": {"queueName": "team-a", "priorityClass": "batch-low"}})
     jobs = [d for d in docs if d["kind"] == "Job"]
-    assert len(jobs) == 6  # the driver + its four templates + ALFWorld's data fill
+    assert len(jobs) == 7  # the driver + its four templates + ALFWorld's data fill + the uninstall hook
     for d in jobs:
         assert d["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a", d["metadata"]["name"]
         assert d["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "batch-low"
@@ -568,7 +572,7 @@ def test_evaluation_gets_each_benchmark_what_it_needs():
 def test_s3_secret_reference_endpoint_and_pushgateway(rendered):
     _, docs = rendered
     for name, pod in pod_specs(docs):
-        if "webshop" in name:
+        if "webshop" in name or name == "sapd-test-delete-metrics":  # the uninstall hook needs no S3 (below)
             continue
         env = env_of(pod["containers"][0])
         for var, key in (("AWS_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID"), ("AWS_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY")):
@@ -580,13 +584,35 @@ def test_s3_secret_reference_endpoint_and_pushgateway(rendered):
     assert "AWS_ACCESS_KEY_ID" not in json.dumps(irsa) and "sapd-s3-credentials" not in json.dumps(irsa)
 
 
+def test_every_pod_of_a_release_claims_the_run_roots_lease_as_the_release(rendered):
+    """The driver, its gates, the stage Jobs it creates and the evaluation CronJob share one lease owner —
+    the one the driver computes from its release and namespace (sapd.lease.release_owner) — so none of them
+    waits for another, and a second release on the same runRoot is refused."""
+    from sapd.lease import OWNER_ENV, release_owner
+    _, docs = rendered
+    owners = {name: env_of(pod["containers"][0]).get(OWNER_ENV, {}).get("value") for name, pod in pod_specs(docs)
+              if "webshop" not in name and "retriever" not in name}
+    assert owners and set(owners.values()) == {release_owner("sapd-test", "sapd")}, owners
+
+
+def test_force_takeover_is_a_value_of_the_driver_and_its_gates():
+    for values in ({}, manual({})):
+        drivers = [d for d in render(values, with_templates=False) if d["kind"] == "Job"
+                   and container(d["spec"])["args"][:3] == ["python", "-m", "jobs.pipeline"]]
+        assert drivers and not [d for d in drivers if "--force-takeover" in container(d["spec"])["args"]]
+        forced = [d for d in render({**values, "pipeline": {"forceTakeover": True}}, with_templates=False)
+                  if d["kind"] == "Job" and container(d["spec"])["args"][:3] == ["python", "-m", "jobs.pipeline"]]
+        assert len(forced) == len(drivers) and all("--force-takeover" in container(d["spec"])["args"] for d in forced)
+
+
 def test_pipeline_driver_rbac_is_what_it_calls():
     docs = render({})
     (role,) = by_kind(docs, "Role").values()
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): r["verbs"] for r in role["rules"]}
-    # the calls of sapd/run/k8s.py: read/create/delete job, read its owner (the templates ConfigMap, no
-    # other), read/create service, list pods, read a log
-    assert rules == {(("batch",), ("jobs",)): ["create", "get", "delete"], (("",), ("services",)): ["get", "create"],
+    # the calls of sapd/run/k8s.py: read/list/create/delete job (a restarted driver lists the persistent stage
+    # Jobs of its run), read its owner (the templates ConfigMap, no other), read/create service, list pods, read
+    # a log
+    assert rules == {(("batch",), ("jobs",)): ["create", "get", "list", "delete"], (("",), ("services",)): ["get", "create"],
                      (("",), ("configmaps",)): ["get"], (("",), ("pods",)): ["list"], (("",), ("pods/log",)): ["get"]}
     (cm_rule,) = [r for r in role["rules"] if r["resources"] == ["configmaps"]]
     assert cm_rule["resourceNames"] == ["sapd-test-pipeline-templates"]
@@ -605,10 +631,31 @@ def test_pipeline_driver_rbac_is_what_it_calls():
         assert job(docs, component)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
+def test_persistent_stage_jobs_are_the_default_and_per_round_jobs_a_value():
+    """pipeline.stageJobs: the driver's flag (persistent by default); the teacher-scores and train commands
+    take the rounds the driver fills in, the input poll, and a wait bound of one round of each pool."""
+    for values, flag in (({}, "persistent"), ({"pipeline": {"stageJobs": "perRound", "roundsPerJob": 3}}, "per-round")):
+        docs = render(values, with_templates=False)
+        args = container(job(docs, "pipeline")["spec"])["args"]
+        assert args[args.index("--stage-jobs") + 1] == flag
+        assert args[args.index("--rounds-per-job") + 1] == str(values.get("pipeline", {}).get("roundsPerJob", 0))
+    cm = by_kind(render({"pipeline": {"inputPollSeconds": 0.5}}, with_templates=False), "ConfigMap")
+    texts = cm["sapd-test-pipeline-templates"]["data"]
+    for stage in ("teacher-scores", "train"):
+        cargs = container(yaml.safe_load(texts[f"{stage}.yaml"])["spec"])["args"]
+        tail = cargs[cargs.index("--round"):]
+        assert tail == ["--round", ROUND_PLACEHOLDER, "--rounds", ROUNDS_PLACEHOLDER, "--poll-seconds", "0.5",
+                        "--input-timeout-seconds", str(21600 + 43200)], tail
+    for stage in ("build-prefixes", "evaluate"):
+        assert ROUNDS_PLACEHOLDER not in texts[f"{stage}.yaml"]
+    with pytest.raises(helm.HelmValuesError, match="stageJobs"):
+        render({"pipeline": {"stageJobs": "perround"}})
+
+
 def test_pipeline_driver_creates_the_stage_jobs_from_the_same_templates_as_manual_mode():
     docs = render({}, with_templates=False)
-    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Job" and "fill" not in d["metadata"]["name"]] == \
-        ["sapd-test-pipeline-1"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Job" and "fill" not in d["metadata"]["name"]
+            and "helm.sh/hook" not in d["metadata"].get("annotations", {})] == ["sapd-test-pipeline-1"]
     (svc,) = by_kind(docs, "Service").values()  # round-independent: rendered either way
     templates = dict(stage_templates(docs, round_=3))
     assert set(templates) == {"build-prefixes", "teacher-scores", "train", "train-service", "evaluate"}
@@ -667,8 +714,11 @@ def test_config_map_holds_overlays_that_sapd_loads(rendered, tmp_path):
         path.write_text(text)
         cfg = load_config(path)  # the same format as a local overlay: unknown keys or bad types raise
         assert cfg.run_root == yaml.safe_load(text)["run_root"] and cfg.run_root.startswith("s3://")
-    # every job mounts its own overlay at /etc/sapd/config.yaml, which its command reads
-    for _, spec in job_specs(docs):
+    # every job mounts its own overlay at /etc/sapd/config.yaml, which its command reads (but the uninstall
+    # hook, which runs once the ConfigMap is gone)
+    for job_name, spec in job_specs(docs):
+        if job_name.endswith("-delete-metrics"):
+            continue
         pod = spec["template"]["spec"]
         (vol,) = [v for v in pod["volumes"] if v["name"] == "config"]
         assert vol["configMap"]["name"] == cm["metadata"]["name"]
@@ -734,8 +784,8 @@ def test_helm_upgrade_with_other_values_changes_no_immutable_field():
             old = {(d["kind"], d["metadata"]["name"]): d for d in render(v1, with_templates=False)}
             new = {(d["kind"], d["metadata"]["name"]): d for d in render(v2, with_templates=False, revision=2)}
             for key in old.keys() & new.keys():
-                if key[0] == "Pod":  # the test hook: Helm deletes it before creating it again
-                    continue
+                if "helm.sh/hook" in (old[key]["metadata"].get("annotations") or {}):
+                    continue  # the test and uninstall hooks: Helm deletes a hook before creating it again
                 try:
                     ApiServer.check_immutable(BY_KIND[key[0]], old[key], new[key])
                 except ApiError as e:
@@ -820,6 +870,44 @@ def test_network_policy_is_opt_in():
     assert {"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]} in np["spec"]["egress"]
 
 
+def test_uninstall_deletes_the_releases_pushgateway_groups():
+    """A post-delete hook Job (jobs.delete_metrics): it runs after the release's objects are gone, so it
+    mounts no ConfigMap and needs no S3 Secret; only with a Pushgateway, and it can be turned off."""
+    (hook,) = [d for d in render({}) if d["kind"] == "Job" and d["metadata"]["name"] == "sapd-test-delete-metrics"]
+    ann = hook["metadata"]["annotations"]
+    assert ann["helm.sh/hook"] == "post-delete" and ann["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+    pod = hook["spec"]["template"]["spec"]
+    c = container(hook["spec"])
+    assert c["args"] == ["python", "-m", "jobs.delete_metrics", "--settle-seconds", "30"]
+    assert not [v for v in pod["volumes"] if "configMap" in v or "secret" in v]
+    env = env_of(c)
+    assert "AWS_ACCESS_KEY_ID" not in env and env["SAPD_RELEASE"]["value"] == "sapd-test"
+    assert env["SAPD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["SAPD_PUSHGATEWAY_URL"]["value"] == "http://pushgateway.sapd-system.svc.cluster.local:9091"
+    assert pod["automountServiceAccountToken"] is False  # it calls no Kubernetes API
+    for values in ({"pushgateway": {"url": ""}}, {"pushgateway": {"deleteOnUninstall": False}}):
+        assert "sapd-test-delete-metrics" not in by_kind(render(values), "Job")
+
+
+def test_every_cache_goes_to_a_writable_volume(rendered):
+    """The root filesystem is read-only: HOME and the caches libraries write (torch extensions and vLLM under
+    XDG_CACHE_HOME, vLLM's config, triton, matplotlib, Hugging Face, TextWorld's games) point into a volume
+    the container mounts writable."""
+    _, docs = rendered
+    cache_vars = ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "TRITON_CACHE_DIR", "MPLCONFIGDIR", "HF_HOME",
+                  "SAPD_TEXTWORLD_CACHE")
+    for name, pod in pod_specs(docs):
+        if "webshop" in name:
+            continue
+        for c in pod["containers"] + pod.get("initContainers", []):
+            writable = [m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")]
+            env = env_of(c)
+            for var in cache_vars:
+                value = env[var]["value"]
+                assert any(value == w or value.startswith(w.rstrip("/") + "/") for w in writable), (name, var, value)
+            assert "/tmp" in writable  # TMPDIR's default
+
+
 def test_helm_test_hook_is_a_preflight_pod():
     (pod,) = [d for d in render({}) if d["kind"] == "Pod"]
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
@@ -874,7 +962,7 @@ def test_grafana_dashboard_uses_sapd_metrics_by_convention():
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     exprs += [v["query"]["query"] for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]
     promql_words = {"sum", "by", "rate", "time", "label_values", "stage", "term", "benchmark", "category",
-                    "release", "job"}
+                    "release", "job", "namespace"}
     metrics = set()
     for e in exprs:
         e = re.sub(r'"[^"]*"', '""', e)  # label values
@@ -892,9 +980,14 @@ def test_grafana_dashboard_uses_sapd_metrics_by_convention():
     for e in exprs:
         if "rate(" in e:
             assert 'job="sapd-train"' in e, e
+    # legends name the namespace as well as the release: two teams' releases of one name stay apart
     for p in dash["panels"]:
         for t in p["targets"]:
-            assert "{{release}}" in t["legendFormat"], p["title"]
+            assert "{{namespace}}/{{release}}" in t["legendFormat"], p["title"]
+            assert 'namespace=~"$namespace"' in t["expr"], p["title"]
+            by = re.findall(r"by \(([^)]*)\)", t["expr"])
+            assert all("namespace" in b.split(", ") for b in by), t["expr"]
+    assert [v["name"] for v in dash["templating"]["list"]][:3] == ["datasource", "namespace", "release"]
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
 
 

@@ -109,7 +109,12 @@ def test_deepspeed_zero_on_two_ranks_matches_one_process(tmp_path, reference, ze
         assert (sb["global_step"], sb["round"]) == (sa["global_step"], sa["round"])
         # each rank wrote its own share of the optimizer state; gathered here (the test's own doing)
         assert {Path(f).name for f in storage.list_files(checkpoints.optimizer_dir(str(root_b), k))} == \
-            {".metadata", "__0_0.distcp", "__1_0.distcp"}
+            {".metadata", "__0_0.distcp", "__1_0.distcp", checkpoints.ITEM_DIGESTS}
+        # and rank 0 committed the digests of both ranks' files (gathered), each item's included
+        items = storage.read_json(storage.join(checkpoints.optimizer_dir(str(root_b), k), checkpoints.ITEM_DIGESTS))
+        assert set(items) == {"__0_0.distcp", "__1_0.distcp"} and all(items.values())
+        assert {"state/optimizer/__0_0.distcp", "state/optimizer/__1_0.distcp"} <= \
+            set(checkpoints.read_marker(str(root_b), k)["files"])
         oa, ob = checkpoints.consolidated_optimizer_state(str(root_a), k), checkpoints.consolidated_optimizer_state(str(root_b), k)
         assert ob["state"].keys() == oa["state"].keys() and ob["param_groups"][0]["params"] == oa["param_groups"][0]["params"]
         for i, entry in oa["state"].items():

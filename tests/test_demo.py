@@ -168,8 +168,22 @@ def test_demo_command_small(tmp_path):
     d = sapd_row["success_vs_before"]
     assert d["units"] == 2 and d["lo"] <= d["diff"] <= d["hi"]
     assert d["diff"] == pytest.approx(sapd_row["success"] - evaluation["rows"][BEFORE]["success"])
+    # every model's distance to the teacher on the same held-out decisions, with its interval (the teacher's
+    # own is 0 by definition, not measured), each arm's paired to the student
+    for name, r in evaluation["rows"].items():
+        if name != TEACHER:
+            lo, hi = r["reverse_kl_ci"]
+            assert lo <= r["reverse_kl"] <= hi and 0 <= r["sampled_action_match"] <= 1, name
+    assert evaluation["rows"][TEACHER]["reverse_kl"] == 0.0 and "sampled_action_match" not in evaluation["rows"][TEACHER]
+    k = sapd_row["reverse_kl_vs_before"]
+    assert k["units"] == evaluation["rows"][BEFORE]["decisions"] and k["lo"] <= k["diff"] <= k["hi"]
+    assert k["diff"] == pytest.approx(sapd_row["reverse_kl"] - evaluation["rows"][BEFORE]["reverse_kl"])
+    assert (out / "runs" / "sapd" / "evals" / "000001" / "heldout-distance.json").is_file()
     report = (out / "REPORT.md").read_text()
     assert all(name in report for name in labels) and "What the numbers mean" in report
+    assert "reverse KL to the teacher [95 % CI]" in report and "Moving toward the teacher, in 1 round: " in report
+    assert "| 0 (itself) |" in report
+    assert "SAPD − student before: reverse KL to the teacher" in report
     assert "SAPD − OPD+Rule (baseline): success" in report and "In plain words:" in report
     assert "found SAPD and OPD+Rule not separable" in report  # the powered study's verdict beside one seed
     summary = json.loads((out / "demo-summary.json").read_text())
@@ -189,7 +203,8 @@ def test_demo_command_small(tmp_path):
                     r"^logs and held-out games: training games: 4/4 games",
                     r"^logs and held-out games: training games: expert episodes: 8/8 episodes",
                     r"^student SFT: training: 1/1 rounds", r"^teacher SFT: training: 2/2 rounds",
-                    r"^SAPD: training: 1/1 rounds", r"^teacher: held-out decisions: \d+/\d+ decisions"):
+                    r"^SAPD: training: 1/1 rounds", r"^teacher: held-out decisions: \d+/\d+ decisions",
+                    r"^SAPD: distance: distance to the teacher: \d+/\d+ decisions"):
         assert any(re.search(pattern, x) for x in lines), pattern
     assert "\r" not in cli.stdout + cli.stderr
     assert any("held-out TextWorld results" in x for x in lines) and any("SAPD − student before" in x for x in lines)

@@ -31,7 +31,7 @@ import yaml
 
 from sapd import checkpoints, layout, storage
 from sapd.config import load_config
-from sapd.data import shards
+from sapd.data import shards, validation
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "sapd"
@@ -55,10 +55,13 @@ class FakeKube:
     completes), "run" (stay running). Unscripted attempts complete. A Job finishes on its second read.
     A JobSet plays JobSet's controller over the same script: a preempted group restarts by itself
     (status.restarts), exit code 2 fails it with FailJobSetFailurePolicyAction, a failure with
-    ReachedMaxRestarts."""
+    ReachedMaxRestarts. A persistent stage Job (annotated ``sapd.io/rounds``) that is to complete does one
+    round's work per read, once that round's input is committed (``tick``), and completes after its last;
+    "run" then means a worker that never gets a round done. Jobs (and JobSets) are listed by label."""
 
-    def __init__(self, effect: Callable[[dict], None]):
+    def __init__(self, effect: Callable[[dict], None], tick: Callable[[dict], bool] | None = None):
         self.effect = effect
+        self.tick = tick  # a persistent Job's work for one read: True once every round of it is done
         self.jobs: dict[str, dict] = {}
         self.services: dict[str, dict] = {}
         self.pods: dict[str, list[dict]] = {}
@@ -119,6 +122,11 @@ class FakeKube:
         return self._status(404, "NotFound", f"no route {method} {path}")
 
     def _jobs(self, method, name, body, query):
+        if method == "GET" and name is None:  # a list, by label selector (a=b,c=d)
+            sel = dict(kv.split("=", 1) for kv in query.get("labelSelector", [""])[0].split(",") if kv)
+            items = [self._list_view(j) for n, j in sorted(self.jobs.items())
+                     if all((j["metadata"].get("labels") or {}).get(k) == v for k, v in sel.items())]
+            return self._json(200, {"kind": "List", "apiVersion": "v1", "metadata": {}, "items": items})
         if method == "POST":
             self._check(body, query)
             name = body["metadata"]["name"]
@@ -164,14 +172,22 @@ class FakeKube:
             return self._view(job)
         if action == "unschedulable" and self.reads[name] == 1:
             self.pods[name] = [self._pod(name, 0, "Running"), self._pod(name, 1, "Pending")]
+        pool = "sapd.io/rounds" in job["metadata"].get("annotations", {})
         if not job["status"].get("conditions") and self.reads[name] >= 2:
             if action != "run":
                 if action in ("complete", "preempted") and job["kind"] == "JobSet":
                     action = "complete"
-                if action == "complete":
+                if action == "complete" and pool:
+                    if self.tick is not None and not self.tick(job):
+                        return self._view(job)  # a round done (or its input awaited): still running
+                elif action == "complete":
                     self.effect(job)
                 self._finish(name, action)
         return self._view(job)
+
+    def _list_view(self, job: dict) -> dict:
+        """A listed item as the API returns it (a JobSet with its own status), without a controller's read."""
+        return json.loads(self._view(job).data) if job["kind"] == "JobSet" else job
 
     def _view(self, job: dict):
         """The object as the API returns it; a JobSet with JobSet's own status."""
@@ -292,8 +308,14 @@ def job_effect(root: str, commit: bool = True) -> Callable[[dict], None]:
             shards.commit_manifest(layout.prefixes_dir(root), {"kind": "prefix-build", "stats": {"train": 4, "val": 1}})
             storage.write_json(layout.checkpoint_marker(root, 0), {"checkpoint": 0, "commit_id": "c0"})
         elif stage == "teacher-scores":
+            cfg = load_config(Path(root).parent / "config.yaml", overrides={"run_root": root})
             out = layout.scored_dir(root, k)
             for w in range(job["spec"]["completions"]):  # pod w = JOB_COMPLETION_INDEX w
+                if validation.wanted(cfg, k):  # checkpoint k's validation, before the scored part
+                    validation.write_teacher_part(cfg, w, [], 0.0)
+                    validation.write_part(cfg, k, w, [], {"sample_seconds": 0.1})
+                if k >= cfg.train.rounds:
+                    continue  # the last checkpoint: validated only
                 data = f"part {w} of round {k}".encode()
                 storage.write_bytes(storage.join(out, f"part-{w:05d}.parquet"), data)
                 storage.write_json(storage.join(out, f"_worker-{w:05d}.json"),
@@ -307,6 +329,42 @@ def job_effect(root: str, commit: bool = True) -> Callable[[dict], None]:
     return effect
 
 
+def pool_tick(root: str, cfg) -> Callable[[dict], bool]:
+    """What the pods of a persistent stage Job leave in the run root, one round per read of the Job: the
+    scoring workers write round k's parts and commit it once its sampling checkpoint is committed, the
+    trainer commits checkpoint k+1 once round k is scored. → True when every round of the Job is done."""
+    from sapd.config import sampler_checkpoint
+    from sapd.data.scored import commit_round
+
+    def tick(job: dict) -> bool:
+        stage = job["metadata"]["labels"]["app.kubernetes.io/component"]
+        first, last = map(int, job["metadata"]["annotations"]["sapd.io/rounds"].split("-"))
+        for k in range(first, last + 1):
+            if checkpoints.is_committed(root, k + 1):
+                continue
+            if stage == "teacher-scores":
+                if shards.read_manifest(layout.scored_dir(root, k)) is not None:
+                    continue
+                if checkpoints.is_committed(root, sampler_checkpoint(cfg, k)):
+                    out = layout.scored_dir(root, k)
+                    for w in range(job["spec"]["completions"]):
+                        data = f"part {w} of round {k}".encode()
+                        storage.write_bytes(storage.join(out, f"part-{w:05d}.parquet"), data)
+                        storage.write_json(storage.join(out, f"_worker-{w:05d}.json"),
+                                           {"worker": w, "workers": cfg.workers, "rows": 3, "bytes": len(data),
+                                            "sha256": hashlib.sha256(data).hexdigest(), "timings": {}})
+                    commit_round(cfg, k)  # the last worker commits
+                    tick.log.append(f"{job['metadata']['name']}: scored {k}")
+                return False
+            if shards.read_manifest(layout.scored_dir(root, k)) is not None or cfg.loss_cfg.objective == "sft":
+                storage.write_json(layout.checkpoint_marker(root, k + 1), {"checkpoint": k + 1, "commit_id": f"c{k + 1}"})
+                tick.log.append(f"{job['metadata']['name']}: trained {k}")
+            return False
+        return True
+    tick.log = []
+    return tick
+
+
 # ------------------------------------------------------------------------------------------ fixtures
 
 
@@ -317,7 +375,11 @@ def render_chart(values: dict) -> list[dict]:
 
 
 class Env:
-    def __init__(self, tmp_path: Path, monkeypatch, values: dict | None = None):
+    """A rendered release, its driver's config and templates, a fake API server and a run root; the driver
+    runs ``stage_jobs`` (the tests of per-round Jobs, then those of persistent ones, below)."""
+
+    def __init__(self, tmp_path: Path, monkeypatch, values: dict | None = None, stage_jobs: str = "per-round"):
+        self.stage_jobs = stage_jobs
         values = {"teacherScores": {"parallelism": 2},
                   "config": {"train": {"rounds": 2}}, **(values or {})}
         docs = render_chart(values)
@@ -333,7 +395,8 @@ class Env:
         self.root = str(tmp_path / "run")
         self.cfg = load_config(self.config, overrides={"run_root": self.root})
         self.effect = job_effect(self.root)
-        self.kube = FakeKube(self.effect)
+        self.tick = pool_tick(self.root, self.cfg)
+        self.kube = FakeKube(self.effect, self.tick)
         self.kube.add_job(self.driver_job)  # the driver's own Job (of this revision)
         # the release's templates ConfigMap, which every revision keeps: the owner of the stage Jobs
         self.owner = f"{RELEASE}-pipeline-templates"
@@ -354,13 +417,14 @@ class Env:
         # which run before it creates anything, are tested in tests/test_jobs.py)
         return ["--no-check", "--config", str(self.config), "--run-root", self.root, "--release", RELEASE,
                 "--templates", str(self.templates), "--namespace", NS, "--kubeconfig", str(self.kubeconfig),
-                "--poll-seconds", "0", "--owner", f"configmap/{self.owner}", *extra]
+                "--poll-seconds", "0", "--owner", f"configmap/{self.owner}", "--stage-jobs", self.stage_jobs, *extra]
 
     def driver(self, **kw):
         from sapd.run.k8s import Driver, StageTemplates, load_api_client
         kw.setdefault("poll_seconds", 0)
         kw.setdefault("log", self.lines.append)
         kw.setdefault("owner", f"configmap/{self.owner}")
+        kw.setdefault("stage_jobs", self.stage_jobs)
         return Driver(self.cfg, StageTemplates.from_dir(self.templates), load_api_client(str(self.kubeconfig)), NS,
                       **kw)
 
@@ -374,8 +438,10 @@ def env(tmp_path, monkeypatch):
     return e
 
 
+# teacher-scores-r2: no round to score, the last checkpoint's validation (validation.every_rounds: 1)
 ORDER = [f"{RELEASE}-build-prefixes", f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0",
-         f"{RELEASE}-teacher-scores-r1", f"{RELEASE}-train-r1", f"{RELEASE}-evaluate-r2"]
+         f"{RELEASE}-teacher-scores-r1", f"{RELEASE}-train-r1", f"{RELEASE}-teacher-scores-r2",
+         f"{RELEASE}-evaluate-r2"]
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -403,7 +469,13 @@ def test_two_rounds_in_order_with_valid_manifests(env, capsys):
     for k in (0, 1):  # committed by the driver (commit_round) once the Indexed Job completed
         m = shards.read_manifest(layout.scored_dir(env.root, k))
         assert m["round"] == k and m["workers"] == 2 and m["rows"] == 6
+    # each checkpoint's validation too, the last one (2) by its own teacher-scores Job, which scores nothing
+    assert [validation.read(env.root, k)["workers"] for k in (0, 1, 2)] == [2, 2, 2]
+    assert not shards.read_manifest(layout.scored_dir(env.root, 2))
+    assert "checkpoint 2: committed its validation on 0 held-out prefixes" in out
     jobs = {b["metadata"]["name"]: b for b in env.kube.posted if b["kind"] == "Job"}
+    last = jobs[f"{RELEASE}-teacher-scores-r2"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert last[last.index("--round") + 1] == "2"
     for k in (0, 1):
         ts = jobs[f"{RELEASE}-teacher-scores-r{k}"]
         assert ts["spec"]["completionMode"] == "Indexed"
@@ -416,8 +488,9 @@ def test_two_rounds_in_order_with_valid_manifests(env, capsys):
         assert tcmd[tcmd.index("--round") + 1] == str(k)
         assert f"--master-addr={RELEASE}-train-r{k}-0.{RELEASE}-train" in tcmd
         assert tr["spec"]["completionMode"] == "Indexed"
-    for body in jobs.values():
-        assert body["metadata"]["annotations"] == {"sapd.io/attempt": "1", "sapd.io/run-root": env.root}
+    for name, body in jobs.items():
+        last = {"sapd.io/validation-only": "true"} if name == f"{RELEASE}-teacher-scores-r2" else {}
+        assert body["metadata"]["annotations"] == {"sapd.io/attempt": "1", "sapd.io/run-root": env.root, **last}
         # owned by the release's templates ConfigMap, which `helm upgrade` keeps (it deletes the old driver
         # Job, whose dependents the garbage collector would delete), and `helm uninstall` removes
         assert body["metadata"]["ownerReferences"] == [{
@@ -467,8 +540,8 @@ def test_restart_skips_committed_stages_and_adopts_the_running_job(env):
     env.kube.reads[f"{RELEASE}-train-r1"] = 0
     env.lines.clear()
     result = env.driver().run()
-    assert env.kube.posted_jobs() == ORDER  # only evaluate is new: no duplicate train-r1
-    assert result["adopted"] == [f"{RELEASE}-train-r1"] and result["created"] == [f"{RELEASE}-evaluate-r2"]
+    assert env.kube.posted_jobs() == ORDER  # only the last validation and evaluate are new: no duplicate train-r1
+    assert result["adopted"] == [f"{RELEASE}-train-r1"] and result["created"] == ORDER[5:]
     assert result["skipped"] == ["build-prefixes", "teacher-scores-r0", "train-r0", "teacher-scores-r1"]
     assert f"job {RELEASE}-train-r1: exists (running, attempt 1), adopting it" in env.lines
     assert layout.committed_checkpoints(env.root) == [0, 1, 2]
@@ -561,7 +634,50 @@ def test_sft_runs_no_teacher_scores(tmp_path, monkeypatch):
     e = Env(tmp_path, monkeypatch, {"config": {"variant": "sft", "train": {"rounds": 2}}})
     e.lines = []
     e.driver().run()
-    assert e.kube.posted_jobs() == [ORDER[0], ORDER[2], ORDER[4], ORDER[5]]
+    assert e.kube.posted_jobs() == [ORDER[0], ORDER[2], ORDER[4], ORDER[6]]
+
+
+def test_a_run_extended_past_its_last_validation_scores_that_round_in_a_new_job(tmp_path, monkeypatch):
+    """A 1-round run ends with teacher-scores-r1 validating checkpoint 1 (nothing to score). Given 2 rounds
+    (`helm upgrade --set config.train.rounds=2`), round 1 must be scored under the same Job name: the finished
+    validation-only Job is replaced, not adopted as if it had scored the round, and not counted as a retry."""
+    e = Env(tmp_path, monkeypatch, {"config": {"train": {"rounds": 1}}})
+    e.lines = []
+    e.driver().run()
+    first = e.kube.jobs[f"{RELEASE}-teacher-scores-r1"]
+    assert first["metadata"]["annotations"]["sapd.io/validation-only"] == "true"
+    assert validation.is_committed(e.root, 1) and not shards.read_manifest(layout.scored_dir(e.root, 1))
+    e.config.write_text(e.config.read_text().replace("rounds: 1", "rounds: 2"))
+    e.cfg = load_config(e.config, overrides={"run_root": e.root})
+    assert e.cfg.train.rounds == 2
+    e.lines = []
+    result = e.driver().run()
+    name = f"{RELEASE}-teacher-scores-r1"
+    assert f"job {name}: exists, but it only validated checkpoint 1, the last of a shorter run; the run now " \
+           "scores round 1: creating it anew" in e.lines
+    assert result["created"][:3] == [name, f"{RELEASE}-train-r1", f"{RELEASE}-teacher-scores-r2"]
+    assert name not in result["retried"] and name not in result["adopted"]
+    assert "sapd.io/validation-only" not in e.kube.jobs[name]["metadata"]["annotations"]
+    assert shards.read_manifest(layout.scored_dir(e.root, 1))["workers"] == 2 and validation.is_committed(e.root, 2)
+
+
+def test_a_build_without_validation_prefixes_has_no_last_validation_job(tmp_path, monkeypatch):
+    """data.val_fraction 0: the plan made before the build names the last checkpoint's validation; once the
+    build shows no validation prefixes, the driver skips it, saying why, and creates no Job for it."""
+    e = Env(tmp_path, monkeypatch)
+    e.lines = []
+    real = e.kube.effect
+
+    def no_val(job: dict) -> None:  # the build commits no validation prefixes
+        real(job)
+        if job["metadata"]["labels"]["app.kubernetes.io/component"] == "build-prefixes":
+            shards.commit_manifest(layout.prefixes_dir(e.root), {"kind": "prefix-build", "stats": {"train": 4, "val": 0}})
+    e.kube.effect = no_val
+    e.driver().run()
+    assert e.kube.posted_jobs() == [ORDER[0], ORDER[1], ORDER[2], ORDER[3], ORDER[4], ORDER[6]]
+    assert "stage teacher-scores-r2: nothing to validate (the prefix build has no validation prefixes), skipping" \
+        in e.lines
+    assert not validation.is_committed(e.root, 0)
 
 
 def test_forbidden_is_a_clear_exit_3(env, capsys):
@@ -712,6 +828,53 @@ def test_a_failed_final_evaluation_leaves_the_run_complete(env, capsys):
     assert "pipeline done: checkpoints [0, 1, 2] committed; the final evaluation FAILED (see the WARNING above)" in out
 
 
+def fill_job(env: Env) -> dict:
+    """The chart's ALFWorld data fill Job (the base values' benchmark is ALFWorld), which the driver's
+    rendered arguments name as the evaluation's prerequisite."""
+    args = env.driver_job["spec"]["template"]["spec"]["containers"][0]["args"]
+    (fill,) = [d for d in render_chart({"teacherScores": {"parallelism": 2}, "config": {"train": {"rounds": 2}}})
+               if d["kind"] == "Job" and d["metadata"]["labels"]["app.kubernetes.io/component"] == "alfworld-fill"]
+    assert args[args.index("--evaluate-after-job") + 1] == fill["metadata"]["name"]
+    return fill
+
+
+def test_the_evaluation_waits_for_the_alfworld_fill_job(env, capsys):
+    """The chart's driver arguments name ALFWorld's fill Job: the final evaluation is created only once that
+    Job is complete (here it is still running when the driver gets there)."""
+    from jobs import pipeline
+    fill = fill_job(env)
+    name = fill["metadata"]["name"]
+    env.kube.add_job(fill)  # Helm created it with the release; it runs (completes on its second read)
+    assert pipeline.main(env.argv("--evaluate-after-job", name)) == 0
+    out = capsys.readouterr().out
+    waiting = out.index(f"stage evaluate-r2: waiting for job {name} to complete first")
+    assert waiting < out.index(f"stage evaluate-r2: job {name} is complete") < out.index(
+        f"job {RELEASE}-evaluate-r2: created")
+    assert env.kube.posted_jobs() == ORDER  # nothing created for it: it is Helm's
+
+
+def test_a_failed_fill_job_fails_the_evaluation_not_the_run(env, capsys):
+    from jobs import pipeline
+    fill = fill_job(env)
+    name = fill["metadata"]["name"]
+    env.kube.add_job(fill, state="fail")
+    assert pipeline.main(env.argv("--evaluate-after-job", name)) == 0
+    out = capsys.readouterr().out
+    assert f"{RELEASE}-evaluate-r2" not in env.kube.posted_jobs()  # no evaluation pod on missing game files
+    assert (f"pipeline: WARNING: the final evaluation failed; checkpoints are committed, so the run completes. stage "
+            f"evaluate-r2: job {name}, which it needs first, failed: BackoffLimitExceeded") in out
+    assert f"`kubectl -n {NS} logs job/{name}`" in out
+
+
+def test_a_fill_job_deleted_after_its_ttl_counts_as_done(env, capsys):
+    from jobs import pipeline
+    name = fill_job(env)["metadata"]["name"]
+    assert pipeline.main(env.argv("--evaluate-after-job", name)) == 0
+    out = capsys.readouterr().out
+    assert f"stage evaluate-r2: job {name}, which it needs first, is not there" in out
+    assert env.kube.posted_jobs() == ORDER
+
+
 def test_evaluate_r_evaluates_exactly_checkpoint_r(env):
     from sapd.run.k8s import StageTemplates
     args = StageTemplates.from_dir(env.templates).render("evaluate", 2)["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -741,7 +904,8 @@ def test_one_stage_waits_for_its_input_then_runs_only_its_job(env):
             commit_round(env.cfg, 1)
     result = env.driver(sleep=sleep, log_every_seconds=0).run_stage(Step("train", 1))
     assert env.kube.posted_jobs() == [f"{RELEASE}-train-r1"] and result["created"] == [f"{RELEASE}-train-r1"]
-    assert env.lines[0] == f"stage train-r1: waiting for the output of teacher-scores-r1 in {env.root}"
+    assert env.lines[0].startswith(f"stage train-r1: waiting for the output of teacher-scores-r1 in {env.root}: "
+                                   "round 1's scored manifest is not committed")
     assert any(ln.startswith("stage train-r1: still waiting (0m00s): round 1's scored manifest is not committed")
                for ln in env.lines)
     assert any(ln.startswith("stage train-r1: its input (teacher-scores-r1) is committed after") for ln in env.lines)
@@ -761,3 +925,240 @@ def test_one_stage_from_the_command_line(env, capsys):
             pipeline.main(env.argv(*bad))
         assert e.value.code == 2
     assert "--stage train needs a --round" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ persistent stage Jobs
+
+
+@pytest.fixture
+def pools(tmp_path, monkeypatch):
+    """The chart's default: persistent stage Jobs, 3 rounds."""
+    e = Env(tmp_path, monkeypatch, {"config": {"train": {"rounds": 3}}}, stage_jobs="persistent")
+    e.lines = []
+    return e
+
+
+# the rounds' Jobs are created with the prefix build (their pods start up meanwhile; their workers wait for
+# checkpoint 0), then the final evaluation
+POOLS = [f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0", f"{RELEASE}-build-prefixes", f"{RELEASE}-evaluate-r3"]
+
+
+def test_persistent_jobs_serve_every_round_from_one_scoring_and_one_train_job(pools, capsys):
+    """`helm install` with the defaults: after build-prefixes, one teacher-scores Job and one train Job,
+    created together, serve rounds 0–2 (their workers wait for each round's input); the driver logs each
+    round's commits; the Jobs' time limit is their rounds × one round of each pool."""
+    from jobs import pipeline
+    assert pipeline.main(pools.argv()) == 0
+    out = capsys.readouterr().out
+    assert pools.kube.posted_jobs() == POOLS and pools.kube.invalid == []
+    assert out.index(f"job {RELEASE}-train-r0: created") < out.index(f"job {RELEASE}-build-prefixes: created")
+    assert layout.committed_checkpoints(pools.root) == [0, 1, 2, 3]
+    jobs = {b["metadata"]["name"]: b for b in pools.kube.posted if b["kind"] == "Job"}
+    for stage in ("teacher-scores", "train"):
+        body = jobs[f"{RELEASE}-{stage}-r0"]
+        assert body["metadata"]["annotations"] == {"sapd.io/attempt": "1", "sapd.io/run-root": pools.root,
+                                                   "sapd.io/rounds": "0-2"}
+        args = body["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--round") + 1] == "0" and args[args.index("--rounds") + 1] == "3"
+        assert body["spec"]["activeDeadlineSeconds"] == 3 * (21600 + 43200)
+        assert "__SAPD_ROUNDS__" not in json.dumps(body)
+    assert jobs[f"{RELEASE}-evaluate-r3"]["spec"]["activeDeadlineSeconds"] == 14400  # a one-off Job: as rendered
+    assert "persistent stage Jobs, one per pool for the whole run" in out
+    assert f"job {RELEASE}-teacher-scores-r0: created (attempt 1/3, Indexed: 2 completions, parallelism 2, rounds 0–2)" \
+        in out
+    for k in range(3):
+        assert re.search(rf"^round {k}: scored round committed \({RELEASE}-teacher-scores-r0, ", out, re.M), out
+        assert re.search(rf"^round {k}: checkpoint {k + 1} committed \({RELEASE}-train-r0, ", out, re.M), out
+    assert out.index("round 0: checkpoint 1 committed") < out.index("round 1: scored round committed")
+    assert f"job {RELEASE}-train-r0: complete (rounds 0–2)" in out and "rounds 0–2: checkpoint 3 committed" in out
+    # the workers took the rounds in order, each once its input was committed (the fake's own record)
+    assert pools.tick.log == [f"{RELEASE}-teacher-scores-r0: scored 0", f"{RELEASE}-train-r0: trained 0",
+                              f"{RELEASE}-teacher-scores-r0: scored 1", f"{RELEASE}-train-r0: trained 1",
+                              f"{RELEASE}-teacher-scores-r0: scored 2", f"{RELEASE}-train-r0: trained 2"]
+
+
+def test_a_restarted_driver_adopts_the_persistent_jobs_whatever_round_they_are_at(pools):
+    """The driver pod dies while the Jobs of rounds 0–2 are at round 1: the next one finds them by label
+    (not by the name of round 1), adopts both, creates no duplicate, and the run completes."""
+    sleeps = []
+
+    def dying_sleep(s):
+        sleeps.append(s)
+        if checkpoints.is_committed(pools.root, 1):
+            raise Crash
+    with pytest.raises(Crash):
+        pools.driver(sleep=dying_sleep).run()
+    assert not checkpoints.is_committed(pools.root, 2)
+    pools.lines.clear()
+    result = pools.driver().run()
+    assert pools.kube.posted_jobs() == POOLS
+    assert result["adopted"] == [f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0"]
+    assert result["created"] == [f"{RELEASE}-evaluate-r3"]
+    assert f"job {RELEASE}-train-r0: exists (running, attempt 1), adopting it" in pools.lines
+    assert "stage train-r0: committed, skipping" in pools.lines
+    assert layout.committed_checkpoints(pools.root) == [0, 1, 2, 3]
+
+
+def test_a_per_round_job_a_previous_chart_started_is_adopted_for_its_one_round(tmp_path, monkeypatch):
+    """`helm upgrade` from a chart before persistent workers while its per-round train-r1 runs (3 rounds):
+    the new, persistent driver adopts train-r1 for round 1 (it neither deletes nor replaces it, though the
+    persistent Job of rounds 1–2 would take its name), then serves round 2 with persistent Jobs."""
+    e = Env(tmp_path, monkeypatch, {"config": {"train": {"rounds": 3}}}, stage_jobs="per-round")
+    e.lines = []
+    e.kube.script[f"{RELEASE}-train-r1"] = ["run"]
+    sleeps = []
+
+    def dying_sleep(s):
+        sleeps.append(s)
+        if f"{RELEASE}-train-r1" in e.kube.jobs and len(sleeps) > 5:
+            raise Crash
+    with pytest.raises(Crash):
+        e.driver(sleep=dying_sleep).run()
+    assert not checkpoints.is_committed(e.root, 2)
+    e.kube.script[f"{RELEASE}-train-r1"] = ["complete"]
+    e.kube.reads[f"{RELEASE}-train-r1"] = 0
+    e.lines.clear()
+    result = e.driver(stage_jobs="persistent").run()
+    assert result["adopted"][0] == f"{RELEASE}-train-r1", result
+    assert not any("replacing it" in ln or "deleting" in ln for ln in e.lines), e.lines
+    assert e.kube.posted_jobs().count(f"{RELEASE}-train-r1") == 1
+    assert {f"{RELEASE}-teacher-scores-r2", f"{RELEASE}-train-r2"} <= set(e.kube.posted_jobs())
+    assert layout.committed_checkpoints(e.root) == [0, 1, 2, 3]
+
+
+def test_a_prefix_build_that_fails_takes_the_waiting_round_jobs_with_it(pools, capsys):
+    from jobs import pipeline
+    pools.kube.script[f"{RELEASE}-build-prefixes"] = ["fail-permanent"]
+    assert pipeline.main(pools.argv()) == 1
+    out = capsys.readouterr().out
+    for stage in ("teacher-scores", "train"):
+        assert f"job {RELEASE}-{stage}-r0: deleting it: its rounds cannot start without the prefix build" in out
+        assert f"{RELEASE}-{stage}-r0" not in pools.kube.jobs
+
+
+def test_a_persistent_job_that_failed_while_no_driver_watched_is_retried_under_its_name(pools):
+    """The driver pod dies at round 1; the trainer fails before the next one starts: the next driver finds the
+    failed Job of rounds 0–2 (not a fresh Job for round 1), counts its attempt and recreates it."""
+    name = f"{RELEASE}-train-r0"
+
+    def dying_sleep(s):
+        if checkpoints.is_committed(pools.root, 1):
+            raise Crash
+    with pytest.raises(Crash):
+        pools.driver(sleep=dying_sleep).run()
+    pools.kube._finish(name, "fail")
+    pools.lines.clear()
+    result = pools.driver(retries=1).run()
+    assert f"job {name}: exists (failed, attempt 1), adopting it" in pools.lines
+    assert result["retried"] == [name] and pools.kube.incarnations[name] == 2
+    assert pools.kube.posted_jobs() == POOLS[:3] + [name, POOLS[3]]  # no train-r1
+    assert [b for b in pools.kube.posted if b["metadata"]["name"] == name][-1]["metadata"]["annotations"][
+        "sapd.io/rounds"] == "0-2"
+    assert layout.committed_checkpoints(pools.root) == [0, 1, 2, 3]
+
+
+def test_a_failed_persistent_job_is_recreated_and_resumes_from_the_commits(pools):
+    name = f"{RELEASE}-train-r0"
+    pools.kube.script[name] = ["fail"]
+    result = pools.driver(retries=1).run()
+    assert result["retried"] == [name] and pools.kube.incarnations[name] == 2
+    second = [b for b in pools.kube.posted if b["metadata"]["name"] == name][-1]
+    assert second["metadata"]["annotations"]["sapd.io/attempt"] == "2"
+    assert second["metadata"]["annotations"]["sapd.io/rounds"] == "0-2"  # the same rounds: committed ones are skipped
+    assert layout.committed_checkpoints(pools.root) == [0, 1, 2, 3]
+
+
+def test_when_one_persistent_job_gives_up_the_other_is_deleted(pools, capsys):
+    """Exit code 2 in the scoring workers: no retry, and the trainer, which would wait for scores that never
+    come, is deleted too (its GPUs freed); the driver exits 1 naming the scoring Job."""
+    from jobs import pipeline
+    name = f"{RELEASE}-teacher-scores-r0"
+    pools.kube.script[name] = ["fail-permanent"]
+    assert pipeline.main(pools.argv("--retries", "2")) == 1
+    captured = capsys.readouterr()
+    assert f"Job {name} failed 1 time(s), giving up (a permanent error: not retried)" in captured.err
+    assert f"job {RELEASE}-train-r0: deleting it: its rounds cannot go on without {name}" in captured.out
+    assert f"{RELEASE}-train-r0" not in pools.kube.jobs
+
+
+def test_a_persistent_job_that_commits_no_round_is_recreated(pools):
+    """The per-round watchdog: round 0's checkpoint is committed, but the scoring Job's workers commit nothing
+    for longer than one round's limit (here the stage timeout, 1000 s): it is a failed attempt, recreated; the next
+    incarnation does the work. Waiting for the other pool's round is not counted as stalling."""
+    name = f"{RELEASE}-teacher-scores-r0"
+    pools.kube.script[name] = ["run", "complete"]
+    now = [0.0]
+    result = pools.driver(stage_timeout_seconds=1000, sleep=lambda s: now.__setitem__(0, now[0] + 300),
+                          clock=lambda: now[0], log_every_seconds=1e9).run()
+    assert result["retried"] == [name] and pools.kube.incarnations[name] == 2
+    assert any(re.fullmatch(rf"job {name}: attempt 1/3 failed: RoundTimeout: round 0 is not committed \d+m\d\ds after "
+                            r"its input was \(limit 16m40s per round\)", ln)
+               for ln in pools.lines), pools.lines
+    # the trainer waited all that time for round 0's scores: its input, never its own stall
+    assert f"{RELEASE}-train-r0" not in result["retried"]
+    assert layout.committed_checkpoints(pools.root) == [0, 1, 2, 3]
+
+
+def test_rounds_per_job_starts_a_new_pair_of_jobs_after_that_many_rounds(tmp_path, monkeypatch):
+    e = Env(tmp_path, monkeypatch, {"config": {"train": {"rounds": 3}}}, stage_jobs="persistent")
+    e.lines = []
+    e.driver(rounds_per_job=2).run()
+    assert e.kube.posted_jobs() == [f"{RELEASE}-teacher-scores-r0", f"{RELEASE}-train-r0", f"{RELEASE}-build-prefixes",
+                                    f"{RELEASE}-teacher-scores-r2", f"{RELEASE}-train-r2", POOLS[3]]
+    rounds = {b["metadata"]["name"]: b["metadata"]["annotations"]["sapd.io/rounds"] for b in e.kube.posted
+              if "sapd.io/rounds" in b["metadata"].get("annotations", {})}
+    assert rounds == {f"{RELEASE}-teacher-scores-r0": "0-1", f"{RELEASE}-train-r0": "0-1",
+                      f"{RELEASE}-teacher-scores-r2": "2-2", f"{RELEASE}-train-r2": "2-2"}
+    assert layout.committed_checkpoints(e.root) == [0, 1, 2, 3]
+
+
+def test_a_finished_job_of_other_rounds_under_the_same_name_is_replaced_uncounted(pools):
+    """A per-round train-r0 of an earlier revision (stageJobs perRound) completed round 0 only; the persistent
+    driver needs train-r0 for rounds 0–2: it replaces it, without counting a failure."""
+    from sapd.run.k8s import StageTemplates
+    t = StageTemplates.from_dir(pools.templates)
+    job_effect(pools.root)(t.render("build-prefixes"))
+    stale = t.render("train", 0)
+    stale["metadata"]["labels"]["app.kubernetes.io/managed-by"] = "sapd-pipeline"
+    stale["metadata"].setdefault("annotations", {})["sapd.io/run-root"] = pools.root
+    pools.kube.add_job(stale, state="fail")
+    result = pools.driver(retries=0).run()
+    assert f"job {RELEASE}-train-r0: exists for rounds 0–0, finished; replacing it with the Job of rounds 0–2 " \
+           "(not counted)" in pools.lines
+    assert result["retried"] == [] and layout.committed_checkpoints(pools.root) == [0, 1, 2, 3]
+
+
+def test_sft_runs_one_persistent_train_job(tmp_path, monkeypatch):
+    e = Env(tmp_path, monkeypatch, {"config": {"variant": "sft", "train": {"rounds": 3}}}, stage_jobs="persistent")
+    e.lines = []
+    e.driver().run()
+    assert e.kube.posted_jobs() == [POOLS[1], POOLS[2], POOLS[3]]
+    assert layout.committed_checkpoints(e.root) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("overlap", ["off", "one_step"])
+def test_overlap_one_step_lets_the_scoring_job_work_a_round_ahead(tmp_path, monkeypatch, overlap):
+    """The train Job is held in Kueue's queue for a while: with train.overlap one_step the scoring workers
+    score round 1 with checkpoint 0 meanwhile; without it they wait for checkpoint 1."""
+    e = Env(tmp_path, monkeypatch, {"config": {"train": {"rounds": 3, "overlap": overlap}},
+                                    "kueue": {"queueName": "team-a"}}, stage_jobs="persistent")
+    e.lines = []
+    e.kube.script[f"{RELEASE}-teacher-scores-r0"] = ["queued:0"]
+    e.kube.script[f"{RELEASE}-train-r0"] = ["queued:6"]
+    e.driver().run()
+    ahead = [f"{RELEASE}-teacher-scores-r0: scored 0", f"{RELEASE}-teacher-scores-r0: scored 1"]
+    assert (e.tick.log[:2] == ahead) == (overlap == "one_step"), e.tick.log
+    assert ("train.overlap one_step" in e.lines[0]) == (overlap == "one_step")
+    assert any(ln.startswith(f"job {RELEASE}-train-r0: queued 0m00s") for ln in e.lines)
+    assert layout.committed_checkpoints(e.root) == [0, 1, 2, 3]
+
+
+def test_templates_without_the_rounds_placeholder_refuse_persistent_jobs(pools, capsys):
+    from jobs import pipeline
+    for f in ("teacher-scores.yaml", "train.yaml"):
+        path = pools.templates / f
+        path.write_text(path.read_text().replace("__SAPD_ROUNDS__", "1"))
+    assert pipeline.main(pools.argv()) == 2
+    assert "take no __SAPD_ROUNDS__ (a chart older than persistent workers): pass --stage-jobs per-round" in \
+        capsys.readouterr().err
+    assert pipeline.main(pools.argv("--stage-jobs", "per-round")) == 0

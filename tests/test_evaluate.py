@@ -41,6 +41,7 @@ def test_evaluation_is_deterministic_per_category_and_skips_done_checkpoints(run
     assert first["checkpoint"] == 1 and set(first["by_category"]) == {"simple", "coin"}
     assert first["overall"]["episodes"] == 2 and 0.0 <= first["overall"]["success"] <= 1.0
     assert first["overall"]["mean_steps"] <= 4  # the horizon holds
+    assert "split" not in first  # TextWorld's games are generated per seed: it has no split to record
     episodes = storage.read_text(storage.join(layout.evals_dir(run_root, 1), "textworld.episodes.jsonl")).splitlines()
     assert len(episodes) == 2
     metrics = Metrics(job="evaluate")  # a CronJob's run that finds the checkpoint evaluated …
@@ -56,6 +57,18 @@ def test_evaluation_is_deterministic_per_category_and_skips_done_checkpoints(run
     storage.delete(storage.join(layout.evals_dir(run_root, 0), "textworld.json"))
     redo = evaluate_checkpoint(run_root, 0, panel, **kw)  # … repeated: the same numbers
     assert {k: redo[k] for k in ("overall", "by_category")} == {k: other[k] for k in ("overall", "by_category")}
+
+
+def test_splits_are_recorded_under_the_benchmarks_own_names():
+    """ALFWorld's aliases name folders (test = valid_unseen, dev = valid_seen): the folder is recorded, and an
+    older file that recorded the alias is the same panel; ScienceWorld's own names stay; no split elsewhere."""
+    alf = PanelSpec("alfworld")
+    assert alf.recorded_split() == "valid_unseen" and alf.identity()["split"] == "valid_unseen"
+    assert alf.identity_of({"seed": 0, "games_per_family": 2, "split": "test"}) == alf.identity()
+    dev = dataclasses.replace(alf, split="dev")
+    assert dev.recorded_split() == "valid_seen" and dev.identity_of({"split": "test"})["split"] == "valid_unseen"
+    assert PanelSpec("scienceworld", split="dev").recorded_split() == "dev"
+    assert [PanelSpec(b).recorded_split() for b in ("textworld", "searchqa", "webshop")] == [None, None, None]
 
 
 def test_unknown_environment_is_a_clear_error():

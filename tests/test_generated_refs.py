@@ -141,7 +141,8 @@ def _listing() -> list[str]:
 def _regex(pattern: str) -> re.Pattern[str]:
     rx = re.escape(pattern)
     for token, part in (("NNNNNN", r"\d{6}"), ("NNNNN", r"\d{5}"), ("WWWWW", r"\d{5}"),
-                        (re.escape("<benchmark>"), r"[\w@.]+"), (re.escape("*"), r".+")):
+                        (re.escape("<benchmark>"), r"[\w@.]+"), (re.escape("<group>"), r"[\w.-]+"),
+                        (re.escape("<step>"), r"[\w.-]+"), (re.escape("*"), r".+")):
         rx = rx.replace(token, part)
     return re.compile(rx + r"\Z")
 
@@ -178,6 +179,8 @@ def test_every_path_sapd_layout_builds_is_listed():
     assert _listed(paths["checkpoint_marker"]) == "checkpoints/NNNNNN/state/_COMMITTED"
     assert _listed(paths["round_log_uri"]) == "logs/round-NNNNNN.jsonl"
     assert _listed(paths["scored.worker_done_marker"]) == "rounds/NNNNNN/scored/_worker-WWWWW.json"
+    pushed = layout.pushed_metrics_uri(root, "teacher_scores-1", "teacher-scores-r7").removeprefix(root + "/")
+    assert _listed(pushed) == "metrics/<group>/<step>.prom"
     assert not _listed_folder("nothing/000007")
 
 

@@ -190,3 +190,5 @@ def test_only_runs_named_sections_and_refuses_unknown_ones(tmp_path, capsys):
     assert gc.main(["--dry-run", "--out", str(tmp_path), "--only", "sharded_checkpoint,nonsense"]) == 2
     assert "--only: no section 'nonsense'" in capsys.readouterr().out
     assert set(gc.NEEDS["sharded_checkpoint"]) == {"hf_torch", "deepspeed_zero3"}
+    assert gc.main(["--dry-run", "--out", str(tmp_path), "--only", "scale,zzz"]) == 2  # the preset expands: only zzz is unknown
+    assert "--only: no section 'zzz'" in capsys.readouterr().out

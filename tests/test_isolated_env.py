@@ -137,3 +137,36 @@ def test_the_proxy_passes_the_expert_and_the_start_error_through(tmp_path):
     assert env.benchmark == "alfworld" and not hasattr(env, "step_response")
     env.close()
     env.close()  # idempotent
+
+
+_PREPARED: dict[str, int] = {}  # what a spec's prepare did in the parent, read by the forked environments
+
+
+class PreparedEnv(ReplayEnv):
+    """A replay whose first observation says which process prepared the shared start-up and which builds it."""
+
+    def reset(self, seed=None):
+        first = super().reset(seed)
+        return dataclasses.replace(first, info={"prepared_by": _PREPARED.get("pid"), "built_by": os.getpid()})
+
+
+def test_prepare_runs_once_in_the_parent_and_the_forked_environments_inherit_it():
+    trajs = [_traj(i) for i in range(3)]
+    calls: list[int] = []
+
+    def prepare():
+        calls.append(os.getpid())
+        _PREPARED["pid"] = os.getpid()
+
+    _PREPARED.clear()
+    specs = [EpisodeSpec(t.id, lambda t=t: PreparedEnv(t), prepare=prepare) for t in trajs]
+    got = collect_expert(specs, "alfworld", opts=LoopOptions(env_timeout_s=10))
+    assert calls == [os.getpid()]  # once for the three episodes, here, before any environment started
+    assert all(t.success for t in got)
+    assert {t.metadata["prepared_by"] for t in got} == {os.getpid()}  # the children saw the parent's work …
+    assert os.getpid() not in {t.metadata["built_by"] for t in got}  # … from their own processes
+    # distinct prepares run once each; in-process episodes get them too
+    other: list[int] = []
+    specs[2] = dataclasses.replace(specs[2], prepare=lambda: other.append(1))
+    collect_expert(specs, "alfworld")
+    assert len(calls) == 2 and other == [1]

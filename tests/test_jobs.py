@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import yaml
 
 from sapd import checkpoints
 from sapd.config import config_from_dict, load_config
+from sapd.data import validation
 from sapd.data.batches import round_batch
 from sapd.data.scored import read_scored
 from tests.pipeline_util import make_models, tiny_config
@@ -37,7 +40,8 @@ def test_teacher_scores_two_indexed_workers_then_commit(tmp_path, models, monkey
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")
     assert teacher_scores.main(args) == 0
     assert teacher_scores.main([*args, "--commit"]) == 2  # worker 0 has not finished
-    assert "worker 0 of 2 has not finished" in capsys.readouterr().err
+    # checkpoint 0's validation is committed first (a committed round implies it), and waits for worker 0 too
+    assert "worker 0 of 2 has not written its part; cannot commit checkpoint 0's validation" in capsys.readouterr().err
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "0")
     assert teacher_scores.main(args) == 0
     assert teacher_scores.main(args) == 0  # a retried pod redoes nothing
@@ -46,6 +50,7 @@ def test_teacher_scores_two_indexed_workers_then_commit(tmp_path, models, monkey
     assert teacher_scores.main([*args, "--worker", "2"]) == 2  # outside 0..W-1
     assert "outside 0..1" in capsys.readouterr().err
     assert teacher_scores.main([*args, "--commit"]) == 0
+    assert validation.read(root, 0)["workers"] == 2
 
     table = read_scored(root, 0)
     assert sorted(table.column("prefix_id").to_pylist()) == \
@@ -83,6 +88,37 @@ def test_build_prefixes_then_scores_then_train_from_one_config(tmp_path, models)
     assert checkpoints.is_committed(root, 1)
 
 
+def test_stage_jobs_share_their_releases_lease_and_refuse_anothers(tmp_path, models, monkeypatch, capsys):
+    """A stage Job claims the run root's lease as its release (SAPD_LEASE_OWNER, which the chart sets in
+    every pod): it shares the release's lease (its driver holds it) and leaves it to the release; a Job of
+    another release refuses the root in one line, exit 2; an evaluation only checks. A door run by hand
+    holds the lease as itself and gives it back."""
+    from jobs import build_prefixes
+    from jobs import evaluate as ev
+    from sapd import layout, lease, storage
+    root = str(tmp_path / "run")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(root, *models)))
+    driver = lease.RunLease(root, lease.Claimant(lease.release_owner("sapd-a", "team"), "sapd-a-pipeline-1-x pid 1",
+                                                 "python -m jobs.pipeline"), ttl_s=60).acquire()
+    monkeypatch.setenv(lease.OWNER_ENV, lease.release_owner("sapd-b", "team"))
+    assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"build_prefixes: error: run root {root} is held by release sapd-a in "
+                                               "namespace team (python -m jobs.pipeline on sapd-a-pipeline-1-x pid 1")
+    assert not storage.exists(layout.config_uri(root))  # refused before any write
+    assert ev.main(["--config", str(config)]) == 2  # an evaluation of another release's root: refused too
+    assert "is held by release sapd-a in namespace team" in capsys.readouterr().err
+    monkeypatch.setenv(lease.OWNER_ENV, lease.release_owner("sapd-a", "team"))
+    assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 0  # its own release's: shared
+    assert checkpoints.is_committed(root, 0)
+    assert '"owner": "release sapd-a in namespace team"' in storage.read_text(layout.lease_uri(root))  # still theirs
+    driver.release(for_owner=True)
+    monkeypatch.delenv(lease.OWNER_ENV)
+    assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 0  # by hand: held, then given back
+    assert not storage.exists(layout.lease_uri(root))
+
+
 @pytest.mark.integration
 def test_batch_jobs_push_their_outcome(tmp_path, models, monkeypatch, prometheus_stack):
     """build_prefixes and teacher_scores push to a real Pushgateway; its /metrics shows each job's figures."""
@@ -101,6 +137,12 @@ def test_batch_jobs_push_their_outcome(tmp_path, models, monkeypatch, prometheus
         assert f'sapd_job_last_success_timestamp_seconds{{instance="",job="{job}",release="jobs-test"}}' in text, job
     assert 'sapd_stage_duration_seconds_count{instance="",job="teacher_scores",release="jobs-test",stage="sample"} 1' in text
     assert 'sapd_stage_duration_seconds_count{instance="",job="build_prefixes",release="jobs-test",stage="build_prefixes"} 1' in text
+    # the door again (a retried Job): its work is committed, it does nothing, and its group keeps the figures
+    # of the run that did the work (restated from the run root), where a plain push would have emptied it
+    assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 0
+    with urllib.request.urlopen(prometheus_stack["pushgateway"] + "/metrics", timeout=5) as r:
+        again = r.read().decode()
+    assert 'sapd_stage_duration_seconds_count{instance="",job="build_prefixes",release="jobs-test",stage="build_prefixes"} 1' in again
 
 
 # ------------------------------------------------------------------------------------------ the chart's helpers
@@ -271,6 +313,10 @@ def test_unreachable_storage_exits_75(tmp_path, models, monkeypatch, capsys):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(tiny_config("s3://bucket/run", *models)))
+    config.write_text(yaml.safe_dump(tiny_config("s3://bucket/run", *models, storage={"retry_deadline_s": 2})))
+    t0 = time.monotonic()
     assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 75
-    assert "unreachable" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert 2 <= time.monotonic() - t0 < 60  # retried until the config's deadline, then given up
+    assert "unreachable" in err and "still failing after 2 s of retries; storage.retry_deadline_s is 2" in err
+    assert "S3 unreachable: retrying until " in err  # the wait said so while it lasted

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import debian_binary, free_port, get_url, wait_http
 from tests.journey_util import NODE_CACHE, NS, journey_cluster, upload_models, user_s3
@@ -46,6 +47,8 @@ class Inputs:
     games: Path
     endpoint: str
 
+# the driver's preflight (sapd.run.check.STAGE_CHECKS["driver"]), before it creates any Job
+DRIVER_CHECKS = "preflight: 8 checks passed (storage, run root, ranks, data, student, teacher, tokenizers, precision)"
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, s3_server):
@@ -125,7 +128,8 @@ def user_sets(inputs: Inputs, monitoring: Monitoring, release: str, *extra: str)
             "config.sampling.max_new_tokens=12", "config.data.val_fraction=0", "config.train.trajectories_per_round=1",
             "teacherScores.parallelism=2", f"s3.endpoint={inputs.endpoint}", f"pushgateway.url={monitoring.pushgateway}",
             "pipeline.pollSeconds=0.5", "pipeline.logEverySeconds=60", "modelCache.type=hostPath",
-            f"train.rendezvousPort={free_port()}", f"train.metricsPort={free_port()}", *extra]
+            "pushgateway.settleSeconds=1", f"train.rendezvousPort={free_port()}", f"train.metricsPort={free_port()}",
+            *extra]
 
 
 def pods_of(cluster: Cluster, job: str, **labels: str) -> list[dict]:
@@ -171,42 +175,62 @@ def wait_query(prom: str, expr: str, seconds: float = 30.0) -> list[dict]:
 # ------------------------------------------------------------------------------------------ the default path
 
 LR = ["config.train.lr=0.001"]
-ORDER = ["build-prefixes", "teacher-scores-r0", "train-r0", "teacher-scores-r1", "train-r1", "evaluate-r2"]
+ROUNDS = 4  # the smoke overlay's run, four rounds long (issue 34: persistent workers shown over ≥ 4 rounds)
+# the default, persistent stage Jobs: one scoring Job and one train Job serve every round, created with the
+# prefix build (their pods start up while it runs); then the last checkpoint's validation (nothing to score:
+# checkpoint ROUNDS's distance to the teacher, the default validation) and the evaluation
+ORDER = ["teacher-scores-r0", "train-r0", "build-prefixes", f"teacher-scores-r{ROUNDS}", f"evaluate-r{ROUNDS}"]
+CHECKPOINTS = list(range(ROUNDS + 1))
 
 
 @pytest.fixture(scope="module")
 def smoke(cluster, inputs, monitoring):
     """`helm install sapd-smoke charts/sapd -f charts/sapd/values/smoke.yaml --set …`, then nothing by hand."""
     t0 = time.monotonic()
+    # one of the two trajectories held out (the users' sets hold none out): the per-round validation runs too
     rel = cluster.helm.install("sapd-smoke", CHART, values_files=[SMOKE],
-                               set_values=user_sets(inputs, monitoring, "sapd-smoke"), set_json=LR)
-    state = cluster.wait_job("sapd-smoke-pipeline-1", timeout=900)
+                               set_values=user_sets(inputs, monitoring, "sapd-smoke", f"config.train.rounds={ROUNDS}"),
+                               set_json=[*LR, "config.data.val_fraction=0.5"])
+    state = cluster.wait_job("sapd-smoke-pipeline-1", timeout=1200)
     TIMINGS["smoke install → run complete"] = time.monotonic() - t0
     print(cluster.timeline())
     return dataclasses.make_dataclass("Run", ["release", "state", "root"])(rel, state, rel.values["runRoot"])
 
 
-def test_smoke_install_finishes_two_rounds_and_an_evaluation(smoke, cluster):
+def test_smoke_install_finishes_four_rounds_and_an_evaluation(smoke, cluster):
     from sapd import layout, storage
     from sapd.data import shards
     assert smoke.state == "Complete", cluster.describe()
     assert "kubectl -n sapd logs -f job/sapd-smoke-pipeline-1" in smoke.release.notes
     log = driver_log(cluster, "sapd-smoke-pipeline-1")
     assert created_order(log) == [f"sapd-smoke-{s}" for s in ORDER], log
-    assert "pipeline done: checkpoints [0, 1, 2] committed" in log
+    assert f"pipeline done: checkpoints {CHECKPOINTS} committed" in log
     # its first step: the checks, on the real S3 server, before it created any Job
-    assert log.index("preflight: 6 checks passed") < log.index("pipeline: release")
+    assert log.index(DRIVER_CHECKS) < log.index("pipeline: release")
     for s in ORDER:
         assert cluster.job_state(f"sapd-smoke-{s}") == "Complete", s
-    assert layout.committed_checkpoints(smoke.root) == [0, 1, 2]
-    result = storage.read_json(storage.join(layout.evals_dir(smoke.root, 2), "textworld.json"))
-    assert result["checkpoint"] == 2 and result["overall"]["episodes"] == 2
+    assert layout.committed_checkpoints(smoke.root) == CHECKPOINTS
+    result = storage.read_json(storage.join(layout.evals_dir(smoke.root, ROUNDS), "textworld.json"))
+    assert result["checkpoint"] == ROUNDS and result["overall"]["episodes"] == 2
     assert set(result["by_category"]) == {"simple", "coin"} and result["horizon"] == 8  # the smoke panel
+    # each checkpoint's validation was committed by the scoring workers (the last one's by the validation-only
+    # teacher-scores Job), on held-out prefixes the smoke build keeps (val_fraction 0.5)
+    from sapd.data import validation
+    for k in range(ROUNDS + 1):
+        v = validation.read(smoke.root, k)
+        assert v["workers"] == 2 and v["prefixes"] > 0 and v["overall"]["reverse_kl_per_token"]["value"] is not None
+    # one scoring Job and one train Job served every round (their rounds annotated), and the driver logged
+    # each round's commits as they came
+    for stage in ("teacher-scores", "train"):
+        assert cluster.job(f"sapd-smoke-{stage}-r0")["metadata"]["annotations"]["sapd.io/rounds"] == f"0-{ROUNDS - 1}"
+    for k in range(ROUNDS):
+        assert f"round {k}: checkpoint {k + 1} committed (sapd-smoke-train-r0," in log, log
     # the scored rounds were committed by their last worker (the driver's commit then finds them done)
-    for k in (0, 1):
+    worker_logs = [cluster.logs(p["metadata"]["name"]) for p in pods_of(cluster, "sapd-smoke-teacher-scores-r0")]
+    assert len(worker_logs) == 2
+    for k in range(ROUNDS):
         assert shards.read_manifest(layout.scored_dir(smoke.root, k))["workers"] == 2
-        worker_logs = [cluster.logs(p["metadata"]["name"]) for p in pods_of(cluster, f"sapd-smoke-teacher-scores-r{k}")]
-        assert len(worker_logs) == 2 and sum(f"round {k}: committed" in t for t in worker_logs) >= 1
+        assert sum(f"round {k}: committed" in t for t in worker_logs) >= 1
     # the pods ran under the rendered pod specs: GPU-free, read-only root filesystem honoured
     assert cluster.kubelet.rootfs_writes == []
     # the driver drove it through the API with its own ServiceAccount and the Role the chart grants
@@ -219,6 +243,31 @@ def test_smoke_install_finishes_two_rounds_and_an_evaluation(smoke, cluster):
     for s in ORDER:
         (ref,) = cluster.job(f"sapd-smoke-{s}")["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"]) == ("ConfigMap", "sapd-smoke-pipeline-templates", owner), s
+
+
+def test_each_stage_pod_loads_each_model_once_and_reports_its_startup(smoke, cluster):
+    """Issue 34: the scoring workers load the teacher and the student once for the four rounds (later
+    checkpoints go into the live engine), the trainer its student once (later rounds keep it in memory);
+    every stage pod logs its start-up phases once."""
+    assert smoke.state == "Complete"
+    workers = pods_of(cluster, "sapd-smoke-teacher-scores-r0")
+    (trainer,) = pods_of(cluster, "sapd-smoke-train-r0")
+    assert len(workers) == 2
+    for pod, loads in [*((w, ["teacher", "student"]) for w in workers), (trainer, ["student"])]:
+        log = cluster.logs(pod["metadata"]["name"])
+        assert re.findall(r"^model load: (\w+)", log, re.M) == loads, log
+        assert len(re.findall(r"^startup: imports [\d.]+s, models loaded [\d.]+s, engines ready [\d.]+s, first work "
+                              r"[\d.]+s", log, re.M)) == 1, log
+    trainer_log = cluster.logs(trainer["metadata"]["name"])
+    assert [int(k) for k in re.findall(r"^weights: checkpoint (\d+) kept in memory", trainer_log, re.M)] == \
+        list(range(1, ROUNDS))
+    for w in workers:
+        log = cluster.logs(w["metadata"]["name"])
+        assert [int(k) for k in re.findall(r"^weights: student checkpoint (\d+) in place", log, re.M)] == \
+            list(range(1, ROUNDS))
+    for job in ("sapd-smoke-build-prefixes", f"sapd-smoke-evaluate-r{ROUNDS}"):
+        (pod,) = pods_of(cluster, job)
+        assert "startup: imports" in cluster.logs(pod["metadata"]["name"]) or job.endswith(f"r{ROUNDS}"), job
 
 
 def notes_commands(notes: str, **placeholders: str) -> list[list[str]]:
@@ -246,7 +295,7 @@ def test_the_readme_and_notes_kubectl_commands_show_the_run(smoke, cluster):
     """What docs/kubernetes/operate.md "Following a run" and the chart's NOTES tell the user to type, with the real
     kubectl: the Jobs of the release and their status, the driver's log, one stage's pods by label."""
     assert smoke.state == "Complete"
-    commands = notes_commands(smoke.release.notes, job="sapd-smoke-teacher-scores-r1")
+    commands = notes_commands(smoke.release.notes, job="sapd-smoke-teacher-scores-r0")
     assert commands[:2] == [["-n", NS, "get", "jobs", "-l", "app.kubernetes.io/instance=sapd-smoke"],
                             ["-n", NS, "logs", "-f", "job/sapd-smoke-pipeline-1"]], commands
     creates = [c for c in commands if c[2:4] == ["create", "job"]]
@@ -259,12 +308,11 @@ def test_the_readme_and_notes_kubectl_commands_show_the_run(smoke, cluster):
     assert {r[0]: (r[1], r[2]) for r in rows[1:]} == {
         "sapd-smoke-pipeline-1": ("Complete", "1/1"), "sapd-smoke-build-prefixes": ("Complete", "1/1"),
         "sapd-smoke-teacher-scores-r0": ("Complete", "2/2"), "sapd-smoke-train-r0": ("Complete", "1/1"),
-        "sapd-smoke-teacher-scores-r1": ("Complete", "2/2"), "sapd-smoke-train-r1": ("Complete", "1/1"),
-        "sapd-smoke-evaluate-r2": ("Complete", "1/1")}
+        f"sapd-smoke-teacher-scores-r{ROUNDS}": ("Complete", "2/2"), f"sapd-smoke-evaluate-r{ROUNDS}": ("Complete", "1/1")}
     # the driver's whole log (one pod, so no "Found N pods" choice), as `logs -f` prints it once it ended
     assert driver == driver_log(cluster, "sapd-smoke-pipeline-1")
-    assert "preflight: 6 checks passed" in driver and "pipeline done: checkpoints [0, 1, 2] committed" in driver
-    worker0 = [p for p in pods_of(cluster, "sapd-smoke-teacher-scores-r1")
+    assert DRIVER_CHECKS in driver and f"pipeline done: checkpoints {CHECKPOINTS} committed" in driver
+    worker0 = [p for p in pods_of(cluster, "sapd-smoke-teacher-scores-r0")
                if p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] == "0"]
     # NOTES' first by-label command names completion index 0: that worker's log (with a selector kubectl
     # shows the last 10 lines of each pod unless --tail says otherwise)
@@ -272,11 +320,11 @@ def test_the_readme_and_notes_kubectl_commands_show_the_run(smoke, cluster):
     whole = cluster.logs(worker0[-1]["metadata"]["name"]).splitlines()
     assert by_label[0].splitlines() == (whole if "--tail=-1" in commands[2] else whole[-10:])
     # the whole log of every worker, each line prefixed with its pod
-    everything = kubectl(cluster, "-n", NS, "logs", "-l", "batch.kubernetes.io/job-name=sapd-smoke-teacher-scores-r1",
+    everything = kubectl(cluster, "-n", NS, "logs", "-l", "batch.kubernetes.io/job-name=sapd-smoke-teacher-scores-r0",
                          "--prefix", "--tail=-1")
     prefixes = {ln.split("]")[0] + "]" for ln in everything.splitlines()}
-    assert prefixes == {f"[pod/{p['metadata']['name']}/teacher-scores]" for p in pods_of(cluster, "sapd-smoke-teacher-scores-r1")}
-    assert "round 1: committed" in everything
+    assert prefixes == {f"[pod/{p['metadata']['name']}/teacher-scores]" for p in pods_of(cluster, "sapd-smoke-teacher-scores-r0")}
+    assert all(f"round {k}: committed" in everything for k in range(ROUNDS))
     # describe: the Job's defaulted selector finds exactly its pods
     described = kubectl(cluster, "-n", NS, "describe", "job", "sapd-smoke-train-r0")
     uid = cluster.job("sapd-smoke-train-r0")["metadata"]["uid"]
@@ -291,7 +339,8 @@ def test_the_readme_and_notes_kubectl_commands_show_the_run(smoke, cluster):
     now = cluster.job("sapd-smoke-eval-now")
     assert now["metadata"]["ownerReferences"][0]["name"] == "sapd-smoke-evaluate-cron"
     assert now["metadata"]["annotations"]["cronjob.kubernetes.io/instantiate"] == "manual"
-    assert "checkpoint 2: textworld already evaluated" in kubectl(cluster, "-n", NS, "logs", "job/sapd-smoke-eval-now")
+    assert f"checkpoint {ROUNDS}: textworld already evaluated" in kubectl(cluster, "-n", NS, "logs",
+                                                                          "job/sapd-smoke-eval-now")
 
 
 def test_prometheus_sees_the_train_pods_metrics_and_each_workers_push(smoke, cluster, monitoring):
@@ -300,14 +349,28 @@ def test_prometheus_sees_the_train_pods_metrics_and_each_workers_push(smoke, clu
     # rank 0 of each train Job, found through the manifest's relabel rules, scraped while it trained
     scraped = wait_query(prom, 'max_over_time(up{job="sapd-train", release="sapd-smoke"}[1h]) == 1')
     pods = {r["metric"]["pod"] for r in scraped}
-    assert pods and all(p.startswith(("sapd-smoke-train-r0-0-", "sapd-smoke-train-r1-0-")) for p in pods), pods
+    assert pods and all(p.startswith("sapd-smoke-train-r0-0-") for p in pods), pods  # one trainer, every round
     steps = wait_query(prom, 'max_over_time(sapd_optimizer_steps_total{job="sapd-train", release="sapd-smoke"}[1h])')
-    assert steps and all(r["metric"]["namespace"] == NS and r["metric"]["round"] in ("0", "1") for r in steps)
-    # the two teacher-scores workers pushed under their own grouping keys (instance = completion index)
+    assert steps and all(r["metric"]["namespace"] == NS and r["metric"]["round"] == "0" for r in steps)
+    # the trainer's start-up phases, scraped from rank 0 (sapd_startup_seconds, issue 34)
+    startup = wait_query(prom, 'max_over_time(sapd_startup_seconds{job="sapd-train", release="sapd-smoke"}[1h])')
+    assert {r["metric"]["phase"] for r in startup} == {"imports", "models_loaded", "engines_ready", "first_work"}
+    # the two teacher-scores workers pushed under their own grouping keys (instance = completion index), their
+    # start-up too
     pushed = wait_query(prom, 'sapd_job_last_success_timestamp_seconds{job="teacher_scores", release="sapd-smoke"}')
     assert {r["metric"]["instance"] for r in pushed} == {"0", "1"}
+    first_work = wait_query(prom, 'sapd_startup_seconds{job="teacher_scores", release="sapd-smoke", phase="first_work"}')
+    assert {r["metric"]["instance"] for r in first_work} == {"0", "1"}
+    assert all(0 < float(r["value"][1]) < 600 for r in first_work), first_work
     evals = wait_query(prom, 'sapd_eval_success_ratio{release="sapd-smoke", category="all"}')
     assert evals and evals[0]["metric"]["benchmark"] == "textworld"
+    # the distance to the teacher, pushed by the teacher-scores workers (the newest: checkpoint 2's)
+    kl = wait_query(prom, 'sapd_validation_reverse_kl{job="teacher_scores", release="sapd-smoke", category="all"}')
+    assert kl and all(float(r["value"][1]) == float(kl[0]["value"][1]) for r in kl)
+    (ckpt, *_) = wait_query(prom, 'max(sapd_validation_checkpoint{job="teacher_scores", release="sapd-smoke"})')
+    assert float(ckpt["value"][1]) == 2
+    match = wait_query(prom, 'sapd_validation_action_match_ratio{release="sapd-smoke", category="all"}')
+    assert {r["metric"]["model"] for r in match} == {"student", "teacher"}
 
 
 def test_helm_test_preflight_passes(smoke, cluster):
@@ -327,66 +390,92 @@ def test_helm_upgrade_replaces_the_driver_which_finds_the_run_done(smoke, cluste
     cluster.wait_for(lambda: cluster.job("sapd-smoke-pipeline-1") is None, 60, "the first driver Job to go")
     log = driver_log(cluster, "sapd-smoke-pipeline-2")
     assert created_order(log) == [] and "Jobs created 0" in log
-    assert "stage train-r1: committed, skipping" in log and "stage evaluate-r2: committed, skipping" in log
+    assert f"stage train-r{ROUNDS - 1}: committed, skipping" in log
+    assert f"stage evaluate-r{ROUNDS}: committed, skipping" in log
 
 
 # ------------------------------------------------------------------------------------------ faults
 
 
 def test_killed_pods_end_in_the_same_committed_result(smoke, cluster, inputs, monitoring):
-    """SIGKILL a teacher-scores worker mid-scoring, the driver mid-train, and a train pod mid-training:
-    the run still completes, to the weights and evaluation of the undisturbed smoke run."""
-    from sapd import layout, storage
+    """The persistent workers of four rounds, killed one after the other, each in the middle of a round:
+    SIGKILL a teacher-scores worker while it scores round 1, the driver while round 2 trains, the trainer
+    as it starts round 3. The Indexed Job restarts the worker, which skips what is committed and redoes
+    its part; the driver's restart adopts both running Jobs; the driver recreates the train Job, which
+    resumes from checkpoint 3. The run completes, to the scores, weights and evaluation of the undisturbed
+    smoke run."""
+    from sapd import checkpoints, layout, storage
     from sapd.data.scored import read_scored
     assert smoke.state == "Complete"
     t0 = time.monotonic()
-    rel = cluster.helm.install("sapd-kill", CHART, values_files=[SMOKE],
-                               set_values=user_sets(inputs, monitoring, "sapd-kill"), set_json=LR)
+    rel = cluster.helm.install("sapd-kill", CHART, values_files=[SMOKE], set_json=LR,
+                               set_values=user_sets(inputs, monitoring, "sapd-kill", f"config.train.rounds={ROUNDS}"))
     root = rel.values["runRoot"]
     running = lambda p: p["status"].get("phase") == "Running"  # noqa: E731
 
-    # 1. teacher-scores worker 1 of round 0, once it has started scoring
+    # 1. teacher-scores worker 1, once it has started scoring round 1
     sel = "batch.kubernetes.io/job-name=sapd-kill-teacher-scores-r0,batch.kubernetes.io/job-completion-index=1"
-    worker = cluster.wait_log(sel, "round 0 worker 1/2:", 300)
+    worker = cluster.wait_log(sel, "round 1 worker 1/2:", 600)
     assert cluster.kill_pod(worker["metadata"]["name"], signal.SIGKILL)
-    # 2. the driver, while train-r0 runs
-    cluster.wait_pod("batch.kubernetes.io/job-name=sapd-kill-train-r0", running, 300)
-    (driver,) = [p for p in pods_of(cluster, "sapd-kill-pipeline-1") if running(p)]
-    assert cluster.kill_pod(driver["metadata"]["name"], signal.SIGKILL)
-    # 3. the train pod of round 1, mid-training
-    trainer = cluster.wait_log("batch.kubernetes.io/job-name=sapd-kill-train-r1", "round 1 step", 600)
+    # 2. the driver, while round 2 trains. The tiny model trains a round in seconds, a real one for minutes:
+    # the trainer is paused (SIGSTOP) until the new driver has adopted it, so round 3 comes after that
+    train_sel = "batch.kubernetes.io/job-name=sapd-kill-train-r0"
+    paused = cluster.wait_log(train_sel, "round 2 step", 600)
+    assert cluster.kill_pod(paused["metadata"]["name"], signal.SIGSTOP)  # torchrun and its workers
+    try:
+        (driver,) = [p for p in pods_of(cluster, "sapd-kill-pipeline-1") if running(p)]
+        assert cluster.kill_pod(driver["metadata"]["name"], signal.SIGKILL)
+        cluster.wait_for(lambda: "job sapd-kill-train-r0: exists (running, attempt 1), adopting it"
+                         in driver_log(cluster, "sapd-kill-pipeline-1"), 600, "the new driver to adopt train-r0")
+    finally:
+        cluster.kill_pod(paused["metadata"]["name"], signal.SIGCONT)
+    # 3. the trainer, in round 3: paused as it starts the round (its weights kept from round 2), seen not to
+    # have committed checkpoint 4, killed (its workers with it: the container's every process)
+    trainer = cluster.wait_log(train_sel, "weights: checkpoint 3 kept in memory", 600)
+    assert cluster.kill_pod(trainer["metadata"]["name"], signal.SIGSTOP)
+    assert not checkpoints.is_committed(root, 4)
     assert cluster.kill_pod(trainer["metadata"]["name"], signal.SIGKILL)
 
-    assert cluster.wait_job("sapd-kill-pipeline-1", 900) == "Complete", cluster.describe()
+    assert cluster.wait_job("sapd-kill-pipeline-1", 1200) == "Complete", cluster.describe()
     TIMINGS["killed run (3 SIGKILLs)"] = time.monotonic() - t0
     exit_codes = {p["metadata"]["name"]: p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"]
                   for p in cluster.pods("app.kubernetes.io/instance=sapd-kill")
                   if p["status"]["phase"] == "Failed"}
     # the worker and the driver pods stay as Failed (137 = SIGKILL); the killed train pod went with its
     # Job, which the driver deleted and created again (the whole torchrun group restarts)
-    assert sorted(exit_codes) == [driver["metadata"]["name"], worker["metadata"]["name"]], exit_codes
+    assert sorted(exit_codes) == sorted([driver["metadata"]["name"], worker["metadata"]["name"]]), exit_codes
     assert set(exit_codes.values()) == {137}
     assert cluster.job("sapd-kill-teacher-scores-r0")["status"]["failed"] == 1  # index 1 retried in place
-    assert cluster.job("sapd-kill-train-r1")["metadata"]["annotations"]["sapd.io/attempt"] == "2", \
+    assert cluster.job("sapd-kill-train-r0")["metadata"]["annotations"]["sapd.io/attempt"] == "2", \
         driver_log(cluster, "sapd-kill-pipeline-1")
     log = driver_log(cluster, "sapd-kill-pipeline-1")
-    assert "job sapd-kill-train-r0: exists (running, attempt 1), adopting it" in log  # the restarted driver
-    assert "job sapd-kill-train-r1: attempt 1/3 failed: BackoffLimitExceeded" in log
+    # the restarted driver found both Jobs (named for round 0) while they served round 2
+    assert "job sapd-kill-train-r0: exists (running, attempt 1), adopting it" in log
+    assert "job sapd-kill-teacher-scores-r0: exists (running, attempt 1), adopting it" in log
+    assert "stage train-r1: committed, skipping" in log
+    assert "job sapd-kill-train-r0: attempt 1/3 failed: BackoffLimitExceeded" in log
     assert f"log lines of failed pod {trainer['metadata']['name']}:" in log  # why, in the driver's own log
+    # the replacements loaded their models once and went on from the commits: the restarted worker skipped
+    # round 0 and redid its part of round 1; the new trainer loaded checkpoint 3 and trained round 3 only
+    (again,) = [p for p in cluster.pods(sel) if p["metadata"]["name"] != worker["metadata"]["name"]]
+    again_log = cluster.logs(again["metadata"]["name"])
+    assert "stage teacher-scores-r0: committed, skipping" in again_log
+    assert re.findall(r"^model load: (\w+)", again_log, re.M) == ["teacher", "student"], again_log
+    (new_trainer,) = [p for p in cluster.pods(train_sel) if p["metadata"]["name"] != trainer["metadata"]["name"]]
+    new_log = cluster.logs(new_trainer["metadata"]["name"])
+    assert re.findall(r"^model load: student checkpoint (\d+)", new_log, re.M) == ["3"], new_log
     # the same committed result as the undisturbed run
-    assert layout.committed_checkpoints(root) == [0, 1, 2]
-    for k in (0, 1):
+    assert layout.committed_checkpoints(root) == CHECKPOINTS
+    for k in range(ROUNDS):
         a, b = read_scored(smoke.root, k), read_scored(root, k)
         assert a.sort_by("prefix_id").select(["prefix_id", "response_token_ids", "teacher_logprobs"]).equals(
             b.sort_by("prefix_id").select(["prefix_id", "response_token_ids", "teacher_logprobs"])), k
-    for k in (1, 2):
+    for k in range(1, ROUNDS + 1):
         wa, wb = weights(smoke.root, k), weights(root, k)
         assert wa.keys() == wb.keys()
-        worst = max((float((wa[n] - wb[n]).abs().max()), n) for n in wa)
-        for name in wa:
-            torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=1e-6,
-                                       msg=f"checkpoint {k} {name}; largest difference {worst}")
-    ev = lambda r: storage.read_json(storage.join(layout.evals_dir(r, 2), "textworld.json"))  # noqa: E731
+        for name in wa:  # bit for bit: the killed run loaded from commits what the other kept in memory
+            assert torch.equal(wa[name], wb[name]), f"checkpoint {k} {name}: {float((wa[name] - wb[name]).abs().max())}"
+    ev = lambda r: storage.read_json(storage.join(layout.evals_dir(r, ROUNDS), "textworld.json"))  # noqa: E731
     assert {k: ev(root)[k] for k in ("overall", "by_category")} == {k: ev(smoke.root)[k] for k in ("overall", "by_category")}
 
 
@@ -511,6 +600,93 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
     assert scraped and all(r["metric"]["pod"].split("-")[-2] == "0" for r in scraped), scraped
     writer_seen = [t for k, t in cluster_targets(monitoring).items() if "sapd-tw-train" in k]
     assert {t["__meta_kubernetes_pod_label_batch_kubernetes_io_job_completion_index"] for t in writer_seen} == {"0", "1"}
+
+
+# ------------------------------------------------------------------------------------------ dashboards
+
+
+def pushed_series(prom: str, release: str, namespace: str = NS) -> dict[tuple, float]:
+    """Every sapd_* series Prometheus has from the Pushgateway for ``release`` in ``namespace`` now: (name,
+    sorted labels) → value (the scrape's own `instance`/`job` relabelling aside, the grouping labels are the
+    pushed ones). Another namespace's release of the same name is another team's: not these."""
+    out = {}
+    for r in query(prom, f'{{__name__=~"sapd_.+", namespace="{namespace}", release="{release}", job!="sapd-train"}}'):
+        labels = dict(r["metric"])
+        name = labels.pop("__name__")
+        out[(name, tuple(sorted(labels.items())))] = float(r["value"][1])
+    return out
+
+
+def test_dashboards_keep_their_series_through_a_skipped_stage_and_lose_them_at_uninstall(smoke, cluster,
+                                                                                         monitoring):
+    """The smoke run's series on the real Prometheus, fed by the real Pushgateway: a train Job of round 1
+    created again (the manifest the driver creates on a retry, read from the release's templates)
+    finds checkpoint 2 committed and does nothing — and every series stays as it was, restated from what the
+    run recorded, its success time moving on. The Grafana dashboard's queries name the namespace. Then
+    `helm uninstall`: its hook Job deletes the release's groups, Prometheus drops the series, and the other
+    releases' groups stay."""
+    from sapd import layout, storage
+    assert smoke.state == "Complete"
+    prom, gw = monitoring.prometheus, monitoring.pushgateway
+    success = "sapd_job_last_success_timestamp_seconds"
+    before = pushed_series(prom, "sapd-smoke")
+    train = {k: v for k, v in before.items() if ("job", "train") in k[1]}
+    assert {k[0] for k in train} >= {"sapd_loss", "sapd_round", "sapd_optimizer_steps_total", "sapd_clip_ratio",
+                                      "sapd_teacher_student_gap", success}, sorted(train)
+    assert [v for k, v in train.items() if k[0] == "sapd_round"] == [1.0], [  # round 1's figures
+        (k, v) for k, v in train.items() if k[0] == "sapd_round"]
+    last = next(v for k, v in train.items() if k[0] == success)
+
+    # the retried train Job: the driver's manifest, from the templates ConfigMap, created again by hand
+    kubectl(cluster, "-n", NS, "delete", "job", "sapd-smoke-train-r1", "--wait=true")
+    manifest = kubectl(cluster, "-n", NS, "get", "configmap", "sapd-smoke-pipeline-templates", "-o",
+                       "jsonpath={.data.train\\.yaml}").replace("__SAPD_ROUND__", "1")
+    # created as the driver creates it on a retry (`kubectl create -f` would want the OpenAPI document, which
+    # the harness does not serve)
+    from kubernetes import client
+    client.BatchV1Api(cluster.client()).create_namespaced_job(NS, yaml.safe_load(manifest), field_validation="Strict")
+    assert cluster.wait_job("sapd-smoke-train-r1", 300) == "Complete", cluster.describe()
+    log = kubectl(cluster, "-n", NS, "logs", "job/sapd-smoke-train-r1")
+    recorded = layout.pushed_metrics_uri(smoke.root, "train", "train-r1")
+    assert f"metrics: train-r1 was committed already: restated its committed figures ({recorded})" in log, log
+    assert storage.exists(recorded)
+    cluster.wait_for(lambda: any(k[0] == success and ("job", "train") in k[1] and v > last
+                                 for k, v in pushed_series(prom, "sapd-smoke").items()), 60,
+                     "Prometheus to scrape the skipped stage's push")
+    after = pushed_series(prom, "sapd-smoke")
+    assert after.keys() == before.keys()  # no series lost
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {k for k in train if k[0] == success}, sorted(changed)  # only the train job's success time
+
+    # the dashboard's queries on the real Prometheus: each result carries the namespace its legend names
+    dash = json.loads((REPO / "manifests" / "grafana-dashboard.json").read_text())
+    answered = 0
+    for panel in dash["panels"]:
+        for t in panel["targets"]:
+            expr = (t["expr"].replace("$namespace", NS).replace("$release", "sapd-smoke")
+                    .replace("$benchmark", ".*").replace("$__rate_interval", "1m"))
+            result = query(prom, expr)
+            answered += bool(result)
+            assert all(r["metric"].get("namespace") == NS and r["metric"].get("release") == "sapd-smoke"
+                       for r in result), (panel["title"], result)
+            assert "{{namespace}}" in t["legendFormat"]
+    assert answered >= 6  # every panel over pushed series (the scraped training rate is over once training is)
+
+    # `helm uninstall`: the post-delete hook deletes every group of the release; the others stay — among
+    # them another team's release of the same name in its own namespace, sharing the Pushgateway
+    from sapd.metrics import Metrics
+    theirs = Metrics(job="train", pushgateway=gw, release="sapd-smoke", namespace="other-team")
+    theirs.mark_success()
+    theirs.push()
+    others = {(g["labels"].get("namespace"), g["labels"]["release"]) for g in json.loads(get_url(f"{gw}/api/v1/metrics"))["data"]}
+    others -= {(NS, "sapd-smoke")}
+    kubectl(cluster, "-n", NS, "delete", "job", "sapd-smoke-train-r1")  # the one made by hand, no owner
+    assert cluster.helm.uninstall("sapd-smoke") == [("sapd-smoke-delete-metrics", "Complete")]
+    groups = [g["labels"] for g in json.loads(get_url(f"{gw}/api/v1/metrics"))["data"]]
+    assert not [g for g in groups if (g.get("namespace"), g["release"]) == (NS, "sapd-smoke")], groups
+    assert {(g.get("namespace"), g["release"]) for g in groups} == others and ("other-team", "sapd-smoke") in others
+    cluster.wait_for(lambda: not pushed_series(prom, "sapd-smoke"), 60, "Prometheus to drop sapd-smoke's series")
+    assert pushed_series(prom, "sapd-smoke", "other-team")  # theirs stay
 
 
 def cluster_targets(monitoring: Monitoring) -> dict[str, dict]:

@@ -114,10 +114,10 @@ def run(cluster, inputs) -> Run:
     root = f"{p}/runs/{REL}"
     fill_job = next(j["metadata"]["name"] for j in cluster.store.list("Job", NS)
                     if j["metadata"]["name"].startswith(f"{REL}-alfworld-fill-"))
-    # round 1's training, paused from its start (SIGSTOP) until the CronJob's evaluation is done: the tiny
-    # model trains in seconds, and the evaluation must find checkpoint 1 the newest
-    trainer = cluster.wait_pod(f"batch.kubernetes.io/job-name={REL}-train-r1",
-                               lambda pod: pod["status"].get("phase") == "Running", 1200)
+    # the trainer (persistent: one pod for both rounds), paused (SIGSTOP) from the moment it committed
+    # checkpoint 1 until the CronJob's evaluation is done: the tiny model trains in seconds, and the evaluation
+    # must find checkpoint 1 the newest
+    trainer = cluster.wait_log(f"batch.kubernetes.io/job-name={REL}-train-r0", "round 0: checkpoint 1 committed", 1200)
     assert cluster.kill_pod(trainer["metadata"]["name"], signal.SIGSTOP)
     try:
         assert checkpoints.is_committed(root, 1) and not checkpoints.is_committed(root, 2)
@@ -152,8 +152,10 @@ def test_two_rounds_and_the_final_evaluation_play_alfworlds_engine(run, cluster)
     manifest = json.loads(storage.read_text(storage.join(layout.prefixes_dir(run.root), "_MANIFEST.json")))
     assert manifest["format_read"].startswith("auto → native"), manifest["format_read"]
     result = storage.read_json(storage.join(layout.evals_dir(run.root, 2), "alfworld.json"))
-    # the panel's default split, "test": ALFWorld's valid_unseen — the games the fill Job put on the claim
-    assert result["checkpoint"] == 2 and result["split"] == "test" and result["horizon"] == 3
+    # the panel's default split ("test"), recorded under ALFWorld's own name: valid_unseen, the games the fill
+    # Job generated on the claim (recorded as generated, not ALFWorld's official split)
+    assert result["checkpoint"] == 2 and result["split"] == "valid_unseen" and result["horizon"] == 3
+    assert result["games"]["generated_by"] == "sapd alfworld-games" and result["games"]["per_type"] == 1
     assert set(result["by_category"]) == SIX and result["overall"]["episodes"] == 6
     for cat in SIX:
         lo, hi = result["by_category"][cat]["success_ci"]

@@ -2,16 +2,19 @@
 uses it): what a user does to a release while it runs, each ending in the same committed result as a run
 nobody touched.
 
-- `helm upgrade` in the middle of a stage: the new driver adopts the running stage Job — which belongs
-  to the release's pipeline-templates ConfigMap, kept by every revision — instead of the garbage collector
-  deleting it with the old driver Job;
+- `helm upgrade` in the middle of a stage, from the chart's previous version (rendered from git history,
+  :data:`PREVIOUS_CHART`) to this one: the new driver adopts the running stage Job — which belongs to the
+  release's pipeline-templates ConfigMap, kept by every revision and version — instead of the garbage
+  collector deleting it with the old driver Job;
 - `helm upgrade --reuse-values --set config.train.rounds=2` on a finished run of 1 round: the new driver
   continues from checkpoint 1;
 - mode manual: small gate Jobs create each stage Job once its input is committed (no GPU held while
   waiting; the evaluation's deadline starts when it runs), round after round with `--set round=K+1`;
 - `--set kueue.queueName=…` on a cluster whose queue (a Kueue-like admission by quota) cannot admit the
   train stage yet: the driver logs its stage Job as queued, does not count its deadline while it waits,
-  and the run completes once the platform's admin raises the quota.
+  and the run completes once the platform's admin raises the quota;
+- a second release installed with the runRoot of one that runs: its driver refuses in one line naming the
+  holder (the first release) and how to take over, creates nothing, and the first run is untouched.
 
 Inputs are what a user uploads (a tiny student and teacher, TextWorld expert games recorded with sapd's
 collector) in a real S3 server (SeaweedFS); the first four releases run side by side in one cluster, the
@@ -21,14 +24,18 @@ queued one in a cluster of its own (with the queue admission on).
 from __future__ import annotations
 
 import dataclasses
+import io
 import re
 import signal
+import subprocess
+import tarfile
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import free_port
 from tests.journey_util import NS, journey_cluster, upload_models, user_s3
@@ -38,6 +45,9 @@ REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "sapd"
 SMOKE = CHART / "values" / "smoke.yaml"
 LR = ["config.train.lr=0.001"]
+# the chart's previous version: the commit whose charts/sapd a user installed before upgrading to this one
+# (move it on when Chart.yaml's version moves on)
+PREVIOUS_CHART = ("d2c6d15", "0.2.0")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
@@ -63,6 +73,21 @@ def inputs(tmp_path_factory, s3_server):
         write_native_jsonl(trajs, f"{prefix}/data/textworld.jsonl")
         upload_models(tmp / "models", prefix)
         yield Inputs(prefix, s3_server.endpoint_url, tmp / "games")
+
+
+@pytest.fixture(scope="module")
+def previous_chart(tmp_path_factory) -> Path:
+    """charts/sapd as it was at :data:`PREVIOUS_CHART` (`git archive`), what the user installed first."""
+    commit, version = PREVIOUS_CHART
+    out = tmp_path_factory.mktemp("previous-chart")
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", commit, "charts/sapd"], capture_output=True)
+    assert tar.returncode == 0, f"the previous chart needs this checkout's history (commit {commit}): {tar.stderr.decode()}"
+    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
+        t.extractall(out, filter="data")
+    chart = out / "charts" / "sapd"
+    assert f"version: {version}" in (chart / "Chart.yaml").read_text()
+    assert f"version: {version}" not in (CHART / "Chart.yaml").read_text()  # this chart is a later version
+    return chart
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +155,9 @@ def evaluation(root: str, k: int) -> dict:
 
 @dataclasses.dataclass
 class Releases:
-    """Four releases of the smoke overlay, started together: `base` left alone, `upg` upgraded in the middle
-    of train-r0, `ext` installed with 1 round then extended to 2, `man` in mode manual."""
+    """Four releases of the smoke overlay, started together: `base` left alone, `upg` installed from the
+    chart's previous version and upgraded to this one in the middle of train-r0, `ext` installed with 1
+    round then extended to 2, `man` in mode manual."""
     roots: dict[str, str]
     notes: dict[str, str]
     adopted_train_uid: str
@@ -139,12 +165,13 @@ class Releases:
 
 
 @pytest.fixture(scope="module")
-def releases(cluster, inputs) -> Releases:
+def releases(cluster, inputs, previous_chart) -> Releases:
     from sapd import checkpoints
     roots, notes, seen = {}, {}, {}
     for rel, extra in (("base", []), ("upg", []), ("ext", ["config.train.rounds=1"]),
                        ("man", ["mode=manual", "round=0"])):
-        r = cluster.helm.install(f"sapd-{rel}", CHART, values_files=[SMOKE],
+        chart = previous_chart if rel == "upg" else CHART
+        r = cluster.helm.install(f"sapd-{rel}", chart, values_files=[chart / "values" / "smoke.yaml"],
                                  set_values=user_sets(inputs, f"sapd-{rel}", *extra), set_json=LR)
         roots[rel], notes[rel] = r.values["runRoot"], r.notes
 
@@ -156,20 +183,36 @@ def releases(cluster, inputs) -> Releases:
         return True
     cluster.wait_for(lambda: first_sight("sapd-man-teacher-scores-r0", 0), 600, "the manual teacher-scores-r0 Job")
 
-    # upg: `helm upgrade` while train-r0 runs (a value change: a new driver revision). The tiny model
-    # trains in seconds, a real one for hours: the train pod is paused (SIGSTOP) from its start until the
-    # new driver has met it running, so the upgrade lands mid-stage whatever the load on this machine
+    # dup: a second release on base's runRoot, once base's driver holds its lease: refused (exit 2, the Job
+    # fails at once), nothing created
+    cluster.wait_for(lambda: "pipeline: holding the lease of" in logs_of_job(cluster, "sapd-base-pipeline-1"), 600,
+                     "sapd-base's driver to hold its run root's lease")
+    cluster.helm.install("sapd-dup", CHART, values_files=[SMOKE], set_json=LR,
+                         set_values=user_sets(inputs, "sapd-dup", f"runRoot={roots['base']}"))
+    seen["dup state"] = cluster.wait_job("sapd-dup-pipeline-1", 600)
+    seen["dup log"] = logs_of_job(cluster, "sapd-dup-pipeline-1")
+    seen["dup jobs"] = sorted(j["metadata"]["name"] for j in cluster.store.list("Job", NS)
+                              if j["metadata"]["name"].startswith("sapd-dup-"))
+
+    # upg: `helm upgrade sapd-upg charts/sapd` (this chart's version) while train-r0, started by the previous
+    # version's driver from the previous version's templates, runs. The tiny model trains in seconds, a real
+    # one for hours: the train pod is paused (SIGSTOP) from its start until the new driver has met it
+    # running, so the upgrade lands mid-stage whatever the load on this machine
     trainer = cluster.wait_pod("batch.kubernetes.io/job-name=sapd-upg-train-r0",
                                lambda p: p["status"].get("phase") == "Running", 900)
     uid = cluster.job("sapd-upg-train-r0")["metadata"]["uid"]
+    seen["chart before"] = cluster.store.get("ConfigMap", NS, "sapd-upg-pipeline-templates")["metadata"]["labels"][
+        "helm.sh/chart"]
     assert cluster.kill_pod(trainer["metadata"]["name"], signal.SIGSTOP)
     try:
-        assert cluster.helm.upgrade("sapd-upg", reuse_values=True,
+        assert cluster.helm.upgrade("sapd-upg", CHART, reuse_values=True,
                                     set_values=["pipeline.logEverySeconds=30"]).revision == 2
         cluster.wait_for(lambda: cluster.job("sapd-upg-pipeline-1") is None, 60, "the first driver Job to go")
         cluster.wait_for(lambda: "job sapd-upg-train-r0: exists" in logs_of_job(cluster, "sapd-upg-pipeline-2"), 600,
                          "the new driver to find train-r0")
         seen["train alive after the upgrade"] = cluster.job("sapd-upg-train-r0") is not None
+        seen["chart after"] = cluster.store.get("ConfigMap", NS, "sapd-upg-pipeline-templates")["metadata"][
+            "labels"]["helm.sh/chart"]
     finally:
         cluster.kill_pod(trainer["metadata"]["name"], signal.SIGCONT)
     seen["train pod"] = trainer["metadata"]["name"]
@@ -195,11 +238,15 @@ def releases(cluster, inputs) -> Releases:
     return Releases(roots, notes, uid, seen)
 
 
-def test_helm_upgrade_mid_stage_keeps_the_running_stage(releases, cluster):
-    """The old driver Job went (Helm deletes what the new revision no longer renders), the train Job it
-    had started did not: the new driver adopted it, and the run ends where the untouched one does."""
+def test_helm_upgrade_mid_stage_from_the_previous_chart_version_keeps_the_running_stage(releases, cluster):
+    """Installed from the chart's previous version, upgraded to this one while train-r0 ran: the old driver
+    Job went (Helm deletes what the new revision no longer renders), the train Job it had started from the
+    previous version's templates did not: the new version's driver adopted it, and the run ends with the
+    untouched run's weights."""
     upg = releases.roots["upg"]
     assert releases.seen["train alive after the upgrade"]
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
+    assert (releases.seen["chart before"], releases.seen["chart after"]) == (f"sapd-{PREVIOUS_CHART[1]}", f"sapd-{chart}")
     job = cluster.job("sapd-upg-train-r0")
     assert job["metadata"]["uid"] == releases.adopted_train_uid and job["metadata"]["annotations"]["sapd.io/attempt"] == "1"
     assert job["metadata"]["ownerReferences"][0]["kind"] == "ConfigMap"
@@ -215,6 +262,24 @@ def test_helm_upgrade_mid_stage_keeps_the_running_stage(releases, cluster):
     cluster.helm.uninstall("sapd-upg")
     cluster.wait_for(lambda: not [j for j in cluster.store.list("Job", NS)
                                   if j["metadata"]["name"].startswith("sapd-upg-")], 120, "sapd-upg's Jobs to go")
+
+
+def test_a_second_release_on_a_running_root_is_refused_naming_the_holder(releases, cluster):
+    """Two releases, one runRoot: the second's driver fails at once (exit 2, no retry) with one line naming
+    the release that holds the root and the value that takes it over; it created no stage Job, and the
+    first run ends with the result every other release reaches."""
+    base = releases.roots["base"]
+    assert releases.seen["dup state"] == "Failed" and releases.seen["dup jobs"] == ["sapd-dup-pipeline-1"]
+    (error,) = [ln for ln in releases.seen["dup log"].splitlines() if "error:" in ln]
+    # held by the release; the process named is whichever of its pods renewed last (driver or stage Job)
+    assert error.startswith(f"pipeline: error: run root {base} is held by release sapd-base in namespace {NS} ("), error
+    assert re.search(r"\(python -m jobs\.\w+ on sapd-base-[a-z0-9-]+ pid \d+, since ", error), error
+    assert error.endswith("take over now: helm upgrade sapd-dup --reuse-values --set pipeline.forceTakeover=true "
+                          "(or run jobs.pipeline with --force-takeover)"), error
+    (pod,) = cluster.pods("batch.kubernetes.io/job-name=sapd-dup-pipeline-1")
+    assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 2
+    log = logs_of_job(cluster, "sapd-base-pipeline-1")
+    assert "pipeline done: checkpoints [0, 1, 2] committed" in log and "this run's lease is held by" not in log
 
 
 def test_more_rounds_extend_a_finished_run(releases, cluster):
@@ -280,7 +345,8 @@ def queue_cluster(tmp_path_factory, inputs, s3_server):
 
 def test_a_queued_stage_waits_for_admission_without_its_deadline_running(queue_cluster, inputs):
     """`helm install … --set kueue.queueName=sapd-queue`: every Job is created suspended and admitted by
-    quota; train-r0 (2 CPUs) does not fit while the driver holds its share, so it stays suspended — the
+    quota; train-r0 (2 CPUs, the persistent trainer of both rounds) does not fit while the driver and the
+    scoring workers hold their share, so it stays suspended — the
     driver logs it as queued, longer than the Job's own activeDeadlineSeconds, without timing out or
     retrying — until the admin raises the quota; then it runs, within its deadline counted from
     admission, and the run completes."""
@@ -301,7 +367,9 @@ def test_a_queued_stage_waits_for_admission_without_its_deadline_running(queue_c
     rows = {ln.split()[0]: ln.split()[1] for ln in c.kubectl("-n", NS, "get", "jobs").splitlines()[1:]}
     assert rows["sapd-q-train-r0"] == "Suspended" and rows[driver] == "Running", rows
     assert c.pods("batch.kubernetes.io/job-name=sapd-q-train-r0") == []
-    assert c.job("sapd-q-teacher-scores-r0")["spec"]["suspend"] is False  # admitted before, and done
+    # admitted before (its workers scored round 0 and wait for checkpoint 1, holding their quota: the persistent
+    # workers of both pools are admitted for the whole run)
+    assert c.job("sapd-q-teacher-scores-r0")["spec"]["suspend"] is False
     c.queues.set_quota(QUEUE, {"cpu": "4", "memory": "16Gi", "ephemeral-storage": "16Gi"})  # the admin adds capacity
 
     assert c.wait_job(driver, 900) == "Complete", c.describe()
@@ -315,7 +383,7 @@ def test_a_queued_stage_waits_for_admission_without_its_deadline_running(queue_c
     assert layout.committed_checkpoints(f"{inputs.prefix}/runs/sapd-q") == [0, 1, 2]
     # every Job of the release went through the queue: the driver's own, the stages', in creation order
     admitted = [e["name"] for e in c.store.events if e["reason"] == "QuotaReserved"]
-    assert admitted[0] == driver and admitted[1:] == ["sapd-q-build-prefixes", "sapd-q-teacher-scores-r0",
-                                                      "sapd-q-train-r0", "sapd-q-teacher-scores-r1", "sapd-q-train-r1",
-                                                      "sapd-q-evaluate-r2"], admitted
+    # (the persistent scoring Job is created with the prefix build: Kueue may admit either first)
+    assert admitted[0] == driver and set(admitted[1:3]) == {"sapd-q-build-prefixes", "sapd-q-teacher-scores-r0"} \
+        and admitted[3:] == ["sapd-q-train-r0", "sapd-q-evaluate-r2"], admitted
     print(f"\nqueued journey: {time.monotonic() - t0:.0f}s")

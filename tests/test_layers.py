@@ -47,7 +47,7 @@ FLOORS: dict[str, int] = {
     "sapd": 0,
     "sapd.method": 1, "sapd.storage": 1, "sapd.metrics": 1, "sapd.yamlio": 1, "sapd.progress": 1,
     "sapd.layout": 2,
-    "sapd.config": 3,
+    "sapd.config": 3, "sapd.lease": 3,
     "sapd.data": 4, "sapd.models": 4,
     "sapd.checkpoints": 5,
     "sapd.envs": 6,
@@ -62,8 +62,9 @@ FLOORS: dict[str, int] = {
 EXACT = {"sapd"}  # entries that cover only themselves
 
 # inside a package its modules may import each other, except: a stage never imports another stage (its
-# engine and the stage context are not stages), and no environment knows the loop or the panels
-STAGE_HELPERS = {"sapd.stages", "sapd.stages.context", "sapd.stages.train_deepspeed"}
+# engine, the stage context and the held-out validation that teacher-scores and evaluate share are not
+# stages), and no environment knows the loop or the panels
+STAGE_HELPERS = {"sapd.stages", "sapd.stages.context", "sapd.stages.train_deepspeed", "sapd.stages.validation"}
 ALLOWED_BETWEEN_STAGES = {("sapd.stages.train", "sapd.stages.train_deepspeed")}
 ENVS_NOBODY_IMPORTS = {"sapd.envs.loop", "sapd.envs.panels"}
 LAZY_OK = {"sapd/cli.py"}  # the one production file whose sapd imports may sit inside functions
@@ -80,10 +81,11 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "sapd.progress": set(),
     "sapd.layout": set(),
     "sapd.config": set(),
+    "sapd.lease": set(),
     "sapd.data": {"pyarrow"},  # never a model library: data is contracts and transforms
     "sapd.models": {"torch", "transformers", "tokenizers", "safetensors", "vllm"},
     "sapd.checkpoints": {"torch", "safetensors"},
-    "sapd.envs": {"textworld", "scienceworld", "alfworld", "bm25s", "Stemmer", "numpy"},
+    "sapd.envs": {"textworld", "scienceworld", "alfworld", "fast_downward", "bm25s", "Stemmer", "numpy"},
     "sapd.stages": {"torch", "pyarrow", "deepspeed", "transformers"},
     "sapd.entry": set(),
     "sapd.panel_flags": set(),
@@ -96,8 +98,8 @@ THIRD_PARTY: dict[str, set[str] | None] = {
 }
 YAML_READER = "sapd.yamlio"  # the one module that imports yaml (YAML 1.2 numbers, key lines for errors)
 # heavy or optional packages: only inside functions in sapd/ and jobs/, so every module is cheap to import
-LAZY = {"vllm", "deepspeed", "textworld", "scienceworld", "alfworld", "matplotlib", "bm25s", "Stemmer",
-        "transformers", "tokenizers", "safetensors"}
+LAZY = {"vllm", "deepspeed", "textworld", "scienceworld", "alfworld", "fast_downward", "matplotlib", "bm25s",
+        "Stemmer", "transformers", "tokenizers", "safetensors"}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from sapd.method.objective import (
     OBJECTIVES,
     LossConfig,
     LossInputs,
+    behaviour_weights,
     clipped_surrogate,
     kl_penalty,
     loss_config_for,
@@ -640,3 +641,66 @@ def test_register_objective_checks_the_function(monkeypatch):
         register_objective("bad")(lambda new_logp_P_G_T, response_mask_P_G_T, teacher_logp, cfg: None)
     with pytest.raises(ValueError, match="registered already"):
         register_objective("sapd")(sapd_loss)
+
+
+# --------------------------------------------------------------------------- a stale round (train.overlap: one_step)
+
+
+def _one_token_group(tokens: list[str], p_old: dict[str, float], p_behaviour: dict[str, float],
+                     p_teacher: dict[str, float]):
+    """G one-token responses over a two-token vocabulary: (old, behaviour, teacher, response mask), P = 1."""
+    lg = lambda table: torch.log(torch.tensor([[[table[t]] for t in tokens]], dtype=DT))  # noqa: E731
+    return lg(p_old), lg(p_behaviour), lg(p_teacher), torch.ones(1, len(tokens), 1, dtype=torch.bool)
+
+
+def test_behaviour_weights_turn_a_stale_group_into_the_on_policy_token_term():
+    """π_old = (½, ½) over tokens A, B; the stale round was sampled by μ = (¼, ¾). A group drawn in exact
+    proportion to μ (A, B, B, B), each token weighted by w = π_old/μ (2 and ⅔), gives the on-policy group's
+    (A, A, B, B) token loss and the same gradient per token at θ = θ_old: the weighted objective is the
+    on-policy one in expectation (here exactly)."""
+    old, teacher = {"A": 0.5, "B": 0.5}, {"A": 0.8, "B": 0.2}
+    stale = _one_token_group(list("ABBB"), old, {"A": 0.25, "B": 0.75}, teacher)
+    fresh = _one_token_group(list("AABB"), old, old, teacher)
+    cfg = LossConfig(lambda_step=0.0, lambda_rule=0.0, lambda_tok=1.0)
+    losses, grads = [], []
+    for (o, mu, t, resp), weighted in ((stale, True), (fresh, False)):
+        new = o.clone().requires_grad_(True)
+        no_action = torch.zeros_like(resp)
+        loss, m = sapd_loss(new, o, t, resp, no_action, torch.zeros(1, resp.shape[1], dtype=DT), cfg,
+                            behaviour_logp_P_G_T=mu if weighted else None)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        g = new.grad.flatten().tolist()
+        grads.append((g[0] + (g[1] if not weighted else 0.0), sum(g[1:]) if weighted else g[2] + g[3]))
+        if weighted:
+            assert m["behaviour_weight_mean"] == pytest.approx((2 + 3 * 2 / 3) / 4)
+            assert m["ratio_mean"] == 1.0  # ρ is measured against π_old: it starts at 1 however stale the round
+    d_a, d_b = math.log(0.8 / 0.5), math.log(0.2 / 0.5)
+    assert losses[0] == pytest.approx(-0.15 * (2 * d_a + 2 * d_b) / 4, abs=1e-12)
+    assert losses[0] == pytest.approx(losses[1], abs=1e-12)
+    assert grads[0] == pytest.approx(grads[1], abs=1e-12)  # d loss / d log π(A), d loss / d log π(B)
+
+
+def test_behaviour_equal_to_pi_old_is_the_papers_objective_exactly():
+    new, old, teacher, resp, action, rules = _random_batch(seed=21)
+    plain, m_plain = sapd_loss(new, old, teacher, resp, action, rules)
+    same, m_same = sapd_loss(new, old, teacher, resp, action, rules, behaviour_logp_P_G_T=old.clone())
+    assert float(same) == float(plain)  # w = exp(0) = 1 exactly: not approximately
+    assert m_same["behaviour_weight_mean"] == 1.0 and m_same["behaviour_weight_capped_fraction"] == 0.0
+    assert "behaviour_weight_mean" not in m_plain
+    inputs = _inputs(new, old, teacher, resp, action, rules)
+    assert "behaviour_logp_P_G_T" not in required_inputs(LossConfig())  # passed only for a stale round
+    assert float(loss_for(LossConfig(), inputs)[0]) == float(plain)
+
+
+def test_behaviour_weights_are_truncated_at_the_cap_and_one_on_padding():
+    old = torch.log(torch.tensor([[[0.5, 0.5, 0.5]]], dtype=DT))
+    mu = torch.log(torch.tensor([[[0.01, 0.5, 0.25]]], dtype=DT))  # π_old/μ = 50, 1, 2
+    resp = torch.tensor([[[True, True, False]]])
+    assert behaviour_weights(old, mu, resp, cap=5.0).flatten().tolist() == pytest.approx([5.0, 1.0, 1.0])
+    assert behaviour_weights(old, mu, torch.ones_like(resp), cap=5.0).flatten()[2] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="behaviour_weight_cap must be ≥ 1"):
+        LossConfig(behaviour_weight_cap=0.5)
+    _, m = sapd_loss(old.clone(), old, old.clone(), resp, torch.zeros_like(resp), torch.zeros(1, 1, dtype=DT),
+                     behaviour_logp_P_G_T=mu)
+    assert m["behaviour_weight_capped_fraction"] == pytest.approx(0.5)  # one of the two response tokens

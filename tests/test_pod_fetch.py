@@ -3,10 +3,16 @@ processes sharing a cache (the ranks of a training pod, its scratch or the node'
 model folder once; a rank killed mid-download hands the rest to a waiting rank; a downloader that makes
 no progress makes the waiters fail after a deadline, naming it. And the S3 bytes a 2-process training pod
 reads for one round, measured both ways: every rank fetching checkpoint k and the whole optimizer state
-itself (before), against one fetch per pod and one optimizer shard per rank (now)."""
+itself (before), against one fetch per pod and one optimizer shard per rank (now).
+
+On a file system without ``flock`` (NFSv3 mounted ``nolock``, some FUSE and CSI drivers; simulated here:
+every ``flock`` of the process fails with ENOLCK, as such a file system answers) the same holds with a
+lock file and its heartbeat: one download, a killed holder's lock taken over, and where not even a lock
+file can be made, one line naming the folder."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import io
 import json
@@ -24,7 +30,7 @@ import yaml
 
 from sapd import checkpoints, layout, storage
 from sapd.config import config_from_dict
-from sapd.models.loading import FetchStalled, fetch_once
+from sapd.models.loading import DownloadLock, FetchStalled, ModelCacheLockError, fetch_once
 from sapd.run.local import run_pipeline
 from tests.conftest import free_port
 from tests.pipeline_util import make_models, tiny_config
@@ -50,9 +56,10 @@ def model_on_s3(s3_storage, tmp_path):
     return uri, files
 
 
-def _resolve(s3, uri: str, cache: Path, out: Path, *extra: str) -> subprocess.Popen:
+def _resolve(s3, uri: str, cache: Path, out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "tests/fetch_worker.py", "resolve", uri, str(cache), str(out), *extra],
-                            cwd=REPO, env=_env(s3), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=REPO, env={**_env(s3), **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def test_the_ranks_of_a_pod_download_once(s3_server, model_on_s3, tmp_path):
@@ -101,6 +108,20 @@ def test_a_stalled_downloader_fails_the_waiters_after_a_deadline(model_on_s3, tm
         assert 1.0 <= time.monotonic() - t0 < 10 and e.value.exit_code == 75  # a retried failure, one line
 
 
+def download_by_hand(dest: Path, uri: str, files: dict[str, bytes], *, steps: int, pause: float) -> None:
+    """Another process's download into ``dest``, slow: a temp file growing for ``steps`` × ``pause``
+    seconds, then the files and the completion marker."""
+    with open(dest / ".part.sapd-tmp", "wb") as part:
+        for _ in range(steps):
+            part.write(b"x" * 1000)
+            part.flush()
+            time.sleep(pause)
+    (dest / ".part.sapd-tmp").unlink()
+    for name, data in files.items():
+        (dest / name).write_bytes(data)
+    (dest / ".sapd-sync-complete").write_text(uri)
+
+
 def test_a_slow_downloader_making_progress_is_waited_for(model_on_s3, tmp_path):
     uri, files = model_on_s3
     dest = tmp_path / "scratch" / "m"
@@ -108,15 +129,7 @@ def test_a_slow_downloader_making_progress_is_waited_for(model_on_s3, tmp_path):
 
     def slow_holder(lock) -> None:  # a download that takes 2.5 s, its bytes growing all the while
         try:
-            with open(dest / ".part.sapd-tmp", "wb") as part:
-                for _ in range(8):
-                    part.write(b"x" * 1000)
-                    part.flush()
-                    time.sleep(0.3)
-            (dest / ".part.sapd-tmp").unlink()
-            for name, data in files.items():
-                (dest / name).write_bytes(data)
-            (dest / ".sapd-sync-complete").write_text(uri)
+            download_by_hand(dest, uri, files, steps=8, pause=0.3)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -132,6 +145,112 @@ def test_a_slow_downloader_making_progress_is_waited_for(model_on_s3, tmp_path):
         holder.join()
         lock.close()
     assert storage.transfer_stats()["s3_read_bytes"] == 0 and "waiting for" in seen[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# a file system without flock
+
+NO_FLOCK = {"SAPD_TEST_FLOCK_ERRNO": "ENOLCK"}  # what flock answers on NFSv3 mounted `nolock`
+
+
+def test_without_flock_the_ranks_of_a_pod_still_download_once(s3_server, model_on_s3, tmp_path):
+    """Two ranks at once, each downloading slowly (0.4 s a file, so the second meets the first's lock and
+    its heartbeat, beating every 0.25 s against a 1 s staleness): one downloads everything, the other waits
+    and reads nothing, and each says once why it does not use flock."""
+    uri, files = model_on_s3
+    cache = tmp_path / "scratch"
+    env = {**NO_FLOCK, "SAPD_FETCH_LOCK_STALE_S": "1"}
+    procs = [_resolve(s3_server, uri, cache, tmp_path / f"r{r}.json", "--hold-seconds", "0.4", env=env)
+             for r in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    read = sorted(json.loads((tmp_path / f"r{r}.json").read_text())["s3_read_bytes"] for r in range(2))
+    assert read == [0, sum(len(b) for b in files.values())], outputs  # once, although the heartbeat's stale time
+    for out in outputs:  # (1 s) is shorter than the download (0.4 s × files): the holder's beat kept it
+        assert "this file system refuses flock (ENOLCK); locking the download with" in out, out
+        assert "taking it over" not in out, out
+    (dest,) = [d for d in (cache / "models").iterdir() if d.is_dir()]
+    assert {f.name: f.read_bytes() for f in dest.iterdir() if not f.name.startswith(".")} == files
+    assert not list(cache.rglob("*.lock.owner*"))  # released: the lock file is gone
+
+
+def test_without_flock_a_killed_downloaders_lock_is_taken_over(s3_server, model_on_s3, tmp_path):
+    uri, files = model_on_s3
+    cache = tmp_path / "scratch"
+    env = {**NO_FLOCK, "SAPD_FETCH_LOCK_STALE_S": "1"}
+    killed = _resolve(s3_server, uri, cache, tmp_path / "a.json", "--die-after-files", "2", env=env)
+    assert killed.wait(timeout=300) == -9
+    (owner,) = list((cache / "models").glob("*.lock.owner"))  # the dead holder's lock stays behind
+    assert owner.read_text().startswith(f"pid {killed.pid} on ")
+    t0 = time.monotonic()
+    survivor = _resolve(s3_server, uri, cache, tmp_path / "b.json", env=env)
+    out = survivor.communicate(timeout=300)[0]
+    assert survivor.returncode == 0, out
+    assert time.monotonic() - t0 >= 1.0  # it waited for the lock to go stale, no longer than it had to
+    assert f"pid {killed.pid} on " in out and "has shown no heartbeat for 1 s; taking it over" in out, out
+    first_two = sorted(files)[:2]
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["s3_read_bytes"] == sum(len(files[n]) for n in files if n not in first_two)  # kept what was there
+    dest = owner.with_name(owner.name.removesuffix(".lock.owner"))
+    assert {f.name: f.read_bytes() for f in dest.iterdir() if not f.name.startswith(".")} == files
+    assert not list(cache.rglob("*.lock.owner*"))
+
+
+def test_a_live_holders_heartbeat_keeps_its_lock(model_on_s3, tmp_path, monkeypatch):
+    """In-process: a holder (a thread) keeps the lock file for 3 stale periods while its bytes grow; the
+    waiter neither takes it over nor gives up, and finds the holder's download."""
+    from tests.fetch_worker import refuse_flock
+    uri, files = model_on_s3
+    dest = tmp_path / "scratch" / "m"
+    dest.mkdir(parents=True)
+    monkeypatch.setattr(fcntl, "flock", fcntl.flock)  # restored after the test
+    refuse_flock("EOPNOTSUPP")  # what some FUSE and CSI drivers answer
+    holder_lock = DownloadLock(dest, stale_s=0.4, log=lambda line: None)
+    assert holder_lock.acquire() and not holder_lock.flock
+
+    def hold() -> None:
+        try:
+            download_by_hand(dest, uri, files, steps=12, pause=0.1)  # 1.2 s: three stale periods
+        finally:
+            holder_lock.release()
+            holder_lock.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    storage.reset_transfer_stats()
+    seen: list[str] = []
+    try:
+        assert fetch_once(uri, dest, stall_s=5.0, poll_s=0.05, log=seen.append, lock_stale_s=0.4) == dest
+    finally:
+        thread.join()
+    assert storage.transfer_stats()["s3_read_bytes"] == 0
+    # (EOPNOTSUPP and ENOTSUP are one number on Linux, whose name errno gives)
+    assert any(f"refuses flock ({errno.errorcode[errno.EOPNOTSUPP]})" in line for line in seen) and not any("taking it over" in s for s in seen)
+    assert any("waiting for pid" in line for line in seen), seen
+
+
+def test_no_flock_and_no_lock_file_is_one_line(model_on_s3, tmp_path, monkeypatch):
+    """A cache where flock is refused and no lock file can be created either (a read-only or
+    O_EXCL-less mount, simulated): one line naming the folder and what to do, exit code 2."""
+    from sapd.entry import exit_code
+    from tests.fetch_worker import refuse_flock
+    uri, _ = model_on_s3
+    dest = tmp_path / "cache" / "m"
+    monkeypatch.setattr(fcntl, "flock", fcntl.flock)
+    refuse_flock("ENOLCK")
+    real_open = os.open
+
+    def no_exclusive_create(path, flags, *args):
+        if flags & os.O_EXCL:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_exclusive_create)
+    with pytest.raises(ModelCacheLockError) as e:
+        fetch_once(uri, dest, stall_s=1.0, poll_s=0.05, log=lambda line: None)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{dest}: cannot lock the model cache: flock is refused")
+    assert "Read-only file system" in message and "SAPD_CACHE_DIR" in message and exit_code(e.value) == 2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -153,6 +272,10 @@ def _make_whole(root: str, k: int) -> None:
     torch.save(state, buf)
     storage.delete_prefix(checkpoints.optimizer_dir(root, k))
     storage.write_bytes(storage.join(layout.checkpoint_state_dir(root, k), "trainer.pt"), buf.getvalue())
+    marker = checkpoints.read_marker(root, k)
+    for key in ("files", "optimizer"):  # that sapd recorded no digests, and no sharded optimizer
+        marker.pop(key, None)
+    storage.write_json(layout.checkpoint_marker(root, k), marker)
 
 
 def _pod_round(s3, cfg_path: Path, k: int, cache: Path, out: Path, per_rank_cache: bool) -> int:

@@ -52,7 +52,8 @@ def test_torch_engine_resumes_exactly_from_its_sharded_state(student, tmp_path, 
     storage.reset_transfer_stats()
     uninterrupted, engine, shard = _save_and_continue(student, root)
     files = sorted(f.rsplit("/", 1)[1] for f in storage.list_files(checkpoints.optimizer_dir(root, 1)))
-    assert files == [".metadata", "__0_0.distcp"]  # one shard (one rank) and DCP's index
+    # one shard (one rank), DCP's index and the digests of the shard's items (checked on every ranged read)
+    assert files == [".metadata", checkpoints.ITEM_DIGESTS, "__0_0.distcp"]
     state_bytes = 2 * 4 * sum(shard.numels)  # exp_avg + exp_avg_sq, fp32
     data = storage.read_bytes(storage.join(checkpoints.optimizer_dir(root, 1), "__0_0.distcp"))
     assert state_bytes <= len(data) < state_bytes * 1.2
@@ -92,6 +93,10 @@ def _write_legacy(root: str, engine: train.TorchEngine, step: int) -> None:
                 "optimizer": engine.optimizer.state_dict()}, buf)
     storage.delete_prefix(checkpoints.optimizer_dir(root, 1))
     storage.write_bytes(storage.join(layout.checkpoint_state_dir(root, 1), "trainer.pt"), buf.getvalue())
+    marker = checkpoints.read_marker(root, 1)
+    for key in ("files", "optimizer"):  # that sapd recorded no digests, and no sharded optimizer
+        marker.pop(key, None)
+    storage.write_json(layout.checkpoint_marker(root, 1), marker)
 
 
 def test_checkpoints_holding_the_whole_state_still_resume(student, tmp_path):

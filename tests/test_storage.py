@@ -23,7 +23,7 @@ import pytest
 from boto3.s3.transfer import TransferConfig
 
 from sapd import storage
-from sapd.storage import StorageError, StorageNotFound
+from sapd.storage import CorruptObject, PreconditionFailed, StorageError, StorageNotFound, StorageUnavailable
 
 MiB = 1024 * 1024
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -228,7 +228,7 @@ def test_write_file_from_missing_source(root: str, tmp_path: Path) -> None:
 
 
 def test_local_write_failing_midway_leaves_old_file_and_no_temp(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, retries: Any
 ) -> None:
     target = tmp_path / "state" / "ckpt.json"
     storage.write_json(str(target), {"step": 1})
@@ -256,7 +256,8 @@ def test_local_write_failing_midway_leaves_old_file_and_no_temp(
 
     fresh = tmp_path / "state" / "new.bin"
     monkeypatch.setattr(os, "fsync", _raise_oserror)
-    with pytest.raises(StorageError):
+    retries(1.0, log=lambda line: None)  # EIO is what a network file system answers while away: retried
+    with pytest.raises(StorageUnavailable, match="still failing after"):
         storage.write_bytes(str(fresh), b"y" * 10)
     assert not fresh.exists()
     assert sorted(p.name for p in target.parent.iterdir()) == ["ckpt.json"]
@@ -358,7 +359,9 @@ def test_multipart_upload_is_used_for_large_files(s3_storage: str, tmp_path: Pat
     assert len(storage.read_bytes(storage.join(s3_storage, "big"))) == 12 * MiB
 
 
-def test_failed_multipart_upload_is_aborted(s3_server: Any, s3_storage: str, tmp_path: Path) -> None:
+def test_failed_multipart_upload_is_aborted(s3_server: Any, s3_storage: str, tmp_path: Path, retries: Any) -> None:
+    """A part that keeps failing past the retry deadline: the upload is aborted, nothing appears."""
+    retries(1.0, log=lambda line: None)
     source = tmp_path / "ckpt.bin"
     source.write_bytes(os.urandom(16 * MiB))
     uri = storage.join(s3_storage, "ckpt.bin")
@@ -367,7 +370,7 @@ def test_failed_multipart_upload_is_aborted(s3_server: Any, s3_storage: str, tmp
 
     def fail_second_part(**kwargs: Any) -> None:
         calls.append(1)
-        if len(calls) == 2:
+        if str(kwargs["params"]["query_string"].get("partNumber")) == "2":  # every attempt of part 2
             raise bce.EndpointConnectionError(endpoint_url=s3_server.endpoint_url)
 
     unhook = _hook("before-call.s3.UploadPart", fail_second_part)
@@ -439,17 +442,23 @@ def test_missing_bucket(s3_server: Any, s3_storage: str, tmp_path: Path, op: str
     assert bucket not in names
 
 
-def test_unreachable_server(s3_config_guard: None) -> None:
+def test_unreachable_server(s3_config_guard: None, retries: Any) -> None:
+    """Nothing listens: every attempt is refused, retried with backoff until the deadline (one "retrying
+    until" line meanwhile), then StorageUnavailable (exit 75) naming the endpoint and the object."""
+    lines: list[str] = []
+    retries(3.0, log=lines.append)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed again before use: nothing listens there
     endpoint = f"http://127.0.0.1:{port}"
     storage.configure_s3(endpoint, "id", "secret")
     started = time.monotonic()
-    with pytest.raises(StorageError, match="unreachable") as info:
+    with pytest.raises(StorageUnavailable, match="unreachable") as info:
         storage.write_bytes("s3://bucket/key", b"x")
-    assert time.monotonic() - started < 30
+    assert 3.0 <= time.monotonic() - started < 30
     assert endpoint in str(info.value) and "s3://bucket/key" in str(info.value)
+    assert "still failing after 3 s of retries" in str(info.value) and "\n" not in str(info.value)
+    assert len(lines) == 1 and lines[0].startswith("S3 unreachable: retrying until ") and " UTC (" in lines[0]
     with pytest.raises(StorageError, match="unreachable"):
         storage.exists("s3://bucket/key")
 
@@ -478,8 +487,10 @@ def test_configure_s3_falls_back_to_environment(
 
 @pytest.mark.integration
 def test_server_killed_mid_multipart_upload_leaves_no_object(
-    private_s3_server: Any, s3_config_guard: None, tmp_path: Path
+    private_s3_server: Any, s3_config_guard: None, tmp_path: Path, retries: Any
 ) -> None:
+    """The server dies for longer than the retry deadline: the upload fails, and nothing of it is readable."""
+    retries(3.0, log=lambda line: None)
     server = private_s3_server
     bucket = "sapd-kill-test"
     server.client().create_bucket(Bucket=bucket)
@@ -545,3 +556,273 @@ def test_server_killed_mid_multipart_upload_leaves_no_object(
     back = tmp_path / "back.bin"
     storage.download_to(uri, back)
     assert _sha(back) == _sha(source)
+
+
+# --------------------------------------------------------------------------------------------------
+# Riding out outages: transient failures retried with backoff up to the deadline, the others at once
+
+
+def _client_error(code: str, status: int, operation: str) -> bce.ClientError:
+    return bce.ClientError({"Error": {"Code": code, "Message": "injected"},
+                            "ResponseMetadata": {"HTTPStatusCode": status}}, operation)
+
+
+@pytest.mark.parametrize(("code", "status", "transient"), [
+    ("SlowDown", 503, True), ("InternalError", 500, True), ("ServiceUnavailable", 503, True),
+    ("RequestTimeout", 400, True), ("TooManyRequests", 429, True),
+    ("AccessDenied", 403, False), ("InvalidArgument", 400, False),
+])
+def test_which_s3_answers_are_retried(s3_storage: str, retries: Any, code: str, status: int, transient: bool) -> None:
+    """As botocore's standard retry mode: 5xx, throttling and request timeouts are transient; another 4xx
+    fails at once (one attempt, the server's code in the message)."""
+    lines: list[str] = []
+    retries(30.0, log=lines.append)
+    uri = storage.join(s3_storage, f"answer-{code}")
+    calls: list[int] = []
+
+    def first_attempt_fails(**kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise _client_error(code, status, "PutObject")
+
+    unhook = _hook("before-call.s3.PutObject", first_attempt_fails)
+    try:
+        if transient:
+            storage.write_text(uri, "landed")
+        else:
+            with pytest.raises(StorageError, match=code) as info:
+                storage.write_text(uri, "landed")
+            assert not isinstance(info.value, StorageUnavailable)
+    finally:
+        unhook()
+    if transient:
+        assert len(calls) == 2 and storage.read_text(uri) == "landed"
+        assert len(lines) == 2 and code in lines[0] and lines[1].startswith("S3 reachable again after ")
+    else:
+        assert len(calls) == 1 and lines == [] and not storage.exists(uri)
+
+
+def test_a_part_that_fails_once_is_sent_again_alone(s3_server: Any, s3_storage: str, retries: Any) -> None:
+    """A streamed multipart upload retries the part that failed, not the upload: 3 parts, 4 UploadParts."""
+    retries(30.0, log=lambda line: None)
+    uri = storage.join(s3_storage, "streamed.bin")
+    data = os.urandom(12 * MiB)
+    sent: list[str] = []
+
+    def part_2_fails_once(**kwargs: Any) -> None:
+        number = str(kwargs["params"]["query_string"].get("partNumber"))
+        sent.append(number)
+        if number == "2" and sent.count("2") == 1:
+            raise bce.ConnectionClosedError(endpoint_url=s3_server.endpoint_url)
+
+    unhook = _hook("before-call.s3.UploadPart", part_2_fails_once)
+    try:
+        with storage.open_write(uri, part_bytes=5 * MiB) as out:
+            out.write(data)
+    finally:
+        unhook()
+    assert sent == ["1", "2", "2", "3"]
+    assert storage.read_bytes(uri) == data
+
+
+def test_a_transient_failure_of_a_managed_upload_starts_it_again(s3_server: Any, s3_storage: str, tmp_path: Path,
+                                                                  retries: Any) -> None:
+    retries(30.0, log=lambda line: None)
+    source = tmp_path / "ckpt.bin"
+    source.write_bytes(os.urandom(12 * MiB))
+    uri = storage.join(s3_storage, "managed.bin")
+    failed: list[int] = []
+
+    def one_part_fails_once(**kwargs: Any) -> None:
+        if not failed:
+            failed.append(1)
+            raise bce.EndpointConnectionError(endpoint_url=s3_server.endpoint_url)
+
+    unhook = _hook("before-call.s3.UploadPart", one_part_fails_once)
+    try:
+        storage.write_file_from(source, uri, transfer_config=SMALL_PARTS)
+    finally:
+        unhook()
+    back = tmp_path / "back.bin"
+    storage.download_to(uri, back)
+    assert failed == [1] and _sha(back) == _sha(source)
+
+
+@pytest.mark.parametrize("where", ["replace", "pwrite", "read"])
+def test_local_transient_errors_are_retried_and_others_are_not(tmp_path: Path, retries: Any,
+                                                               monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """What a network file system answers while its server is away (ESTALE, EIO, ETIMEDOUT) is retried; a
+    full disk (ENOSPC) is not."""
+    import errno
+    retries(30.0, log=lambda line: None)
+    uri = str(tmp_path / "f.bin")
+    storage.write_bytes(uri, b"old")
+    faults: list[int] = []
+    real = {"replace": os.replace, "pwrite": os.pwrite, "read": Path.read_bytes}[where]
+
+    def flaky(*args: Any) -> Any:
+        if faults:
+            code = faults.pop(0)
+            raise OSError(code, os.strerror(code))
+        return real(*args)
+
+    monkeypatch.setattr(*((Path, "read_bytes") if where == "read" else (os, where)), flaky)
+
+    def act() -> None:
+        if where == "read":
+            assert storage.read_bytes(uri) == b"old"
+        elif where == "pwrite":
+            with storage.open_write(uri) as out:
+                out.write(b"new")
+        else:
+            storage.write_bytes(uri, b"new")
+
+    faults[:] = [errno.ESTALE, errno.EIO, errno.ETIMEDOUT]
+    act()
+    assert faults == []
+    assert Path(uri).read_bytes() == (b"old" if where == "read" else b"new")
+    faults[:] = [errno.ENOSPC]
+    with pytest.raises(StorageError, match="No space left") as info:
+        act()
+    assert not isinstance(info.value, StorageUnavailable)
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]  # no temp file left behind
+
+
+@pytest.mark.integration
+def test_an_outage_is_ridden_out_by_streams_ranged_reads_listings_and_downloads(
+    private_s3_server: Any, s3_config_guard: None, tmp_path: Path, retries: Any
+) -> None:
+    """The real server is stopped (SIGKILL, by PID) just before each kind of request and started again on
+    the same data a few seconds later: every operation waits it out and ends as if nothing happened."""
+    server = private_s3_server
+    server.client().create_bucket(Bucket="sapd-outage")
+    server.wait_writable("sapd-outage")
+    storage.configure_s3(server.endpoint_url, server.access_key, server.secret_key)
+    lines: list[str] = []
+    retries(120.0, log=lines.append)
+
+    restarts: list[threading.Thread] = []
+
+    def outage() -> None:
+        """Down now, up again (same data dir and ports) 2 s later, from another thread."""
+        storage._outage["last_line"] = -float("inf")
+        server.kill()
+
+        def restart() -> None:
+            time.sleep(2.0)
+            server.start()
+
+        restarts.append(threading.Thread(target=restart, daemon=True))
+        restarts[-1].start()
+
+    uri = "s3://sapd-outage/run/optimizer/__0_0.distcp"
+    data = os.urandom(11 * MiB)
+    killed: list[int] = []
+
+    def down_before_part_2(**kwargs: Any) -> None:
+        if str(kwargs["params"]["query_string"].get("partNumber")) == "2" and not killed:
+            killed.append(1)
+            outage()
+
+    unhook = _hook("before-call.s3.UploadPart", down_before_part_2)
+    try:
+        with storage.open_write(uri, part_bytes=5 * MiB) as out:
+            out.write(data)
+    finally:
+        unhook()
+    assert killed == [1]
+
+    def download() -> bool:
+        storage.download_to(uri, tmp_path / "copy")
+        return (tmp_path / "copy").read_bytes() == data
+
+    for check in (lambda: storage.read_range(uri, 6 * MiB, 4096) == data[6 * MiB:6 * MiB + 4096],
+                  lambda: storage.list_files("s3://sapd-outage/run") == [uri],
+                  lambda: storage.exists(uri),
+                  download):
+        restarts[-1].join(90)  # the last restart is over …
+        server.wait_writable("sapd-outage")  # … and the server takes writes again
+        outage()
+        assert check()
+    restarts[-1].join(90)
+    unreachable = [line for line in lines if line.startswith("S3 unreachable: retrying until ")]
+    assert len(unreachable) == 5 and len([line for line in lines if "reachable again" in line]) == 5, lines
+    assert server.client().list_multipart_uploads(Bucket="sapd-outage").get("Uploads", []) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# Conditional writes (the lease's create-if-absent and replace-if-unchanged) and digests
+
+
+def test_conditional_writes(root: str) -> None:
+    uri = storage.join(root, "lease.json")
+    assert storage.read_versioned(uri) is None
+    first = storage.write_conditional(uri, b"one", if_absent=True)
+    with pytest.raises(PreconditionFailed):
+        storage.write_conditional(uri, b"two", if_absent=True)
+    got = storage.read_versioned(uri)
+    assert got is not None and got.data == b"one" and got.etag == first and 0 <= got.age_s < 30
+    with pytest.raises(PreconditionFailed):
+        storage.write_conditional(uri, b"three", if_match=first + "x")
+    second = storage.write_conditional(uri, b"four", if_match=first)
+    assert second != first and storage.read_bytes(uri) == b"four"
+    with pytest.raises(PreconditionFailed):
+        storage.delete_conditional(uri, first)
+    storage.delete_conditional(uri, second)
+    assert not storage.exists(uri)
+    storage.delete_conditional(uri, second)  # gone already: nothing to do
+    assert storage.list_files(root) == []  # the local lock file is not a file anyone wrote
+
+
+def test_of_many_conditional_creates_at_once_exactly_one_lands(root: str) -> None:
+    uri = storage.join(root, "race.json")
+    barrier = threading.Barrier(6)
+
+    def take(i: int) -> bool:
+        barrier.wait()
+        try:
+            storage.write_conditional(uri, f"taker {i}".encode(), if_absent=True)
+            return True
+        except PreconditionFailed:
+            return False
+
+    with ThreadPoolExecutor(6) as pool:
+        won = list(pool.map(take, range(6)))
+    assert won.count(True) == 1
+    assert storage.read_text(uri) == f"taker {won.index(True)}"
+
+
+def test_check_digest_names_the_object(tmp_path: Path) -> None:
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"weights")
+    good = storage.file_digest(f)
+    assert good == storage.digest(b"weights")
+    storage.check_digest("s3://b/run/model.safetensors", good, good, "s3://b/run/_COMMITTED")
+    f.write_bytes(b"weightz")
+    with pytest.raises(CorruptObject, match=r"^s3://b/run/model.safetensors: 7 bytes .* s3://b/run/_COMMITTED "
+                                            r"recorded 7 bytes"):
+        storage.check_digest("s3://b/run/model.safetensors", storage.file_digest(f), good, "s3://b/run/_COMMITTED")
+    with pytest.raises(CorruptObject, match="not one of the files"):
+        storage.check_digest("x", good, None, "m")
+
+
+def test_a_stream_hashes_each_stretch_between_two_tells(root: str) -> None:
+    """What DCP's writer does: tell() at the start and end of each record; the stream's digest has one
+    SHA-256 per record, and the whole."""
+    uri = storage.join(root, "records.bin")
+    records = [b"a" * 10, b"", b"bc" * 7, os.urandom(1000)]
+    with storage.open_write(uri) as out:
+        for r in records:
+            out.tell()
+            out.write(r[:3])
+            out.write(r[3:])
+            out.tell()
+    found = out.digest()
+    data = b"".join(records)
+    assert storage.read_bytes(uri) == data and (found["bytes"], found["sha256"]) == (len(data), _sha_bytes(data))
+    offsets = [0, 10, 24]
+    assert found["segments"] == [[o, _sha_bytes(r)] for o, r in zip(offsets, [records[0], records[2], records[3]])]
+
+
+def _sha_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -128,7 +128,7 @@ def _seed(seed: int, k: int) -> int:
 
 
 def _episode_specs(games: Sequence[EpisodeSpec], k: int, per_game: int) -> list[EpisodeSpec]:
-    return [EpisodeSpec(f"{g.id}@r{k}e{j}", g.make_env, seed=g.seed, category=g.category)
+    return [EpisodeSpec(f"{g.id}@r{k}e{j}", g.make_env, seed=g.seed, category=g.category, prepare=g.prepare)
             for g in games for j in range(per_game)]
 
 

@@ -6,7 +6,8 @@ log-probs of every sampled token, action masks and rule scores), a done-marker p
 its part, and ``_MANIFEST.json`` written last, once every worker is done (:func:`commit_round`). Readers
 only read what the manifest lists (:func:`read_scored`). This module is the one writer and reader of
 that format; the row is built by :func:`scored_row`, so the Eq. 12 rule score always comes from
-:func:`sapd.method.rules.rule_score`.
+:func:`sapd.method.rules.rule_score`. :func:`commit_teacher_scores` commits all the stage writes for a round
+(checkpoint k's validation, :mod:`sapd.data.validation`, then the manifest).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pyarrow.parquet as pq
 
 from sapd import layout, storage
 from sapd.config import RunConfig
-from sapd.data import shards
+from sapd.data import shards, validation
 from sapd.data.schema import SCORED_KIND, SCORED_SCHEMA, SCORED_SCHEMA_VERSION
 from sapd.method.action_mask import action_token_mask
 from sapd.method.benchmarks import BenchmarkSpec
@@ -156,6 +157,17 @@ def commit_round(cfg: RunConfig, k: int) -> dict[str, Any]:
     return manifest
 
 
+def commit_teacher_scores(cfg: RunConfig, k: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Everything the teacher-scores stage of round k commits, once every worker's share is written:
+    checkpoint k's validation first (when :func:`sapd.data.validation.wanted`), then the round's scored
+    manifest (a round to score: k < ``train.rounds``; checkpoint ``train.rounds`` is only validated), so a
+    committed round has its validation committed too. Idempotent. → (validation result, manifest), each
+    None where there is none; :class:`~sapd.data.shards.ShardError` names the first worker not done."""
+    result = validation.commit(cfg, k) if validation.wanted(cfg, k) else None
+    manifest = commit_round(cfg, k) if k < cfg.train.rounds else None
+    return result, manifest
+
+
 def is_committed(root: str, k: int) -> bool:
     return shards.read_manifest(layout.scored_dir(root, k)) is not None
 
@@ -185,8 +197,12 @@ class ScoredPrefix:
     advantage_G: list[float] | None = None
     old_logp_G_T: list[list[float]] | None = None
     ref_logp_G_T: list[list[float]] | None = None  # the initial policy's, only with loss.kl_coef > 0
+    # the sampler's own log-probs of its tokens (the behaviour policy's): read by the loss only when the round
+    # was sampled by an older checkpoint than the one it trains from (train.overlap: one_step)
+    sampler_logp_G_T: list[list[float]] | None = None
 
 
 def scored_prefixes(table: pa.Table) -> list[ScoredPrefix]:
     return [ScoredPrefix(r["prefix_id"], r["prompt_token_ids"], r["response_token_ids"], r["teacher_logprobs"],
-                         r["action_mask"], r["rule_score"], r["advantage"]) for r in table.to_pylist()]
+                         r["action_mask"], r["rule_score"], r["advantage"], sampler_logp_G_T=r["sampler_logprobs"])
+            for r in table.to_pylist()]

@@ -8,7 +8,14 @@
   parser and normalisation), kept per decision so that two models can be compared decision by decision
   (``evals/NNNNNN/heldout-decisions.json``).
 
-Both are written into the run root and reused, so a rerun evaluates nothing twice.
+and, given the teacher, a third:
+
+- **distance to the teacher**: G samples per held-out decision at T = 1, the reverse KL(model ‖ teacher) per
+  sampled token, overall and over the action tokens, and the sampled action match, by the code the
+  teacher-scores stage validates every round with (:func:`sapd.stages.validation.distance_records`), kept per
+  decision for paired differences (``evals/NNNNNN/heldout-distance.json``).
+
+All are written into the run root and reused, so a rerun evaluates nothing twice.
 """
 
 from __future__ import annotations
@@ -20,17 +27,21 @@ from typing import Any, Callable
 
 from sapd import checkpoints, layout, storage
 from sapd.data.prefixes import PrefixOptions, build_prefixes, read_prefixes
+from sapd.data.validation import summarize
 from sapd.demo.pools import warm_textworld
 from sapd.envs.panels import PanelSpec
 from sapd.envs.textworld_env import default_panel
 from sapd.method.benchmarks import get_benchmark, parse_decision
 from sapd.method.rules import normalize_action
 from sapd.models.generation import HFGenerator, SamplingParams, stops_for
-from sapd.models.loading import load_tokenizer
+from sapd.models.loading import load_causal_lm, load_tokenizer
+from sapd.models.scoring import HFScorer
 from sapd.stages.evaluate import evaluate_checkpoint
+from sapd.stages.validation import distance_records
 
 Report = Callable[[str, int, int, str], None]
 DECISIONS = "heldout-decisions.json"
+DISTANCE = "heldout-distance.json"
 
 
 def heldout_rows(pool: str | Path, out: str | Path, tokenizer, history_length: int) -> list[dict[str, Any]]:
@@ -97,3 +108,42 @@ def evaluate_model(root: str, k: int, *, panel: PanelSpec, rows: list[dict[str, 
             "format_valid": sum(v[1] for v in per_decision.values()) / n,
             "per_decision": per_decision, "games": len(per_game), "decisions": n,
             "seconds": time.perf_counter() - t0}
+
+
+def heldout_distance(root: str, k: int, teacher: str, rows: list[dict[str, Any]], *, max_new_tokens: int,
+                     group_size: int = 4, seed: int = 0, report: Report | None = None,
+                     chunk: int = 16) -> dict[str, Any]:
+    """Checkpoint ``k`` of ``root``'s distance to ``teacher`` (a model folder or run root) on the held-out
+    decisions ``rows`` → ``{summary, per_decision: {prefix_id: [Σ reverse KL, tokens, Σ on action tokens,
+    action tokens, action matches, samples]}, group_size, seconds}``; written to ``evals/NNNNNN/`` and reused.
+    Sampled ``chunk`` decisions at a time (seeded by ``seed`` and the chunk's first row)."""
+    dest = storage.join(layout.evals_dir(root, k), DISTANCE)
+    if storage.exists(dest):
+        return storage.read_json(dest)
+    t0 = time.perf_counter()
+    tok = load_tokenizer(str(checkpoints.checkpoint_model_path(root, k)))
+    model = checkpoints.load_checkpoint_model(root, k)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    done = [0]
+
+    def step(n: int) -> None:
+        done[0] += n
+        if report is not None:
+            report("distance to the teacher", done[0], len(rows), "decisions")
+    step(0)
+    sampler, teacher_scorer, scorer = (HFGenerator(model, tok, prompts_per_batch=8),
+                                       HFScorer(load_causal_lm(teacher), pad), HFScorer(model, pad))
+    records: list[dict[str, Any]] = []
+    for start in range(0, len(rows), chunk):  # a chunk at a time, so the progress line counts decisions
+        params = SamplingParams(n=group_size, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                stop=stops_for("action"), seed=seed + start)
+        done_now, _ = distance_records(rows[start:start + chunk], sampler, teacher_scorer, scorer, tok, "textworld",
+                                       params)
+        records += done_now
+        step(len(done_now))
+    out = {"summary": summarize(records)["overall"], "group_size": group_size,
+           "per_decision": {r["prefix_id"]: [r["reverse_kl"], r["tokens"], r["reverse_kl_action"], r["action_tokens"],
+                                             r["action_match"], r["samples"]] for r in records},
+           "seconds": time.perf_counter() - t0}
+    storage.write_json(dest, out)
+    return out

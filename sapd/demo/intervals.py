@@ -5,19 +5,16 @@ numbers."""
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Mapping, Sequence
 
+from sapd.data.validation import wilson
+
 
 def wilson_interval(p: float, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """The 95 % Wilson score interval of a proportion ``p`` measured on ``n`` trials."""
-    if n <= 0:
-        return (0.0, 1.0)
-    d = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / d
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    """The 95 % Wilson score interval of a proportion ``p`` measured on ``n`` trials (the one
+    :func:`sapd.data.validation.wilson` the run's validation uses)."""
+    return wilson(p, n, z)
 
 
 def percentile_interval(reps: list[float], level: float) -> tuple[float, float]:

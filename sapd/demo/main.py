@@ -29,14 +29,16 @@ interrupted one continues):
 upper bounds). A game takes ~1 s to generate (``tw-make``, one process per game, took 3.4 s), an expert
 episode 0.05 s, one SFT pass over one decision 0.026 s at 128 wide × 2 layers (prompts are ~320 tokens; 256
 × 4, the powered study's shape, costs about 6× as much), an SAPD or OPD+Rule round of 4 trajectories × G = 8
-about 5 s, an SFT round 0.6 s, evaluating one model on 30 games and 135 decisions 7–16 s, a worker process's
-start ~5 s. The critical path is::
+about 5 s, an SFT round 0.6 s, evaluating one model on 30 games and 135 decisions 7–16 s (its distance to the
+teacher, 4 samples per decision, 0.68× that: 13.4 CPU-s against 19.6 for the student's evaluation,
+``bench/distance_cost.py``), a worker process's start ~5 s. The critical path is::
 
     100 pre-training games on 2 processes (~66 s) + their play and the tokenizer (~8 s)
     + student SFT: 100 games × 3 decisions × 20 epochs (~175 s)
     + teacher SFT: 8 epochs over ~480 decisions (~100 s)
     + SAPD, 8 rounds, and its evaluation (~58 s; OPD+Rule beside it on the other core)
-    + the teacher's evaluation (~9 s) + the report (~3 s)                      ≈ 7 minutes
+    + the teacher's evaluation (~9 s) and the four models' distances to the teacher (~13 s each,
+      two at a time: ~25 s) + the report (~3 s)                                  ≈ 7½ minutes
 
 while the other core generates and plays the 70 training and held-out games during the student's SFT, and
 evaluates the student and trains the SFT arm during the teacher's. The student needs its 6,000 decision-passes
@@ -52,6 +54,7 @@ teacher's own held-out action match with seed 0, the premise check, never on an 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -61,7 +64,8 @@ from typing import Any, Callable
 from sapd import checkpoints, layout, yamlio
 from sapd.config import apply_file_overlay, apply_overlay, load_config, read_yaml_mapping
 from sapd.data.prefixes import read_prefixes
-from sapd.demo.evaluation import DECISIONS, evaluate_model, heldout_rows
+from sapd.data.validation import paired_ratio_difference
+from sapd.demo.evaluation import DECISIONS, DISTANCE, evaluate_model, heldout_distance, heldout_rows
 from sapd.demo.games import generate_games, missing_games, panels
 from sapd.demo.intervals import paired_bootstrap, wilson_interval
 from sapd.demo.models import ModelShape, data_section, ensure_init_model, ensure_tokenizer, sft_run_config
@@ -124,6 +128,9 @@ class DemoConfig:
     minibatch_prefixes: int = 8
     # per arm: what the powered study's validation sweep chose for its 256×4 models (not re-tuned here)
     lrs: dict[str, float] = field(default_factory=lambda: {"sft": 3e-4, "opd_rule": 3e-4, "sapd": 1e-4})
+    # samples per held-out decision (T = 1) for each model's distance to the teacher (the teacher's own is 0):
+    # measured (bench/distance_cost.py), one model's costs 0.68× its held-out evaluation at 4, 0.51× at 2
+    distance_group_size: int = 4
     seed: int = 0  # the arms' training seed
     workers: int = 0  # parallel jobs (one thread each); 0: one per core, at most 4
     env_timeout_s: float = 120.0
@@ -185,6 +192,16 @@ def evaluate_job(report: Callable[[str, int, int, str], None], root: str, panel:
     return {**evaluate_model(root, k, panel=PanelSpec(**panel), rows=rows, horizon=horizon,
                              max_new_tokens=max_new_tokens, env_timeout_s=env_timeout_s, report=report),
             "train_seconds": train_s}
+
+
+def distance_job(report: Callable[[str, int, int, str], None], root: str, teacher: str, prefixes: str,
+                 max_new_tokens: int, group_size: int) -> dict[str, Any]:
+    """The newest checkpoint of ``root``'s distance to the teacher on the held-out decisions
+    (:func:`sapd.demo.evaluation.heldout_distance`)."""
+    k = layout.committed_checkpoints(root)[-1]
+    rows = read_prefixes(prefixes, "train").to_pylist()
+    return heldout_distance(root, k, teacher, rows, max_new_tokens=max_new_tokens, group_size=group_size,
+                            report=report)
 
 
 def sft_job(report: Callable[[str, int, int, str], None], config: str, root: str, init: str, data: str,
@@ -266,8 +283,9 @@ def logs_job(report: Callable[[str, int, int, str], None], panels: dict[str, lis
     return summary
 
 
-def _finished(config: str, evaluated: bool = False) -> bool:
-    """The run of ``config`` has its last checkpoint (and, with ``evaluated``, both its evaluations)."""
+def _finished(config: str, evaluated: bool = False, distance: bool = False) -> bool:
+    """The run of ``config`` has its last checkpoint (and, with ``evaluated``, both its evaluations; with
+    ``distance``, its distance to the teacher)."""
     if not Path(config).is_file():
         return False
     cfg = load_config(config)
@@ -275,7 +293,8 @@ def _finished(config: str, evaluated: bool = False) -> bool:
     if not checkpoints.is_committed(cfg.run_root, k):
         return False
     evals = Path(layout.evals_dir(cfg.run_root, k))
-    return not evaluated or ((evals / "textworld.json").is_file() and (evals / DECISIONS).is_file())
+    return ((not evaluated or ((evals / "textworld.json").is_file() and (evals / DECISIONS).is_file()))
+            and (not distance or (evals / DISTANCE).is_file()))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -354,6 +373,71 @@ def _reading(name: str, d: dict[str, float], what: str) -> str:
     return f"{name}: {what} {span}, not separable from 0 at this size"
 
 
+def _kl_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """a − b of the reverse KL to the teacher per sampled token, paired over the held-out decisions."""
+    ids = sorted(set(a["distance"]["per_decision"]) & set(b["distance"]["per_decision"]))
+    pa, pb = a["distance"]["per_decision"], b["distance"]["per_decision"]
+    d = paired_ratio_difference([pa[i][0] for i in ids], [pa[i][1] for i in ids], [pb[i][0] for i in ids],
+                                [pb[i][1] for i in ids])
+    return {"diff": d["diff"], "lo": d["ci"][0], "hi": d["ci"][1], "units": len(ids)}
+
+
+def _kl_reading(name: str, d: dict[str, Any], before: float) -> str:
+    rel = f"{d['diff'] / before:+.0%} of the student's" if before else "from a student at 0"
+    if d["lo"] is None:
+        return f"{name}: reverse KL to the teacher {d['diff']:+.3f} nats per token ({rel}), one decision: no interval"
+    span = f"{d['diff']:+.3f} nats per token [{d['lo']:+.3f}, {d['hi']:+.3f}], {rel}"
+    if d["hi"] < 0:
+        return f"{name}: reverse KL to the teacher {span}, closer to the teacher (the interval is below 0)"
+    if d["lo"] > 0:
+        return f"{name}: reverse KL to the teacher {span}, further from the teacher (the interval is above 0)"
+    return f"{name}: reverse KL to the teacher {span}, not separable from 0 at this size"
+
+
+def _nats(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
+def _kl_cell(r: dict[str, Any]) -> str:
+    if "reverse_kl" not in r:
+        return "–"
+    if "sampled_action_match" not in r:  # the teacher against itself
+        return "0 (itself)"
+    lo, hi = r["reverse_kl_ci"]
+    return f"{r['reverse_kl']:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None else "")
+
+
+def _moving_sentence(rows: dict[str, dict[str, Any]], rounds: int) -> str:
+    """What moving toward the teacher did and did not buy, in plain words, from the rows' numbers."""
+    before = rows[BEFORE]
+    parts, closer, gained = [], [], []
+    for arm in ARMS:
+        name, r = ARMS[arm][0], rows[ARMS[arm][0]]
+        d = r["reverse_kl_vs_before"]
+        lo, hi = (d["lo"], d["hi"]) if d["lo"] is not None else (-math.inf, math.inf)
+        way = "closer to" if hi < 0 else "further from" if lo > 0 else "not measurably nearer to"
+        if hi < 0:
+            closer.append(name)
+        for key in ("action_match", "success"):
+            if r[f"{key}_vs_before"]["lo"] > 0:
+                gained.append(f"{name}'s {key.replace('_', ' ')}")
+        parts.append(f"{name} ended {way} the teacher ({before['reverse_kl']:.3f} → {r['reverse_kl']:.3f} nats per "
+                     f"sampled token, {d['diff'] / max(before['reverse_kl'], 1e-12):+.0%}; on the action tokens "
+                     f"{_nats(before['reverse_kl_action'])} → {_nats(r['reverse_kl_action'])})")
+    teacher = rows[TEACHER]
+    bought = ("it bought no separable gain in held-out action match or success" if not gained else
+              "it bought a separable gain in " + ", ".join(gained))
+    lead = (f"Moving toward the teacher, in {rounds} round{'' if rounds == 1 else 's'}: " + "; ".join(parts) + ". ")
+    if not closer:
+        return lead + "No arm moved measurably closer to the teacher here, so there is nothing for closeness to buy."
+    return (lead + f"For {' and '.join(closer)}, {bought}: the teacher agrees with the expert on "
+            f"{teacher['action_match']:.0%} of the held-out decisions and the student before on "
+            f"{before['action_match']:.0%}, while "
+            + ", ".join(f"{n} agrees on {rows[n]['action_match']:.0%}" for n in closer)
+            + " — a student closer to the teacher's distribution token by token is not yet one that picks the "
+            "teacher's actions (docs/results/DISTANCE.md measures why the distance stalls).")
+
+
 def _diff(a: dict[str, Any], b: dict[str, Any], key: str) -> dict[str, float]:
     """a − b, paired over the games or decisions both were evaluated on."""
     value = (lambda v: v[0]) if key == "per_decision" else (lambda v: v)
@@ -378,7 +462,17 @@ def _chart(rows: dict[str, dict[str, Any]], dest: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(rows)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    kl = all("reverse_kl" in r for r in rows.values())
+    fig, axes = plt.subplots(1, 3 if kl else 2, figsize=(15 if kl else 10, 3.8))
+    if kl:
+        ax = axes[2]
+        vals = [rows[n]["reverse_kl"] for n in names]
+        errs = [[max(v - (rows[n]["reverse_kl_ci"][0] or v), 0) for n, v in zip(names, vals)],
+                [max((rows[n]["reverse_kl_ci"][1] or v) - v, 0) for n, v in zip(names, vals)]]
+        ax.bar(range(len(names)), vals, yerr=errs, capsize=4,
+               color=["#999999", *["#4c72b0"] * (len(names) - 2), "#55a868"])
+        ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+        ax.set_title("reverse KL to the teacher, nats / sampled token — bars: 95 %", fontsize=9)
     for ax, key, title in ((axes[0], "success", "task success (held-out games)"),
                            (axes[1], "action_match", "action match (held-out decisions)")):
         vals = [rows[n][key] for n in names]
@@ -456,7 +550,17 @@ def run_demo(out: str | Path, cfg: DemoConfig | None = None, *, log: Callable[[s
             Job(BEFORE, evaluate_job, {"root": student["root"], **common}, after=data,
                 inline=_finished(student["config"], evaluated=True)),
             Job(TEACHER, evaluate_job, {"root": teacher["root"], **common}, after=("teacher SFT",),
-                inline=_finished(teacher["config"], evaluated=True))]
+                inline=_finished(teacher["config"], evaluated=True)),
+            # every model's distance to the teacher (the teacher's own is 0), once the teacher and the model are
+            # there (the arms' first: they end the critical path)
+            *(Job(f"{name}: distance", distance_job, {"root": root, "teacher": teacher["root"],
+                                                       "prefixes": str(p.heldout), "max_new_tokens": cfg.max_new_tokens,
+                                                       "group_size": cfg.distance_group_size},
+                  after=(name, "teacher SFT"), inline=_finished(config, distance=True))
+              for name, root, config in ((ARMS["sapd"][0], str(p.runs / "sapd"), arm_configs["sapd"]),
+                                         (ARMS["opd_rule"][0], str(p.runs / "opd_rule"), arm_configs["opd_rule"]),
+                                         (BEFORE, student["root"], student["config"]),
+                                         (ARMS["sft"][0], str(p.runs / "sft"), arm_configs["sft"])))]
     log(f"[2/3] {workers} jobs at a time: the student's SFT ({cfg.student_epochs:g} epochs); the training and "
         f"held-out games of {', '.join(cfg.families)} (the ε = {cfg.noise:g} noisy expert's logs, the clean "
         f"expert's play for the teacher, held-out decisions); the teacher (the student after "
@@ -475,6 +579,9 @@ def run_demo(out: str | Path, cfg: DemoConfig | None = None, *, log: Callable[[s
     # 3. report
     log("[3/3] report")
     evals = {BEFORE: results[BEFORE], **{ARMS[a][0]: results[ARMS[a][0]] for a in ARMS}, TEACHER: results[TEACHER]}
+    for name in evals:
+        if f"{name}: distance" in results:
+            evals[name] = {**evals[name], "distance": results[f"{name}: distance"]}
     training_report = write_report(str(p.runs / "sapd"))
     checkpoints.export_model(str(p.runs / "sapd"), str(p.out / "sapd_student"), checkpoint=cfg.rounds)
     timings.lap("report", True)
@@ -492,6 +599,15 @@ def write_outputs(cfg: DemoConfig, p: Paths, evals: dict[str, dict[str, Any]], p
                       "action_match": ev["action_match"],
                       "action_match_ci": wilson_interval(ev["action_match"], ev["decisions"]),
                       "format_valid": ev["format_valid"], "games": ev["games"], "decisions": ev["decisions"]}
+        if "distance" in ev:  # the reverse KL to the teacher per sampled token, and the sampled action match
+            dist = ev["distance"]["summary"]
+            rows[name].update({"reverse_kl": dist["reverse_kl_per_token"]["value"],
+                               "reverse_kl_ci": dist["reverse_kl_per_token"]["ci"],
+                               "reverse_kl_action": dist["reverse_kl_per_action_token"]["value"],
+                               "sampled_action_match": dist["action_match"]["value"],
+                               "sampled_action_match_ci": dist["action_match"]["ci"]})
+        elif name == TEACHER:  # its distance to itself: 0 by definition, not measured
+            rows[name].update({"reverse_kl": 0.0, "reverse_kl_ci": [0.0, 0.0], "reverse_kl_action": 0.0})
     base = ARMS[BASELINE][0]
     gap = _diff(evals[TEACHER], evals[BEFORE], "per_decision")
     premise = gap["lo"] > 0
@@ -507,13 +623,18 @@ def write_outputs(cfg: DemoConfig, p: Paths, evals: dict[str, dict[str, Any]], p
                 d = _diff(evals[name], evals[ref], unit)
                 rows[name][f"{key}_vs_{'before' if ref == BEFORE else 'baseline'}"] = d
                 readings.append(_reading(f"{name} − {ref}", d, what))
+        if "distance" in evals[name]:
+            d = _kl_diff(evals[name], evals[BEFORE])
+            rows[name]["reverse_kl_vs_before"] = d
+            readings.append(_kl_reading(f"{name} − {BEFORE}", d, rows[BEFORE]["reverse_kl"]))
     _chart(rows, p.out / "success.png")
     seconds = time.perf_counter() - t_start
-    table = [["model", "success [95 % CI]", "action match [95 % CI]", "well-formed"]]
+    table = [["model", "success [95 % CI]", "action match [95 % CI]", "reverse KL to the teacher [95 % CI]",
+              "well-formed"]]
     for name, r in rows.items():
         table.append([name, f"{r['success']:.2f} [{r['success_ci'][0]:.2f}, {r['success_ci'][1]:.2f}]",
                       f"{r['action_match']:.2f} [{r['action_match_ci'][0]:.2f}, {r['action_match_ci'][1]:.2f}]",
-                      f"{r['format_valid']:.2f}"])
+                      _kl_cell(r), f"{r['format_valid']:.2f}"])
     n_games, n_dec = rows[BEFORE]["games"], rows[BEFORE]["decisions"]
     sapd = rows[ARMS["sapd"][0]]
     moved = sapd["success_vs_before"]["diff"]
@@ -523,6 +644,7 @@ def write_outputs(cfg: DemoConfig, p: Paths, evals: dict[str, dict[str, Any]], p
              f"{sapd['action_match']:.0%} of {n_dec} held-out decisions (before: {rows[BEFORE]['action_match']:.0%}; "
              f"OPD+Rule: {rows[base]['action_match']:.0%}). One training seed: the intervals cover the games and "
              f"decisions, not the seed, so a difference marked better or worse may still be the seed's.")
+    moving = _moving_sentence(rows, cfg.rounds) if all("reverse_kl" in r for r in rows.values()) else ""
     caveat = POWERED_CONCLUSION + " This demo runs that setting small enough to watch; it shows how the method " \
         "runs and how its numbers are read, not whether it wins."
     steps = {k: v for k, v in timings.items() if not k.startswith("job ")}
@@ -541,8 +663,12 @@ def write_outputs(cfg: DemoConfig, p: Paths, evals: dict[str, dict[str, Any]], p
           f"expert's {n_dec} held-out decisions.", "",
           "## Held-out results", "", _markdown(table), "",
           "Intervals: 95 % Wilson for one proportion; differences below: a bootstrap over the same games or "
-          "decisions (paired).", "", "![held-out results](success.png)", "",
-          "## What the numbers mean", "", *[f"- {line}." for line in readings], "", plain, "", caveat, "",
+          "decisions (paired). Reverse KL(model ‖ teacher): nats per sampled token, "
+          f"{cfg.distance_group_size} samples per held-out decision at T = 1 scored by the teacher (the figure "
+          "`sapd run` validates every round; the teacher's own is 0), its interval and its differences by the "
+          "delta method over the same decisions.", "", "![held-out results](success.png)", "",
+          "## What the numbers mean", "", *[f"- {line}." for line in readings], "", plain, "",
+          *([moving, ""] if moving else []), caveat, "",
           "## Run it yourself", "",
           "Every model here was made by `sapd run` on a config in `configs/` (copy one to start your own: "
           "`sapd run configs/sapd.yaml`), evaluated by `sapd evaluate`'s code, and the SAPD run's training "
@@ -554,7 +680,8 @@ def write_outputs(cfg: DemoConfig, p: Paths, evals: dict[str, dict[str, Any]], p
           f"step before the report. This run took {duration(seconds)}; a rerun reuses everything and keeps "
           "these times.", "", _markdown(timing_rows), ""]
     (p.out / "REPORT.md").write_text("\n".join(md), encoding="utf-8")
-    public = {n: {k: v for k, v in ev.items() if k != "per_decision"} for n, ev in evals.items()}
+    public = {n: {k: ({**v, "per_decision": None} if k == "distance" else v) for k, v in ev.items()
+                  if k != "per_decision"} for n, ev in evals.items()}
     (p.out / "evaluation.json").write_text(json.dumps({"models": public, "rows": rows}, indent=2, default=float) + "\n")
     summary = {"rows": rows, "readings": readings, "premise_holds": premise, "timings": timings,
                "seconds": seconds, "pools": pool_summary, "training_report": training_report,
@@ -562,6 +689,6 @@ def write_outputs(cfg: DemoConfig, p: Paths, evals: dict[str, dict[str, Any]], p
     (p.out / "demo-summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
     log(f"\nheld-out TextWorld results ({n_games} games, {n_dec} decisions):\n{_plain(table)}\n")
     log("\n".join(readings))
-    log(f"\n{plain}\n\n{caveat}")
+    log(f"\n{plain}\n\n" + (f"{moving}\n\n" if moving else "") + caveat)
     log(f"\nreport: {p.out / 'REPORT.md'}   configs: {p.configs}/   ({duration(seconds)} in all)")
     return summary

@@ -46,6 +46,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from sapd.envs import alfworld_cache
 from sapd.envs.base import EpisodeSpec, StepInfo, StepResult
 from sapd.method.benchmarks import (
     alfworld_category,
@@ -62,6 +63,8 @@ SPLITS = {"train": "train", "valid_seen": "valid_seen", "valid_unseen": "valid_u
           "dev": "valid_seen", "eval_in_distribution": "valid_seen",
           "test": "valid_unseen", "eval_out_of_distribution": "valid_unseen"}
 EXPERTS = ("handcoded", "planner")
+# what `sapd alfworld-games` writes beside the games of a split it generated (sapd.envs.alfworld_games)
+GENERATED_MANIFEST = "sapd_games.json"
 EXPERT_FIX_NOTE = ("ALFWorld's hand-coded expert runs with sapd's move/put fix: alfworld 0.4.x's "
                    "BasePolicy.update_state_tracking detects a placement by the word 'put', but 0.4.x places with "
                    "'move X to Y', so the unfixed expert keeps believing it holds the object and loops (every "
@@ -193,6 +196,18 @@ def scan_split(data_dir: str | Path | None = None, split: str = "valid_unseen") 
     return out
 
 
+def split_source(data_dir: str | Path | None = None, split: str = "valid_unseen") -> dict[str, Any] | None:
+    """How the games of a split were made, when sapd generated them (``sapd alfworld-games``: its settings
+    from the split's manifest, so an evaluation on generated games is never mistaken for one on ALFWorld's
+    official split); None for any other folder (the official data)."""
+    p = data_root(data_dir) / "json_2.1.1" / SPLITS.get(split, split) / GENERATED_MANIFEST
+    if not p.is_file():
+        return None
+    m = json.loads(p.read_text())
+    return {"generated_by": "sapd alfworld-games",
+            **{k: m.get(k) for k in ("generator_version", "seed", "per_type", "check_expert")}}
+
+
 def game_files(data_dir: str | Path | None = None, split: str = "valid_unseen") -> list[Path]:
     """The playable game files of one split (:func:`scan_split`)."""
     return scan_split(data_dir, split).games
@@ -213,9 +228,11 @@ def _expert_type(expert: bool | str | None) -> str | None:
 
 
 def make_backend(game_file: str | Path, max_steps: int = 50, expert: bool | str | None = None,
-                 expert_fix: bool = True) -> Any:
+                 expert_fix: bool = True, engine_cache: bool = True) -> Any:
     """ALFWorld's TextWorld environment for one ``game.tw-pddl`` (needs the ``alfworld`` package);
-    ``expert``: ``planner`` | ``handcoded`` (True = handcoded) adds ALFWorld's expert wrapper."""
+    ``expert``: ``planner`` | ``handcoded`` (True = handcoded) adds ALFWorld's expert wrapper;
+    ``engine_cache``: TextWorld's parses and Fast Downward's translations cached (process-wide,
+    :mod:`sapd.envs.alfworld_cache`), else the engine as shipped."""
     try:
         import textworld
         import textworld.gym
@@ -228,6 +245,8 @@ def make_backend(game_file: str | Path, max_steps: int = 50, expert: bool | str 
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise RuntimeError(f"ALFWorld is not installed ({e}): pip install 'sapd[alfworld]'") from e
     read_game(game_file)  # a one-line error for a bad file, before TextWorld's traceback
+    if engine_cache != alfworld_cache.engine_cache_enabled():
+        alfworld_cache.set_engine_cache(engine_cache)  # process-wide, as the expert fix; False if unavailable
     kind = _expert_type(expert)
     extras = ["gamefile"]
     wrappers: list[Any] = [AlfredDemangler(shuffle=False), AlfredInfos]
@@ -250,13 +269,15 @@ class AlfworldEnv:
     """One ALFWorld game. ``backend``: an already-built textworld-gym-like env (default: built lazily
     from ``game_file`` with :func:`make_backend`). ``expert``: ``planner`` | ``handcoded`` (True =
     handcoded) makes :meth:`expert_action` ALFWorld's expert; ``expert_fix``: the hand-coded expert's
-    move/put fix (:func:`set_expert_fix`)."""
+    move/put fix (:func:`set_expert_fix`); ``engine_cache``: the engine's start-up cached
+    (:mod:`sapd.envs.alfworld_cache`)."""
 
     game_file: str | Path
     backend: Any = None
     max_steps: int = 50  # the backend's own limit; the agent loop enforces the benchmark horizon
     expert: bool | str = False
     expert_fix: bool = True
+    engine_cache: bool = True
     benchmark: str = "alfworld"
     category: str | None = None  # default: from the game file path
     _task: str = field(default="", repr=False)
@@ -292,7 +313,8 @@ class AlfworldEnv:
                                      f"{Path(self.game_file).parent.name}").getstate()
         info: dict[str, Any] = {"game_file": str(self.game_file)}
         if self.backend is None:
-            self.backend = make_backend(self.game_file, self.max_steps, self.expert, self.expert_fix)
+            self.backend = make_backend(self.game_file, self.max_steps, self.expert, self.expert_fix,
+                                        self.engine_cache)
             info["engine_wording"] = engine_wording(read_game(self.game_file))
         with self._own_random():
             obs, infos = self.backend.reset()
@@ -350,30 +372,54 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def prepare_engine(game_file: str | Path, log: Callable[[str], None] | None = _stderr) -> None:
+    """ALFWorld's shared start-up paid once in this process, before environment processes are forked from
+    it (``--env-timeout``, :mod:`sapd.envs.isolated`): the engine imported, its caches installed and what
+    every game shares parsed (:func:`sapd.envs.alfworld_cache.warm_engine` on ``game_file``'s grammar).
+    No game starts here, so nothing can hang outside an episode's deadline. Without ALFWorld installed it
+    does nothing (each episode says so); a game whose grammar fails to parse is said in one ``log`` line and
+    left to its episodes, which record the error."""
+    try:
+        import textworld.gym  # noqa: F401 - imported here so that forked environment processes inherit it
+        from alfworld.agents.environment import alfred_tw_env  # noqa: F401
+    except ImportError:
+        return
+    try:
+        alfworld_cache.warm_engine(read_game(game_file))
+    except Exception as e:  # noqa: BLE001 - a warm-up only; the episodes themselves report a broken game
+        if log is not None:
+            log(f"ALFWorld engine warm-up skipped ({game_file}: {type(e).__name__}: {e})")
+
+
 def alfworld_specs(data_dir: str | Path | None = None, split: str = "valid_unseen", limit: int | None = None,
                    *, per_category: int | None = None, max_steps: int = 50, expert: bool | str | None = None,
-                   expert_fix: bool = True, seed: int = 0,
+                   expert_fix: bool = True, seed: int = 0, engine_cache: bool = True,
                    log: Callable[[str], None] | None = _stderr) -> list[EpisodeSpec]:
     """One :class:`~sapd.envs.base.EpisodeSpec` per playable game of the split (sorted, so a fixed panel):
     the first ``limit`` overall and the first ``per_category`` of each category; id
     ``alfworld/<task>/<trial>``, category from the path. ``expert`` (``planner`` | ``handcoded``) builds
     environments that can play ALFWorld's expert (what ``sapd collect-expert`` needs); ``seed`` seeds the
-    hand-coded expert's draws. Games ALFWorld itself would skip are counted in a ``log`` line."""
+    hand-coded expert's draws. ``engine_cache``: the engine's start-up cached and its shared part paid once
+    in the process that runs the episodes (:func:`prepare_engine`, each spec's ``prepare``); False plays the
+    engine as shipped. Games ALFWorld itself would skip are counted in a ``log`` line."""
     _expert_type(expert)
     scan = scan_split(data_dir, split)
     if log is not None and (note := scan.note()):
         log(f"ALFWorld {split}: {len(scan.games)} playable games; {note}")
     specs: list[EpisodeSpec] = []
     per: dict[str | None, int] = {}
+    prepare: Callable[[], None] | None = None  # one for all: the loop runs each distinct one once
     for p in scan.games:
         cat = alfworld_category(str(p))
         if per_category is not None and per.get(cat, 0) >= per_category:
             continue
         per[cat] = per.get(cat, 0) + 1
+        if engine_cache and prepare is None:
+            prepare = partial(prepare_engine, p, log)
         specs.append(EpisodeSpec(f"alfworld/{p.parent.parent.name}/{p.parent.name}",
                                  partial(AlfworldEnv, p, max_steps=max_steps, expert=expert or False,
-                                         expert_fix=expert_fix),
-                                 seed=seed, category=cat))
+                                         expert_fix=expert_fix, engine_cache=engine_cache),
+                                 seed=seed, category=cat, prepare=prepare))
         if limit is not None and len(specs) >= limit:
             break
     return specs

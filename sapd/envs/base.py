@@ -67,6 +67,9 @@ class EpisodeSpec:
     make_env: Callable[[], Environment]
     seed: int | None = None
     category: str | None = None  # overrides the environment's
+    # run once, before the first environment is built, in the process that runs the episodes: start-up
+    # every episode shares (imports, parses), which environment processes forked afterwards inherit
+    prepare: Callable[[], None] | None = None
 
 
 class ReplayEnv:

@@ -231,6 +231,8 @@ class _Episode:
 def _run(specs: Sequence[EpisodeSpec], benchmark: BenchmarkSpec, opts: LoopOptions, policy: str,
          decide: Callable[[list[_Episode], int], list[tuple[str, str | None, str | None]]],
          progress: Callable[[int], None] | None) -> list[Trajectory]:
+    for prepare in dict.fromkeys(s.prepare for s in specs if s.prepare is not None):
+        prepare()  # once, here: every (forked) environment process starts with it
     episodes = [_Episode(s, benchmark, opts, policy) for s in specs]
     waiting = iter(episodes)
     window = opts.max_live_episodes or len(episodes)

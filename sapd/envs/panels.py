@@ -34,7 +34,7 @@ class PanelSpec:
     # ScienceWorld: (task, variation) pairs
     tasks: tuple[str, ...] | None = None  # None = every task
     variations_per_task: int = 2
-    split: str = "test"  # ScienceWorld variations; ALFWorld: test = valid_unseen
+    split: str = "test"  # ScienceWorld variations; ALFWorld: test = valid_unseen (recorded as valid_unseen)
     # search QA: Search-R1 question rows asked against a retriever speaking the /retrieve API
     rows: str | None = None
     retriever_url: str | None = None
@@ -44,9 +44,23 @@ class PanelSpec:
     # hand-coded expert's move/put fix (sapd.envs.alfworld_env.set_expert_fix)
     alfworld_expert: str | None = None
     alfworld_expert_fix: bool = True
+    # ALFWorld: the engine's start-up cached and paid once per process (sapd.envs.alfworld_cache); False =
+    # TextWorld as shipped. Episodes are the same either way (tested), so it is not part of the identity
+    alfworld_engine_cache: bool = True
     webshop_url: str | None = None
     limit: int | None = None  # search QA / ALFWorld / WebShop: at most this many episodes
     per_source: int | None = None  # search QA: per data source; ALFWorld: per category
+
+    def recorded_split(self) -> str | None:
+        """The split as the benchmark itself names it, which an evaluation file records: ScienceWorld's
+        variation sets (train, dev, test), ALFWorld's folders (an alias such as ``test`` is recorded as the
+        folder it reads, ``valid_unseen``); None for benchmarks without splits (TextWorld's generated
+        games, search QA's rows, WebShop's goals)."""
+        if self.benchmark == "scienceworld":
+            return self.split
+        if self.benchmark == "alfworld":
+            return ALFWORLD_SPLITS.get(self.split, self.split)
+        return None
 
     def identity(self) -> dict[str, object]:
         """The fields an evaluation file records, to refuse a re-evaluation on another panel."""
@@ -54,9 +68,17 @@ class PanelSpec:
         if self.benchmark == "textworld" and self.families is not None:
             out["families"] = sorted(self.families)
         if self.benchmark == "scienceworld":
-            out.update(variations_per_task=self.variations_per_task, split=self.split)
-        if self.benchmark == "alfworld":  # the evaluation file records the split as given
-            out.update(split=self.split)
+            out.update(variations_per_task=self.variations_per_task, split=self.recorded_split())
+        if self.benchmark == "alfworld":
+            out.update(split=self.recorded_split())
+        return out
+
+    def identity_of(self, record: dict[str, object]) -> dict[str, object]:
+        """:meth:`identity`'s fields as an evaluation file recorded them; an ALFWorld split that an older
+        file recorded by its alias (``test``) reads as the folder it named (``valid_unseen``)."""
+        out = {key: record.get(key) for key in self.identity()}
+        if self.benchmark == "alfworld" and isinstance(out.get("split"), str):
+            out["split"] = ALFWORLD_SPLITS.get(str(out["split"]), out["split"])
         return out
 
 
@@ -86,7 +108,8 @@ def episode_specs(panel: PanelSpec) -> list[EpisodeSpec]:
     if b == "alfworld":  # game files: data_dir, else $ALFWORLD_DATA (alfworld-download or sapd alfworld-games)
         return alfworld_specs(panel.data_dir, ALFWORLD_SPLITS.get(panel.split, panel.split), panel.limit,
                               per_category=panel.per_source, expert=panel.alfworld_expert,
-                              expert_fix=panel.alfworld_expert_fix, seed=panel.seed)
+                              expert_fix=panel.alfworld_expert_fix, seed=panel.seed,
+                              engine_cache=panel.alfworld_engine_cache)
     if b == "webshop":  # a running WebShop server
         return webshop_specs(panel.webshop_url or DEFAULT_URL, panel.limit, start=panel.seed)
     raise ValueError(f"no environment for benchmark '{b}': expected one of {', '.join(PANEL_BENCHMARKS)}")

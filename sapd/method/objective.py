@@ -20,6 +20,7 @@ registered function: its ``loss_*`` metrics reach the step log, Prometheus (``sa
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, fields, replace
 from importlib.metadata import EntryPoint, entry_points
 from typing import Callable, Literal
@@ -115,6 +116,25 @@ def clipped_surrogate(ratio_P_G_T: torch.Tensor, adv_P_G_T: torch.Tensor,
     return torch.where(adv < 0, torch.maximum(obj, dual_clip * adv), obj)
 
 
+def behaviour_weights(old_logp_P_G_T: torch.Tensor, behaviour_logp_P_G_T: torch.Tensor,
+                      response_mask_P_G_T: torch.Tensor, cap: float = 5.0) -> torch.Tensor:
+    """w = min(π_old/μ, c) per token (detached): the importance weight of a token sampled by a behaviour
+    policy μ other than π_old (``train.overlap: one_step``: μ is the previous checkpoint, π_old the
+    training weights the round starts from). Every surrogate term of the round is weighted by it, so
+    E_{y~μ}[w·C_ε(ρ, A)] = E_{y~π_old}[C_ε(ρ, A)] (exactly, where no weight reaches c): the objective of
+    an on-policy round at π_old, with ρ = π_θ/π_old still 1 at the first step (decoupled PPO, Hilton et
+    al. 2022). Exactly 1 on padding; 1 wherever μ = π_old. → w_P_G_T.
+
+    >>> lp = torch.log(torch.tensor([[[0.5, 0.5]]]))
+    >>> w = behaviour_weights(lp, torch.log(torch.tensor([[[0.25, 0.75]]])), torch.ones(1, 1, 2))
+    >>> [round(x, 4) for x in w.flatten().tolist()]
+    [2.0, 0.6667]
+    """
+    log_w = torch.where(response_mask_P_G_T.bool(), old_logp_P_G_T.detach() - behaviour_logp_P_G_T.detach(),
+                        torch.zeros_like(old_logp_P_G_T))
+    return torch.exp(log_w.clamp(max=math.log(cap)))
+
+
 def kl_penalty(new_logp_P_G_T: torch.Tensor, ref_logp_P_G_T: torch.Tensor, kind: KlType = "low_var_kl"
                ) -> torch.Tensor:
     """Per-token estimate of KL(π_θ ‖ π_ref) from the sampled tokens (gradient through ``new_logp``).
@@ -180,6 +200,10 @@ class LossConfig:
     kl_type: KlType = "low_var_kl"  # low_var_kl (k3) | kl (k1)
     entropy_coef: float = 0.0  # entropy bonus, subtracted from the loss; SDAR: 0.001
     dual_clip: float | None = None  # c of the dual-clip for A < 0; SDAR: 3.0
+    # train.overlap: one_step only (a round sampled by the previous checkpoint): the truncation c of the
+    # behaviour weight w = min(π_old/μ, c) on every surrogate term (docs/SAPD.md §6; AReaL's decoupled PPO
+    # uses a cap of this size, there to drop tokens rather than truncate them)
+    behaviour_weight_cap: float = 5.0
 
     def __post_init__(self) -> None:
         _check_no_action_step(self.no_action_step)
@@ -193,6 +217,9 @@ class LossConfig:
             raise ValueError(f"dual_clip must be > 1 (SDAR uses 3.0) or null, not {self.dual_clip!r}")
         if self.reduction not in ("seq_mean_token_mean", "token_mean"):
             raise ValueError(f"reduction must be 'seq_mean_token_mean' or 'token_mean', not {self.reduction!r}")
+        if self.behaviour_weight_cap < 1.0:
+            raise ValueError(f"behaviour_weight_cap must be ≥ 1 (a weight of 1 is on-policy), not "
+                             f"{self.behaviour_weight_cap!r}")
 
 
 def _check_no_action_step(value: object) -> None:
@@ -305,7 +332,8 @@ def sapd_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
               teacher_logp_P_G_T: torch.Tensor, response_mask_P_G_T: torch.Tensor,
               action_mask_P_G_T: torch.Tensor, rule_scores_P_G: torch.Tensor,
               cfg: LossConfig = LossConfig(), *, ref_logp_P_G_T: torch.Tensor | None = None,
-              entropy_P_G_T: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+              entropy_P_G_T: torch.Tensor | None = None, behaviour_logp_P_G_T: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, dict[str, float]]:
     """Eq. 13: L = λ_tok L_tok + λ_step L_step + λ_rule L_rule (+ kl_coef·KL − entropy_coef·H, SDAR's).
 
     L_tok  = −E_h[1/G Σᵢ 1/Lᵢ Σ_k C_ε(ρ_{i,k}, β_tok·d_{i,k})]                       (Eq. 5)
@@ -319,6 +347,9 @@ def sapd_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
     bit on padding can never count. ``cfg.dual_clip`` bounds every surrogate for A < 0; ``cfg.reduction``
     is the aggregation of every term. ``ref_logp_P_G_T`` (the initial policy's log-probs) is needed when
     ``cfg.kl_coef`` > 0, ``entropy_P_G_T`` (differentiable) when ``cfg.entropy_coef`` > 0.
+    ``behaviour_logp_P_G_T`` (not the paper's; ``train.overlap: one_step``): the log-probs of the policy
+    that sampled the round when it is not π_old; every surrogate term is then weighted per token by
+    :func:`behaviour_weights` (d and ρ stay measured against π_old). None: the paper's on-policy round.
 
     Returns the scalar loss (gradient flows through ``new_logp`` and ``entropy`` only) and detached float
     metrics (:func:`loss_metrics`).
@@ -331,10 +362,12 @@ def sapd_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
     step_adv_P_G = step_advantages(r_P_G, std_normalize=cfg.std_normalize_step, eps=cfg.eps, scored_P_G=scored)
     rule_adv_P_G = rule_advantages(rule_scores_P_G.to(d_P_G_T.dtype), eps=cfg.eps)
     ratio_P_G_T = importance_ratio(new_logp_P_G_T, old_logp_P_G_T, response_mask)
+    w_P_G_T = None if behaviour_logp_P_G_T is None else behaviour_weights(
+        old_logp_P_G_T, behaviour_logp_P_G_T, response_mask, cfg.behaviour_weight_cap)
 
     def surrogate_loss(adv: torch.Tensor) -> torch.Tensor:
-        return -reduce_loss(clipped_surrogate(ratio_P_G_T, adv, cfg.clip_eps, cfg.dual_clip), response_mask,
-                            cfg.reduction)
+        values = clipped_surrogate(ratio_P_G_T, adv, cfg.clip_eps, cfg.dual_clip)
+        return -reduce_loss(values if w_P_G_T is None else w_P_G_T * values, response_mask, cfg.reduction)
 
     loss_tok = surrogate_loss(cfg.token_scale * d_P_G_T)
     loss_step = surrogate_loss(step_adv_P_G.unsqueeze(-1))
@@ -347,7 +380,8 @@ def sapd_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
                               has_action_P_G=has_action_P_G, action_mask_P_G_T=action_mask,
                               step_adv_P_G=step_adv_P_G, rule_adv_P_G=rule_adv_P_G,
                               rule_scores_P_G=rule_scores_P_G, token_scale=cfg.token_scale,
-                              dual_clip=cfg.dual_clip)
+                              dual_clip=cfg.dual_clip, behaviour_weight_P_G_T=w_P_G_T,
+                              behaviour_weight_cap=cfg.behaviour_weight_cap)
 
 
 @torch.no_grad()
@@ -356,7 +390,8 @@ def loss_metrics(terms: dict[str, torch.Tensor], ratio_P_G_T: torch.Tensor, resp
                  has_action_P_G: torch.Tensor | None = None, action_mask_P_G_T: torch.Tensor | None = None,
                  step_adv_P_G: torch.Tensor | None = None, rule_adv_P_G: torch.Tensor | None = None,
                  rule_scores_P_G: torch.Tensor | None = None, token_scale: float = 0.15,
-                 dual_clip: float | None = None) -> dict[str, float]:
+                 dual_clip: float | None = None, behaviour_weight_P_G_T: torch.Tensor | None = None,
+                 behaviour_weight_cap: float = 5.0) -> dict[str, float]:
     """The detached figures logged for every optimizer step: the loss terms, the ratio and clip
     statistics, and — for the SAPD family — the signals behind its advantages and the health figures of
     docs/SAPD.md §6 (action-less share, all-action-less groups, the magnitude of each term's advantage)."""
@@ -369,6 +404,10 @@ def loss_metrics(terms: dict[str, torch.Tensor], ratio_P_G_T: torch.Tensor, resp
                 "response_tokens_mean": float(mask_f.sum(-1).mean())})
     if dual_clip is not None:  # tokens the dual-clip bounds (ratio above c; only counted where it can bind)
         out["dual_clip_fraction"] = float(((ratio_P_G_T > dual_clip) & response_mask_P_G_T).sum() / n_tok)
+    if behaviour_weight_P_G_T is not None:  # a stale round (train.overlap: one_step): its weights' size
+        out["behaviour_weight_mean"] = float((behaviour_weight_P_G_T * mask_f).sum() / n_tok)
+        out["behaviour_weight_capped_fraction"] = float(
+            ((behaviour_weight_P_G_T >= behaviour_weight_cap * (1 - 1e-6)) & response_mask_P_G_T).sum() / n_tok)
     if d_P_G_T is not None:
         # teacher–student gap: mean log-ratio per response token (≥ 0 when the teacher likes the samples more)
         out["teacher_student_gap"] = float(d_P_G_T.sum() / n_tok)
@@ -457,6 +496,9 @@ class LossInputs:
     advantage_P_G: torch.Tensor | None = None  # precomputed per response (the online GRPO rows)
     ref_logp_P_G_T: torch.Tensor | None = None  # the initial policy's (checkpoint 0), for loss.kl_coef > 0
     entropy_P_G_T: torch.Tensor | None = None  # the student's per-token entropy, for loss.entropy_coef > 0
+    # the log-probs of the policy that sampled the round (the sampler's own), for a round sampled by an
+    # older checkpoint than π_old (train.overlap: one_step); the training stage passes it only then
+    behaviour_logp_P_G_T: torch.Tensor | None = None
 
 
 INPUT_NAMES = tuple(f.name for f in fields(LossInputs))

@@ -4,11 +4,13 @@ signal d = log π_T − log π_old is only meaningful over the same token ids)."
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -73,20 +75,94 @@ def pin_model_path(path_or_uri: str, field: str, log: Callable[[str], None]) -> 
     return folder
 
 
-def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cache_key: str = "") -> Path:
+def resolve_model_dir(path_or_uri: str, cache_dir: str | Path | None = None, cache_key: str = "",
+                      marker: dict | None = None) -> Path:
     """A local folder as is; an ``s3://`` prefix downloaded into the cache **once per cache**, whichever
     of the processes sharing that cache asks first (:func:`fetch_once`): the ranks of a training pod
     share its scratch (or the node's model cache), so checkpoint k and the teacher cross the network once
     per pod (or node), not once per rank. ``cache_key`` distinguishes versions of one URI (a checkpoint's
-    commit id). A run root stands for its newest committed checkpoint's model (:func:`model_folder`)."""
+    commit id). A run root stands for its newest committed checkpoint's model (:func:`model_folder`). A
+    checkpoint's model folder is checked file by file against the digests its commit recorded
+    (:func:`verify_checkpoint_model`; ``marker``: its commit marker, when the caller has read it) before it
+    is handed out."""
     path_or_uri = model_folder(path_or_uri)
     if not storage.is_s3(path_or_uri):
         p = Path(path_or_uri.removeprefix("file://"))
         if not p.is_dir():
             raise FileNotFoundError(f"{path_or_uri}: model folder does not exist")
-        return p
-    key = hashlib.sha256(f"{path_or_uri}|{cache_key}".encode()).hexdigest()[:16]
-    return fetch_once(path_or_uri, Path(cache_dir or default_cache_dir()) / "models" / key)
+    else:
+        key = hashlib.sha256(f"{path_or_uri}|{cache_key}".encode()).hexdigest()[:16]
+        p = fetch_once(path_or_uri, Path(cache_dir or default_cache_dir()) / "models" / key)
+    if (checkpoint := layout.checkpoint_of_model_dir(path_or_uri)) is not None:
+        verify_checkpoint_model(path_or_uri, p, *checkpoint, marker=marker)
+    return p
+
+
+# ----------------------------------------------------------------------------------------- checked loads
+
+_unverified_told: set[tuple[str, int]] = set()
+_verified: dict[str, tuple[int, int, int, str]] = {}  # path → (inode, mtime_ns, size, sha256) already hashed here
+
+
+def note_unverified(root: str, k: int) -> None:
+    """One line per checkpoint and process: it was committed without digests (by an earlier sapd)."""
+    if (root, k) not in _unverified_told:
+        _unverified_told.add((root, k))
+        print(f"checkpoint {k} of {root} was committed without file digests (by an earlier sapd): its files are "
+              "loaded unverified", file=sys.stderr, flush=True)
+
+
+def checkpoint_files(root: str, k: int, marker: dict) -> dict[str, dict] | None:
+    """The size and SHA-256 of every file of checkpoint ``k`` as its commit ``marker`` recorded them, by path
+    in the checkpoint folder (``model/config.json``, ``state/trainer.pt`` …); None for a checkpoint committed
+    before digests existed (said once: :func:`note_unverified`)."""
+    files = marker.get("files")
+    if files is None:
+        note_unverified(root, k)
+    return files
+
+
+def _local_digest(path: Path) -> dict:
+    st = path.stat()
+    known = _verified.get(str(path))
+    if known is not None and known[:3] == (st.st_ino, st.st_mtime_ns, st.st_size):
+        return {"bytes": st.st_size, "sha256": known[3]}
+    found = storage.file_digest(path)
+    _verified[str(path)] = (st.st_ino, st.st_mtime_ns, st.st_size, found["sha256"])
+    return found
+
+
+def verify_checkpoint_model(uri: str, local: Path, root: str, k: int, marker: dict | None = None) -> None:
+    """Checkpoint ``k``'s model folder ``uri`` (its local copy ``local``, or itself) holds exactly the files
+    its commit recorded, each of the recorded size and SHA-256; else :class:`sapd.storage.CorruptObject`
+    naming the file. A copy fetched from S3 that differs is fetched once more before it is refused (the copy
+    may be what was damaged). Hashing is skipped for a file this process hashed already, unchanged since."""
+    marker_uri = layout.checkpoint_marker(root, k)
+    if marker is None:
+        if not storage.exists(marker_uri):
+            raise FileNotFoundError(f"{uri}: checkpoint {k} of {root} is not committed (no {marker_uri}); a "
+                                    "checkpoint is used only once committed")
+        marker = storage.read_json(marker_uri)
+    files = checkpoint_files(root, k, marker)
+    if files is None:
+        return
+    expected = {name.removeprefix("model/"): d for name, d in files.items() if name.startswith("model/")}
+    present = {f.relative_to(local).as_posix() for f in local.rglob("*")
+               if f.is_file() and not any(part.startswith(".") for part in f.relative_to(local).parts)}
+    copied = storage.is_s3(uri)
+    where = f" (its copy {local})" if copied else ""
+    for name in sorted(present - set(expected)):
+        raise storage.CorruptObject(f"{storage.join(uri, name)}{where}: not one of the files {marker_uri} records; "
+                                    "refusing to load the checkpoint with it there")
+    for name in sorted(set(expected) - present):
+        raise storage.CorruptObject(f"{storage.join(uri, name)}{where}: recorded in {marker_uri} but missing")
+    for name in sorted(expected):
+        target = local / name
+        found = _local_digest(target)
+        if copied and (found["bytes"], found["sha256"]) != (expected[name]["bytes"], expected[name]["sha256"]):
+            storage.download_to(storage.join(uri, name), target)  # atomically replaced: readers keep the old one
+            found = _local_digest(target)
+        storage.check_digest(f"{storage.join(uri, name)}{where}", found, expected[name], marker_uri)
 
 
 class FetchStalled(RuntimeError):
@@ -96,17 +172,24 @@ class FetchStalled(RuntimeError):
     exit_code = 75
 
 
-def fetch_stall_seconds() -> float:
-    """How long a process waits on another's download that makes no progress (``SAPD_FETCH_STALL_S``,
-    default 600 s) before it gives up with :class:`FetchStalled`."""
-    raw = os.environ.get("SAPD_FETCH_STALL_S", "600")
+def _seconds_from_env(name: str, default: str) -> float:
+    """A positive number of seconds from the environment variable ``name`` (unset or empty: ``default``); a
+    bad value is one line."""
+    raw = os.environ.get(name) or default
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"SAPD_FETCH_STALL_S={raw!r}: not a number of seconds") from None
+        raise ValueError(f"{name}={raw!r}: not a number of seconds") from None
     if value <= 0:
-        raise ValueError(f"SAPD_FETCH_STALL_S={raw!r}: must be > 0")
+        raise ValueError(f"{name}={raw!r}: must be > 0")
     return value
+
+
+def fetch_stall_seconds() -> float:
+    """How long a process waits on another's download that makes no progress (``SAPD_FETCH_STALL_S``,
+    default 600 s, or a minute more than storage operations retry through an outage, if that is longer:
+    a downloader riding one out makes no progress meanwhile) before it gives up with :class:`FetchStalled`."""
+    return _seconds_from_env("SAPD_FETCH_STALL_S", str(max(600.0, storage.retry_deadline_s() + 60)))
 
 
 def _bytes_under(folder: Path) -> int:
@@ -121,43 +204,199 @@ def _bytes_under(folder: Path) -> int:
     return total
 
 
+def fetch_lock_stale_seconds() -> float:
+    """How long a lock file without a heartbeat (the lock of a file system without ``flock``, see
+    :class:`DownloadLock`) stands before a waiter takes it over (``SAPD_FETCH_LOCK_STALE_S``, default
+    120 s: NFS clients may cache a file's times for up to a minute)."""
+    return _seconds_from_env("SAPD_FETCH_LOCK_STALE_S", "120")
+
+
+class ModelCacheLockError(OSError):
+    """The model cache cannot be locked at all (neither ``flock`` nor a lock file can be made there): one
+    line naming the folder and what to do; exit code 2 (the cache's file system, not a transient fault)."""
+
+    exit_code = 2
+
+
+# what flock(2) answers on a file system that does not do it: NFSv3 mounted with `nolock` (ENOLCK), some
+# FUSE and CSI drivers (EOPNOTSUPP / ENOTSUP, ENOSYS)
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+
+
+class DownloadLock:
+    """The exclusive right to download into ``dest``, shared by every process that can see ``dest``.
+
+    ``flock`` on ``dest.lock`` where the file system does it: the kernel drops it when its holder dies.
+    Where ``flock`` fails with :data:`_NO_FLOCK` (logged once), a lock file instead: ``dest.lock.owner``
+    created with ``O_EXCL`` (atomic on local file systems and on NFSv3+), holding its owner's name and a
+    nonce, its modification time renewed every ``stale_s / 4`` by a heartbeat thread while the owner
+    holds it. A waiter takes a lock file over when it has seen neither its time nor its content change
+    for ``stale_s`` seconds of its own clock (no comparison across machines' clocks): it renames the file
+    aside, and deletes it only if it is still the one it judged dead (else it puts it back)."""
+
+    def __init__(self, dest: Path, *, stale_s: float | None = None, log: Callable[[str], None] | None = None):
+        import socket
+        import uuid
+        self.dest = dest
+        # the two lines a user must see (no flock here; a dead holder's lock taken over) go to stderr when
+        # the caller logs nowhere
+        self.log = log if log is not None else (lambda line: print(line, file=sys.stderr, flush=True))
+        self.stale_s = fetch_lock_stale_seconds() if stale_s is None else stale_s
+        self.path = dest.with_name(dest.name + ".lock")
+        self.owner_path = dest.with_name(dest.name + ".lock.owner")
+        self.name = f"pid {os.getpid()} on {socket.gethostname()}"
+        self.token = f"{self.name} [{uuid.uuid4().hex[:12]}]"
+        self.flock = True
+        try:
+            self.file = open(self.path, "a+")
+        except OSError as e:
+            raise ModelCacheLockError(f"{dest}: cannot lock the model cache: {self.path}: {e.strerror or e}; "
+                                      "give the pods a writable cache (modelCache, SAPD_CACHE_DIR)") from e
+        self._seen: tuple[int, str] | None = None  # the lock file's (mtime, content) last seen, and since when
+        self._seen_since = 0.0
+        self._beat: Any = None
+
+    def acquire(self) -> bool:
+        """Take the lock if it is free (never blocks)."""
+        import fcntl
+        if self.flock:
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            except OSError as e:
+                if e.errno not in _NO_FLOCK:
+                    raise
+                self.flock = False
+                self.log(f"{self.dest}: this file system refuses flock ({errno.errorcode.get(e.errno, e.errno)}); "
+                         f"locking the download with {self.owner_path.name} and a heartbeat instead")
+            else:
+                self.file.seek(0)
+                self.file.truncate()
+                self.file.write(self.name)
+                self.file.flush()
+                return True
+        return self._acquire_file()
+
+    def holder(self) -> str:
+        """Who holds the lock, as it wrote itself down ("another process" if unknown)."""
+        try:
+            if self.flock:
+                self.file.seek(0)
+                text = self.file.read()
+            else:
+                text = self.owner_path.read_text()
+        except OSError:
+            text = ""
+        return text.split(" [")[0].strip() or "another process"
+
+    def release(self) -> None:
+        import fcntl
+        if self.flock:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            return
+        if self._beat is not None:
+            self._beat[1].set()
+            self._beat[0].join()
+            self._beat = None
+        try:
+            if self.owner_path.read_text() == self.token:  # still ours (not taken over after a stalled beat)
+                self.owner_path.unlink()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.file.close()
+
+    def _acquire_file(self) -> bool:
+        import threading
+        import time
+        try:
+            fd = os.open(self.owner_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            self._take_over_if_dead(time.monotonic())
+            return False
+        except OSError as e:
+            raise ModelCacheLockError(f"{self.dest}: cannot lock the model cache: flock is refused and the lock "
+                                      f"file {self.owner_path} cannot be created ({e.strerror or e}); give the pods "
+                                      "a cache on a file system with flock or O_EXCL (modelCache, SAPD_CACHE_DIR)"
+                                      ) from e
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token)
+        stop = threading.Event()
+
+        def beat() -> None:  # the owner is alive: its lock file's time moves
+            while not stop.wait(self.stale_s / 4):
+                try:
+                    os.utime(self.owner_path)
+                except OSError:
+                    pass
+
+        thread = threading.Thread(target=beat, name="sapd-fetch-lock-heartbeat", daemon=True)
+        thread.start()
+        self._beat = (thread, stop)
+        self._seen = None
+        return True
+
+    def _take_over_if_dead(self, now: float) -> None:
+        try:
+            state = (self.owner_path.stat().st_mtime_ns, self.owner_path.read_text())
+        except FileNotFoundError:
+            return  # released meanwhile: the next acquire may get it
+        if state != self._seen:
+            self._seen, self._seen_since = state, now
+            return
+        if now - self._seen_since <= self.stale_s:
+            return
+        aside = self.owner_path.with_name(f"{self.owner_path.name}.dead-{self.token.rsplit('[', 1)[1][:-1]}")
+        try:
+            os.rename(self.owner_path, aside)
+        except FileNotFoundError:
+            return
+        if aside.read_text() == state[1]:
+            self.log(f"{self.dest}: {state[1].split(' [')[0]} holds the download lock but has shown no heartbeat "
+                     f"for {self.stale_s:.0f} s; taking it over")
+            aside.unlink()
+        else:  # a new owner's lock, taken between our look and the rename: give it back
+            try:
+                os.link(aside, self.owner_path)
+            except FileExistsError:
+                pass
+            aside.unlink()
+        self._seen = None
+
+
 def fetch_once(uri: str, dest: Path, *, stall_s: float | None = None, poll_s: float = 0.5,
-               log: Callable[[str], None] | None = None) -> Path:
+               log: Callable[[str], None] | None = None, lock_stale_s: float | None = None) -> Path:
     """``uri``'s files in ``dest``, downloaded by exactly one of the processes that share ``dest``.
 
     The protocol: a complete download has ``dest/.sapd-sync-complete``, written last. A process that
-    finds it returns at once. Otherwise it takes an exclusive ``flock`` on ``dest.lock`` and downloads
-    (files already there — atomically renamed, so whole — are kept; leftover temp files of a killed
-    downloader are removed); the others wait for the marker. The kernel drops a lock when its holder
-    dies, so a rank killed mid-download hands the work to a waiting rank, which goes on from the files
-    already there — nobody waits on a dead downloader. A holder that is alive but makes no progress
-    (the bytes under ``dest`` do not grow) for ``stall_s`` seconds (:func:`fetch_stall_seconds`) makes
-    the waiters fail with :class:`FetchStalled`, naming it."""
-    import fcntl
-    import socket
+    finds it returns at once. Otherwise it takes the download lock (:class:`DownloadLock`: an exclusive
+    ``flock`` on ``dest.lock``, or where the file system refuses ``flock``, a lock file with a heartbeat)
+    and downloads (files already there — atomically renamed, so whole — are kept; leftover temp files of
+    a killed downloader are removed); the others wait for the marker. A lock dies with its holder (the
+    kernel drops a flock at once; a lock file's heartbeat stops, and a waiter takes it over after
+    ``lock_stale_s``, :func:`fetch_lock_stale_seconds`), so a rank killed mid-download hands the work to
+    a waiting rank, which goes on from the files already there — nobody waits on a dead downloader
+    for good. A holder that is alive but makes no progress (the bytes under ``dest`` do not grow) for
+    ``stall_s`` seconds (:func:`fetch_stall_seconds`) makes the waiters fail with :class:`FetchStalled`,
+    naming it."""
     import time
 
     if (dest / _COMPLETE).is_file():
         return dest
     stall = fetch_stall_seconds() if stall_s is None else stall_s
     dest.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = dest.with_name(dest.name + ".lock")
-    with open(lock_path, "a+") as lock:
+    lock = DownloadLock(dest, stale_s=lock_stale_s, log=log)
+    try:
         seen, since, told = -1, time.monotonic(), False
         while True:
             if (dest / _COMPLETE).is_file():
                 return dest
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                held = True
-            else:
-                held = False
-            if held:
+            if not lock.acquire():
                 size = _bytes_under(dest)
                 now = time.monotonic()
-                lock.seek(0)
-                holder = lock.read().strip() or "another process"
+                holder = lock.holder()
                 if size != seen:
                     seen, since = size, now
                 elif now - since > stall:
@@ -171,14 +410,12 @@ def fetch_once(uri: str, dest: Path, *, stall_s: float | None = None, poll_s: fl
             try:
                 if (dest / _COMPLETE).is_file():
                     return dest
-                lock.seek(0)
-                lock.truncate()
-                lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
-                lock.flush()
                 _download_folder(uri, dest)
                 return dest
             finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+                lock.release()
+    finally:
+        lock.close()
 
 
 def _download_folder(uri: str, dest: Path) -> None:

@@ -339,14 +339,19 @@ class HFScorer:
 
     def __call__(self, groups: Sequence[tuple[str, Sequence[int], Sequence[Sequence[int]]]],
                  progress: Callable[[int], None] | None = None) -> list[list[list[float]]]:
-        if self.offloaded:
-            self.model.to(self.device)
-            self.offloaded = False
+        self.wake()
         out = score_groups(self.model, groups, pad_id=self.pad_id, progress=progress)
         for _, prompt, responses in groups:
             self.stats.add_group(len(prompt), [len(r) for r in responses])
             self.stats.computed_tokens += len(prompt) + sum(len(r) for r in responses)
         return out
+
+    def wake(self) -> None:
+        """The model back on its device after :meth:`release` (each call does it; the validation, which
+        samples the teacher through ``model``, calls it first)."""
+        if self.offloaded:
+            self.model.to(self.device)
+            self.offloaded = False
 
     def release(self) -> None:
         if torch.device(self.device).type != "cpu" and not self.offloaded:

@@ -539,6 +539,11 @@ class VLLMScorer:
             self.llm.reset_prefix_cache()  # its blocks were dropped with the KV cache
             self._asleep = False
 
+    def wake(self) -> None:
+        """The engine awake after :meth:`release` (each scoring call does it; the validation, which samples
+        the teacher through ``llm``, calls it first)."""
+        self._wake()
+
     def _check(self, prefix_id: str, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]]) -> None:
         if not prompt_ids:
             raise TeacherScoringError(f"prefix {prefix_id}: empty prompt; the first response token has no context")

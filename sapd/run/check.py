@@ -29,6 +29,9 @@ Checks (each prints one line; every check runs even after one failed):
 
 A failure is one line naming what to fix. Exit codes (:mod:`sapd.entry`): 0 every check passed, 2 a
 user error (fix the config, the input, the credentials), 75 a service was unreachable (retry later).
+``sapd check`` (and ``helm test``) diagnose rather than wait: storage that stays unreachable is reported
+after 10 s of retries, not after ``storage.retry_deadline_s``; a stage's own share of the checks
+(:func:`preflight`) waits as the stage would.
 """
 
 from __future__ import annotations
@@ -479,11 +482,17 @@ def summary_code(outcomes: list[Outcome]) -> int:
     return EXIT_OK
 
 
+CHECK_RETRY_S = 10.0  # how long `sapd check` (and `helm test`) lets a storage operation retry
+
+
 def check_command(cfg: RunConfig, *, sample_records: int = SAMPLE_RECORDS, device_memory_gib: float | None = None,
                   log: Callable[[str], None] = print) -> int:
     """``sapd check``: every check, every line; the exit code of :func:`summary_code`."""
     log(f"check config: ok (run root {cfg.run_root}, variant {cfg.variant}, benchmark {cfg.data.benchmark})")
-    outcomes = run_checks(cfg, sample_records=sample_records, device_memory_gib=device_memory_gib, log=log)
+    # a diagnosis, not a run: storage that stays unreachable is reported within seconds, not after the
+    # minutes a stage waits for it (storage.retry_deadline_s)
+    with storage.retry_deadline(min(cfg.storage.retry_deadline_s, CHECK_RETRY_S)):
+        outcomes = run_checks(cfg, sample_records=sample_records, device_memory_gib=device_memory_gib, log=log)
     failed = [o for o in outcomes if not o.ok]
     skipped = sum(o.skipped for o in outcomes)
     log(f"check: {len(outcomes) - len(failed) - skipped}/{len(outcomes)} passed"

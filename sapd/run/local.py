@@ -7,18 +7,24 @@ the frozen teacher loaded once and the student sampler up across rounds (taking 
 weights in place). Every stage checks what is committed first, so killing the process at any point and
 starting it again resumes from the last committed piece and — since every stage reloads its inputs from
 the run root and is seeded by (seed, round, worker) — produces the same result as an uninterrupted run.
+
+The run holds the run root's lease (:mod:`sapd.lease`) from before its first write to its end: a second
+``sapd run`` on the same root is refused with one line naming this one; a killed one is taken over at
+once by the next ``sapd run`` on the same machine (its process is gone), and elsewhere once its lease
+expires (``storage.lease_ttl_s``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from sapd import layout
-from sapd.config import ConfigError, RunConfig
+from sapd import layout, lease
+from sapd.config import ConfigError, RunConfig, apply_storage_settings
 from sapd.method.objective import objective_of
 from sapd.metrics import Metrics
 from sapd.progress import Progress
 from sapd.run import plan
+from sapd.run.job import push_metrics
 from sapd.stages import build_prefixes, teacher_scores, train
 from sapd.stages.context import Engines, Stage, StageContext, run_stage, write_config_once
 from sapd.stages.train import EngineFactory
@@ -30,14 +36,19 @@ STAGES: dict[str, Stage] = {"build-prefixes": build_prefixes, "teacher-scores": 
 
 def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_progress: bool = True,
                  engine_factory: EngineFactory | None = None, metrics: Metrics | None = None,
-                 progress: Progress | None = None, options: dict[str, Any] | None = None) -> dict:
+                 progress: Progress | None = None, options: dict[str, Any] | None = None,
+                 force_takeover: bool = False) -> dict:
     """Run (or resume) the whole local pipeline. ``metrics`` (default: from the environment) records stage
-    timings, tokens and loss terms, and is pushed to the Pushgateway after every stage when one is set;
+    timings, tokens and loss terms, and is pushed to the Pushgateway after every stage when one is set
+    (:func:`sapd.run.job.push_metrics`: a rerun with nothing left to do restates the run's figures);
     ``progress`` (default: a bar on a terminal, else a line every 30 s) counts the run's steps and each
-    stage's work; ``options``: stage options by stage name (``engine_factory`` is the train stage's)."""
+    stage's work; ``options``: stage options by stage name (``engine_factory`` is the train stage's).
+    Storage retries as ``cfg.storage`` says; the run root's lease is held throughout (``force_takeover``:
+    even from a live holder)."""
     if objective_of(cfg.loss_cfg).data == "online":
         raise ConfigError(f"variant {cfg.variant} needs the environment: run it with "
                           f"`sapd online --method {cfg.loss_cfg.objective}`")
+    apply_storage_settings(cfg)
     metrics = metrics or Metrics.from_env("pipeline")
     progress = progress or Progress.of(log, show_progress)
     stage_options = dict(options or {})
@@ -45,17 +56,27 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
         stage_options["train"] = train.Options(engine_factory=engine_factory)
     ctx = StageContext(cfg, log=progress.log, progress=progress, metrics=metrics, engines=Engines(keep=True),
                        options=stage_options, main=True)
-    write_config_once(ctx)  # also when every step is done: a different config is refused, not ignored
-    steps = plan.steps(cfg)
-    done = sum(plan.missing(cfg, s) is None for s in steps)
-    with progress.task(f"run {cfg.run_root}", total=len(steps), unit="step", initial=done) as bar:
-        while (step := plan.next_step(cfg)) is not None:
-            outcome = run_stage(STAGES[step.stage], ctx, step)
-            ctx.log(outcome.summary)
-            if (why := plan.missing(cfg, step)) is not None:  # a stage that returns must have committed its output
-                raise RuntimeError(f"{step}: finished without committing its output ({why})")
-            metrics.push()
-            bar.update()
-    metrics.mark_success()
-    metrics.push()
+    claimant = lease.Claimant.this_process("sapd run")
+    with lease.holding(cfg.run_root, claimant, ttl_s=cfg.storage.lease_ttl_s, log=progress.log, force=force_takeover,
+                       takeover_hint="run `sapd run` again with --force-takeover",
+                       give_back="mine" if claimant.local else "no"):
+        write_config_once(ctx)  # also when every step is done: a different config is refused, not ignored
+        steps = plan.steps(cfg)
+        done = sum(plan.missing(cfg, s) is None for s in steps)
+        ran = 0
+        with progress.task(f"run {cfg.run_root}", total=len(steps), unit="step", initial=done) as bar:
+            while (step := plan.next_step(cfg)) is not None:
+                outcome = run_stage(STAGES[step.stage], ctx, step)
+                ctx.log(outcome.summary)
+                if (why := plan.missing(cfg, step)) is not None:  # a stage that returns must have committed
+                    raise RuntimeError(f"{step}: finished without committing its output ({why})")
+                ran += 1
+                push_metrics(cfg, metrics, "run", skipped=False, log=ctx.log)
+                bar.update()
+                # the last validation step goes when the build has no validation prefixes
+                bar.set_total(len(plan.steps(cfg)))
+        metrics.mark_success()
+        # a rerun over a finished run restates what the run pushed, rather than emptying its group (its record
+        # is written while the lease is held)
+        push_metrics(cfg, metrics, "run", skipped=ran == 0, log=ctx.log)
     return {"run_root": cfg.run_root, "checkpoints": layout.committed_checkpoints(cfg.run_root)}

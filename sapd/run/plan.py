@@ -7,23 +7,36 @@ Both executors follow it — :mod:`sapd.run.local` (``sapd run``: every stage in
 2. for each round k < ``train.rounds`` whose checkpoint k+1 is not committed:
    ``teacher-scores`` k until round k's scored manifest is committed (no such step for the ``sft``
    objective, which trains on the recorded responses), then ``train`` k until checkpoint k+1 is committed;
-3. optionally ``evaluate`` R (R = ``train.rounds``) until ``evals/R/<benchmark>.json`` is written.
+   the teacher-scores stage of round k also validates checkpoint k (:mod:`sapd.data.validation`) and
+   commits that before the manifest;
+3. ``teacher-scores`` R (R = ``train.rounds``) when the last checkpoint is validated: no round to score, only
+   checkpoint R's distance to the teacher, until ``validation/R.json`` is written (nothing to do when the
+   prefix build turned out to have no validation prefixes);
+4. optionally ``evaluate`` R until ``evals/R/<benchmark>.json`` is written.
 
 :func:`missing` says, in one line, what a step has not committed yet (None once it is done); an
-executor runs a step, then asks again.
+executor runs a step, then asks again. :func:`input_step` says which step's output a step needs, so a
+worker that runs steps as their inputs appear (the cluster's persistent workers, a manual-mode gate)
+waits for exactly that commit: checkpoint :func:`~sapd.config.sampler_checkpoint` (k, or k−1 with
+``train.overlap: one_step``) for teacher-scores k, round k's scored manifest for train k.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 from sapd import checkpoints, layout, storage
-from sapd.config import RunConfig
-from sapd.data import scored, shards
+from sapd.config import RunConfig, sampler_checkpoint
+from sapd.data import scored, shards, validation
+from sapd.entry import EXIT_UNAVAILABLE
 from sapd.method.objective import objective_of
 from sapd.stages.context import STAGE_NAMES, StageName, Step
 
 Stage = StageName  # the plan's steps are the stages' (sapd.stages.context)
 STAGES = STAGE_NAMES
-__all__ = ["STAGES", "Stage", "Step", "eval_uri", "missing", "next_step", "steps"]
+__all__ = ["STAGES", "InputNotCommitted", "Stage", "Step", "eval_uri", "fmt_seconds", "input_step", "missing",
+           "next_step", "steps", "wait_for_input"]
 
 
 def steps(cfg: RunConfig, *, evaluate: bool = False) -> list[Step]:
@@ -34,6 +47,8 @@ def steps(cfg: RunConfig, *, evaluate: bool = False) -> list[Step]:
         if scores:
             out.append(Step("teacher-scores", k))
         out.append(Step("train", k))
+    if scores and validation.wanted(cfg, cfg.train.rounds):
+        out.append(Step("teacher-scores", cfg.train.rounds))  # the last checkpoint's validation
     if evaluate:
         out.append(Step("evaluate", cfg.train.rounds))
     return out
@@ -55,6 +70,10 @@ def missing(cfg: RunConfig, step: Step) -> str | None:
         return None
     k = step.round
     assert k is not None
+    if step.stage == "teacher-scores" and k >= cfg.train.rounds:  # the last checkpoint: validation only
+        if validation.is_committed(root, k) or not validation.wanted(cfg, k):  # (no validation prefixes)
+            return None
+        return f"checkpoint {k}'s validation is not committed ({layout.validation_uri(root, k)})"
     if step.stage == "teacher-scores":
         if checkpoints.is_committed(root, k + 1) or scored.is_committed(root, k):
             return None  # a trained round needs no scores any more
@@ -76,3 +95,71 @@ def next_step(cfg: RunConfig, *, evaluate: bool = False) -> Step | None:
         if missing(cfg, step) is not None:
             return step
     return None
+
+
+def input_step(cfg: RunConfig, step: Step) -> Step | None:
+    """The step whose committed output ``step`` needs (None for build-prefixes): for teacher-scores k, the
+    step that commits the checkpoint sampling round k (:func:`~sapd.config.sampler_checkpoint`: checkpoint
+    k, or k−1 with ``train.overlap: one_step``); round k's scored manifest for train k (for the sft
+    objective, which scores nothing, checkpoint k); checkpoint k for the evaluation of checkpoint k."""
+    if step.stage == "build-prefixes":
+        return None
+    k = step.round
+    assert k is not None
+    if step.stage == "train" and objective_of(cfg.loss_cfg).data != "recorded":
+        return Step("teacher-scores", k)
+    if step.stage == "teacher-scores":
+        k = sampler_checkpoint(cfg, k)
+    return Step("build-prefixes") if k == 0 else Step("train", k - 1)
+
+
+class InputNotCommitted(Exception):
+    """A step's input stayed uncommitted past the wait's bound: exit 75, worth a retry (sapd.entry)."""
+    exit_code = EXIT_UNAVAILABLE
+
+
+def fmt_seconds(seconds: float) -> str:
+    """``0m42s``, ``12m05s``, ``1h02m03s``: how the waits and the driver say durations."""
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def wait_for_input(cfg: RunConfig, step: Step, *, poll_seconds: float, log: Callable[[str], None],
+                   log_every_seconds: float = 30.0, timeout_seconds: float | None = None,
+                   sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+                   storage_attempts: int = 5) -> float | None:
+    """Wait until ``step``'s input (:func:`input_step`) is committed, polling every ``poll_seconds``: a line
+    when it has to wait, one every ``log_every_seconds`` while it does, one when it may go on (nothing when
+    the input is committed already). A storage error is retried a few times. Past ``timeout_seconds``:
+    :class:`InputNotCommitted`. → seconds waited (None: the step needs no input). The persistent stage
+    workers wait this way before each round, the chart's manual-mode gates before creating their Job."""
+    need = input_step(cfg, step)
+    if need is None:
+        return None
+    start = last = clock()
+    errors = 0
+    first = True
+    while True:
+        try:
+            why = missing(cfg, need)
+            errors = 0
+        except OSError as e:  # StorageError is an OSError: a hiccup is retried, a lasting failure raises
+            errors += 1
+            if errors >= storage_attempts:
+                raise
+            why = f"storage: {e}"
+        now = clock()
+        if why is None:
+            if not first:
+                log(f"stage {step}: its input ({need}) is committed after {fmt_seconds(now - start)}")
+            return now - start
+        if first:
+            log(f"stage {step}: waiting for the output of {need} in {cfg.run_root}: {why}")
+            first = False
+        elif now - last >= log_every_seconds:
+            log(f"stage {step}: still waiting ({fmt_seconds(now - start)}): {why}")
+            last = now
+        if timeout_seconds is not None and now - start > timeout_seconds:
+            raise InputNotCommitted(f"stage {step}: its input ({need}) is still not committed after "
+                                    f"{fmt_seconds(now - start)} (limit {fmt_seconds(timeout_seconds)}): {why}")
+        sleep(poll_seconds)

@@ -1,7 +1,9 @@
 """``sapd report RUN``: loss terms, advantage statistics, stage timings and the size of each update (in the
-weights the optimizer keeps) of a run, as PNG plots and a small JSON summary, from the per-step logs and
-the round manifests in the run root. Every ``loss`` and ``loss_*`` key the objective logged is plotted (a
-new objective's terms need no edit here); the summary names the series of each panel (``plotted``)."""
+weights the optimizer keeps) of a run, and each validated checkpoint's distance to the teacher on held-out
+prefixes (:mod:`sapd.data.validation`), as PNG plots and a small JSON summary, from the per-step logs, the
+round manifests and the validation results in the run root. Every ``loss`` and ``loss_*`` key the
+objective logged is plotted (a new objective's terms need no edit here); the summary names the series of
+each panel (``plotted``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sapd import layout, storage
-from sapd.data import shards
+from sapd.data import shards, validation
 
 
 def read_step_log(root: str) -> list[dict[str, Any]]:
@@ -32,6 +34,26 @@ def round_timings(root: str) -> list[dict[str, Any]]:
     return out
 
 
+VALIDATION_FIGURES = ("reverse_kl_per_token", "recorded_logratio_per_token", "action_match", "teacher_action_match",
+                      "format_valid")
+
+
+def validation_curve(root: str) -> list[dict[str, Any]]:
+    """Per validated checkpoint: its headline figures (``{value, ci}``), the prefixes, and the seconds it took."""
+    return [{"checkpoint": r["checkpoint"], "prefixes": r["prefixes"], "seconds": r.get("seconds", 0.0),
+             **{key: r["overall"][key] for key in VALIDATION_FIGURES if key in r["overall"]}}
+            for r in validation.committed(root)]
+
+
+def _plot_band(ax, xs: list[int], figures: list[dict[str, Any]], label: str) -> None:
+    """A figure's values against ``xs``, with its 95 % interval as a band where there is one."""
+    pts = [(x, f["value"], f["ci"]) for x, f in zip(xs, figures) if f["value"] is not None]
+    if not pts:
+        return
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    band = [p for p in pts if p[2][0] is not None]
+    if band:
+        ax.fill_between([p[0] for p in band], [p[2][0] for p in band], [p[2][1] for p in band], alpha=0.2)
 def loss_keys(steps: list[dict[str, Any]]) -> list[str]:
     """``loss`` and every ``loss_*`` key of the step records, in the order first logged (a term a round
     added later, e.g. a regulariser turned on, is kept too).
@@ -67,7 +89,8 @@ def write_report(root: str, out: str | None = None) -> list[str]:
         rec.setdefault("old_logp_seconds", 0.0)
     x = [r["step"] for r in steps]
     plotted: dict[str, list[str]] = {"loss terms": loss_keys(steps), "signals": []}
-    fig, axes = plt.subplots(3, 2, figsize=(11, 10.5))
+    curve = validation_curve(root)
+    fig, axes = plt.subplots(4 if curve else 3, 2, figsize=(11, 14 if curve else 10.5))
     ax = axes[0][0]
     for key in plotted["loss terms"]:
         ax.plot(x, [r.get(key, float("nan")) for r in steps], label=key)
@@ -126,10 +149,29 @@ def write_report(root: str, out: str | None = None) -> list[str]:
         ax.legend()
     ax.set_title("update applied / update computed")
     ax.set_xlabel("optimizer step")
+    if curve:  # a last row: the distance the loss terms are meant to shrink, on held-out prefixes
+        xs = [c["checkpoint"] for c in curve]
+        ax = axes[3][0]
+        for key, label in (("reverse_kl_per_token", "reverse KL(student ‖ teacher) / sampled token"),
+                           ("recorded_logratio_per_token", "log π_T − log π_S / recorded token")):
+            _plot_band(ax, xs, [c[key] for c in curve], label)
+        ax.axhline(0.0, color="grey", lw=0.5)
+        ax.set_title(f"distance to the teacher, held-out prefixes (n={curve[-1]['prefixes']}; 95 % bands)")
+        ax.set_xlabel("checkpoint (= rounds trained)")
+        ax.set_ylabel("nats")
+        ax.legend(fontsize=8)
+        ax = axes[3][1]
+        for key, label in (("action_match", "student"), ("teacher_action_match", "teacher")):
+            if all(key in c for c in curve):
+                _plot_band(ax, xs, [c[key] for c in curve], label)
+        ax.set_title("sampled action match (T = 1), held-out prefixes")
+        ax.set_xlabel("checkpoint (= rounds trained)")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     summary = {"steps": len(steps), "rounds": len(rounds), "final": {k: v for k, v in steps[-1].items()
                                                                       if isinstance(v, (int, float))},
-               "round_timings": rounds, "round_updates": updates, "plotted": plotted}
+               "round_timings": rounds, "round_updates": updates, "plotted": plotted, "validation": curve}
     dest = out or storage.join(root, "report")
     with tempfile.TemporaryDirectory() as tmp:
         png = Path(tmp) / "training.png"

@@ -92,6 +92,8 @@ def run(ctx: StageContext, step: Step) -> Outcome:
     tokenizer = ctx.engines.tokenizer or load_tokenizer(cfg.model.student)
     if ctx.engines.keep:
         ctx.engines.tokenizer = tokenizer
+    ctx.startup.mark("engines_ready")  # the tokenizer is what the build needs (checkpoint 0 is a copy, later)
+    ctx.startup.mark("first_work")
     result = ensure_prefixes(cfg, tokenizer, ctx.log, progress=ctx.progress)
     for line in build_summary(result):
         ctx.log(line)

@@ -10,9 +10,10 @@ they record or commit.
 - :class:`Step`: a step of the run's plan (:mod:`sapd.run.plan`): a stage and its round.
 - :class:`StageContext`: the run config, where lines go (``log``), progress (:class:`~sapd.progress.Progress`),
   the metrics, the engines a stage may keep for the next round (:class:`Engines`: the local executor keeps
-  the student sampler and the frozen teacher loaded across rounds; a Job keeps nothing), and the stage's
-  own options from its door (``options``: a stage-specific dataclass by stage name, e.g. the
-  teacher-scores worker).
+  the student sampler and the frozen teacher loaded across rounds; a persistent worker keeps those, or the
+  trainer with its optimizer state; a one-round Job keeps nothing), the process's start-up clock
+  (:class:`Startup`), and the stage's own options from its door (``options``: a stage-specific dataclass by
+  stage name, e.g. the teacher-scores worker).
 - :func:`run_stage`: the one place that writes (or checks) the run root's config
   (:func:`write_config_once`), times the stage and records that time.
 """
@@ -46,15 +47,77 @@ class Step:
 
 @dataclass
 class Engines:
-    """What a stage may keep loaded for the next round. Empty in a Job (the process ends with the stage);
-    the local executor passes one instance to every step, so the frozen teacher loads once per run and the
-    student sampler takes each round's weights in place (:func:`sapd.stages.teacher_scores.student_generator`)."""
+    """What a stage may keep loaded for the next round. Empty in a one-round Job (the process ends with the
+    stage); the local executor and a persistent worker pass one instance to every step, so the frozen
+    teacher loads once per run and the student sampler takes each round's weights in place
+    (:func:`sapd.stages.teacher_scores.student_generator`); a persistent trainer keeps its model, engine and
+    optimizer state from round to round (:class:`sapd.stages.train.Trainer`)."""
 
-    keep: bool = False  # the caller keeps them for a later step (the local executor); a Job does not
+    keep: bool = False  # the caller keeps them for a later step (the local executor, a persistent worker)
+    # the student sampler gives the device back between rounds (sapd run: training runs on the same device);
+    # a persistent scoring worker has its own device and keeps its engine awake
+    release: bool = True
+    keep_trainer: bool = False  # the train stage keeps its Trainer for the next round (a persistent trainer)
     tokenizer: Any = None  # the student's (= the teacher's) tokenizer
     student: Any = None  # sapd.models.generation.Generator: round k's sampler
+    student_checkpoint: int | None = None  # the checkpoint the sampler holds
     teacher: Any = None  # sapd.stages.teacher_scores.TeacherScorer: the frozen teacher
     teacher_path: str | None = None  # the teacher folder it was loaded from (a run root pinned to one checkpoint)
+    trainer: Any = None  # sapd.stages.train.Trainer: the model, engine and state at one checkpoint
+    # local copies of checkpoints this process downloaded, by index (a persistent worker removes the old ones)
+    fetched: dict[int, Any] = field(default_factory=dict)
+
+
+def process_started_at() -> float:
+    """The wall-clock time this process started (Linux: /proc, to 10 ms; elsewhere: when this module was
+    imported, which misses the interpreter's own start)."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / ticks  # field 22: starttime since boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - started)
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()
+STARTUP_PHASES = ("imports", "models_loaded", "engines_ready", "first_work")
+
+
+@dataclass
+class Startup:
+    """How long a stage process took to get to work, once per process: seconds from the process's start to
+    the end of its imports (the door's ``main``), to its models loaded (weights in memory), to its engines
+    ready (the vLLM engines started, the training engine built and its optimizer state restored), and to its
+    first work (the first prefix sampled, the first π_old forward). :meth:`mark` records a phase the first
+    time it is reached; reaching ``first_work`` calls ``report`` with the line
+    (``startup: imports 2.1s, models loaded 5.3s, engines ready 5.3s, first work 5.4s``) and the figures
+    (the door logs the line and sets ``sapd_startup_seconds``). A phase never reached (everything was
+    committed) is left out."""
+
+    started_at: float = field(default_factory=process_started_at)
+    seconds: dict[str, float] = field(default_factory=dict)
+    report: Callable[[str, dict[str, float]], None] | None = None
+    waited: float = 0.0  # of it, seconds a persistent worker waited for its first round's input (said in the line)
+
+    def mark(self, phase: str) -> None:
+        if phase not in STARTUP_PHASES:
+            raise ValueError(f"unknown start-up phase {phase!r}; expected one of {STARTUP_PHASES}")
+        if phase in self.seconds:
+            return
+        now = time.time() - self.started_at
+        for earlier in STARTUP_PHASES[:STARTUP_PHASES.index(phase)]:  # a phase implies the ones before it
+            self.seconds.setdefault(earlier, now)
+        self.seconds[phase] = now
+        if phase == "first_work" and self.report is not None:
+            self.report(self.line(), dict(self.seconds))
+
+    def line(self) -> str:
+        waited = f"; {self.waited:.1f}s of it waiting for the first input" if self.waited else ""
+        return "startup: " + ", ".join(f"{p.replace('_', ' ')} {self.seconds[p]:.1f}s" for p in STARTUP_PHASES
+                                       if p in self.seconds) + f" (since the process started{waited})"
 
 
 @dataclass
@@ -83,6 +146,7 @@ class StageContext:
     options: dict[str, Any] = field(default_factory=dict)
     main: bool = field(default_factory=is_main_process)  # this process logs, writes the config and pushes metrics
     config_written: bool = False  # write_run_config ran in this context (once per process is enough)
+    startup: Startup = field(default_factory=Startup)  # the stages mark its phases; the door reports it
 
 
 class Stage(Protocol):

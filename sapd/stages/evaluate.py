@@ -9,7 +9,8 @@ from the run config (the job's) or, for ``sapd evaluate``, the run root's resolv
 records both.
 
 :func:`offline_eval` is the environment-free check on held-out prefixes (the paper's 5 % split): format
-validity, repeated actions and agreement with the recorded action.
+validity, repeated actions and agreement with the recorded action, and, given the teacher, the student's
+distance to it (the figures the teacher-scores stage records every round: :mod:`sapd.data.validation`).
 
 Entry: :func:`run` (the stage interface of :mod:`sapd.stages.context`); ``sapd evaluate`` calls
 :func:`evaluate_checkpoint` on a run root directly.
@@ -26,18 +27,21 @@ import pyarrow as pa
 
 from sapd import checkpoints, layout, storage, yamlio
 from sapd.data.prompts import PrefixOptions
+from sapd.data.validation import summarize as summarize_validation
+from sapd.envs.alfworld_env import split_source as alfworld_split_source
 from sapd.envs.base import EpisodeSpec
 from sapd.envs.loop import LoopOptions, run_episodes, summarize
 from sapd.envs.panels import PanelSpec, episode_specs
 from sapd.envs.searchqa import exact_match_by_source
-from sapd.method.benchmarks import alfworld_action_key, get_benchmark, noop_action, parse_decision
-from sapd.method.rules import normalize_action
+from sapd.method.benchmarks import get_benchmark, noop_action, parse_decision
 from sapd.metrics import Metrics
 from sapd.models.generation import Generator, HFGenerator, SamplingParams, stops_for
 from sapd.models.loading import load_tokenizer
+from sapd.models.scoring import HFScorer
 from sapd.models.vllm_backend import VLLMGenerator
 from sapd.progress import Progress
-from sapd.stages.context import Outcome, StageContext, Step
+from sapd.stages.context import Outcome, StageContext, Startup, Step
+from sapd.stages.validation import distance_records, same_action, teacher_records
 
 
 def latest_checkpoint(root: str) -> int:
@@ -84,16 +88,24 @@ def run_checkpoint_episodes(root: str, k: int, specs: list[EpisodeSpec], benchma
                             horizon: int | None = None, max_new_tokens: int = 128, device: str = "cpu",
                             env_timeout_s: float | None = None, progress: Callable[[int], None] | None = None,
                             temperature: float = 0.0, sample_seed: int = 0, dtype: str | None = None,
-                            backend: str | None = None):
+                            backend: str | None = None, startup: Startup | None = None,
+                            log: Callable[[str], None] | None = None):
     """Greedy (or, with ``temperature`` > 0, seeded sampled) episodes of committed checkpoint ``k`` on
     ``specs``, prompted as the run trained (its resolved config), the checkpoint loaded in ``dtype`` and
     generating with ``backend`` (default: the run's ``model.dtype`` and ``sampling.backend``).
     ``env_timeout_s``: each environment in its own process, a call that hangs longer is killed and
-    retried (:mod:`sapd.envs.isolated`). Returns (trajectories, the horizon used)."""
+    retried (:mod:`sapd.envs.isolated`). ``startup`` gets the process's start-up phases; ``log`` the
+    ``model load:`` line. Returns (trajectories, the horizon used)."""
+    t0 = time.perf_counter()
     tokenizer = load_tokenizer(str(checkpoints.checkpoint_model_path(root, k)))
     gen_opts = run_generation_options(root)
     gen_opts.update({key: v for key, v in (("dtype", dtype), ("backend", backend)) if v is not None})
     generator = checkpoint_generator(root, k, tokenizer, device=device, **gen_opts)
+    if log is not None:
+        log(f"model load: checkpoint {k} for evaluation ({gen_opts.get('backend')}, {time.perf_counter() - t0:.1f}s)")
+    if startup is not None:
+        startup.mark("engines_ready")  # the model and its generation engine, built together
+        startup.mark("first_work")
     spec = get_benchmark(benchmark)
     params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision),
                             seed=sample_seed)
@@ -124,7 +136,8 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
                         max_new_tokens: int = 128, device: str = "cpu", env_timeout_s: float | None = None,
                         log: Callable[[str], None] = print, show_progress: bool = True,
                         metrics: Metrics | None = None, temperature: float = 0.0, dtype: str | None = None,
-                        backend: str | None = None, progress: Progress | None = None) -> dict[str, Any]:
+                        backend: str | None = None, progress: Progress | None = None,
+                        startup: Startup | None = None) -> dict[str, Any]:
     """Evaluate checkpoint ``k`` ("latest" for the newest committed one) of the run at ``root`` on ``panel``,
     greedily, or sampled at ``temperature`` (seeded by the panel seed) as SDAR's validation does; the
     checkpoint in ``dtype`` behind ``backend`` (default: the run's ``model.dtype`` and ``sampling.backend``).
@@ -136,7 +149,8 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
     dest = storage.join(layout.evals_dir(root, k), f"{name}.json")
     if storage.exists(dest):
         done = storage.read_json(dest)
-        differs = {key: (done.get(key), v) for key, v in panel.identity().items() if done.get(key) != v}
+        then = panel.identity_of(done)
+        differs = {key: (then[key], v) for key, v in panel.identity().items() if then[key] != v}
         if differs:
             raise ValueError(f"{dest}: checkpoint {k} was evaluated on another panel ({differs}, as (then, now)); "
                              "delete that file to re-evaluate, or evaluate into another run root")
@@ -156,11 +170,16 @@ def evaluate_checkpoint(root: str, k: int | str, panel: PanelSpec, *, horizon: i
                                                       max_new_tokens=max_new_tokens, device=device,
                                                       env_timeout_s=env_timeout_s, progress=bar,
                                                       temperature=temperature, sample_seed=panel.seed,
-                                                      dtype=dtype, backend=backend)
+                                                      dtype=dtype, backend=backend, startup=startup, log=log)
     result = {"checkpoint": k, "benchmark": benchmark, "temperature": temperature, "seed": panel.seed,
               "dtype": dtype, "backend": backend,
               "games_per_family": panel.games_per_family,
-              "variations_per_task": panel.variations_per_task, "split": panel.split,
+              "variations_per_task": panel.variations_per_task,
+              # the split under the benchmark's own name (ALFWorld: the folder played); where sapd generated
+              # ALFWorld's games, how (they are not the official split)
+              **({"split": split} if (split := panel.recorded_split()) is not None else {}),
+              **({"games": source} if benchmark == "alfworld" and (source := alfworld_split_source(
+                  panel.data_dir, panel.split)) is not None else {}),
               "families": sorted({s.category for s in specs if s.category}), "horizon": used_horizon,
               **summarize(trajs), "seconds": time.perf_counter() - t0}
     if benchmark == "searchqa":  # exact match per data source and their average (docs/SAPD.md §6)
@@ -217,7 +236,8 @@ def run(ctx: StageContext, step: Step) -> Outcome:
                                  max_new_tokens=opts.max_new_tokens or cfg.sampling.max_new_tokens,
                                  device=opts.device or cfg.model.device, env_timeout_s=opts.env_timeout_s,
                                  log=ctx.log, progress=ctx.progress, metrics=ctx.metrics,
-                                 temperature=opts.temperature, dtype=cfg.model.dtype, backend=cfg.sampling.backend)
+                                 temperature=opts.temperature, dtype=cfg.model.dtype, backend=cfg.sampling.backend,
+                                 startup=ctx.startup)
     return Outcome(f"checkpoint {k}: {panel.benchmark} success {result['overall']['success']:.3f}"
                    + (" (evaluated before)" if done_before else ""), done_before, result)
 
@@ -228,9 +248,12 @@ def run(ctx: StageContext, step: Step) -> Outcome:
 
 def offline_eval(model, tokenizer, prefixes: pa.Table, benchmark: str, *, max_new_tokens: int = 64,
                  prompts_per_batch: int = 8, device: str = "cpu", temperature: float = 0.0,
-                 seed: int = 0) -> dict[str, Any]:
+                 seed: int = 0, teacher=None, group_size: int = 4) -> dict[str, Any]:
     """Greedy (``temperature`` 0) or seeded sampled decision per prefix → rates of valid format, repeated
-    action and recorded-action match.
+    action and recorded-action match. With a ``teacher`` (a loaded model sharing the tokenizer), also the
+    student's distance to it (``distance``: :func:`sapd.stages.validation.distance_records` with
+    ``group_size`` samples per prefix at temperature 1, summarised by :func:`sapd.data.validation.summarize`,
+    the teacher's own sampled action match included) — what the teacher-scores stage measures every round.
     No environment, so it measures only what the recorded history can check; task success needs
     :func:`evaluate_checkpoint`."""
     spec = get_benchmark(benchmark)
@@ -242,19 +265,26 @@ def offline_eval(model, tokenizer, prefixes: pa.Table, benchmark: str, *, max_ne
         n=1, temperature=temperature, max_new_tokens=max_new_tokens, stop=stops_for(spec.decision), seed=seed))
     valid = match = repeated = 0
     by_category: dict[str, list[int]] = {}
-    # ALFWorld actions compare wording-free ("put X in/on Y" = "move X to Y")
-    key = alfworld_action_key if spec.name == "alfworld" else normalize_action
-
-    def same(a: str, b: str) -> bool:
-        return key(a) == key(b)
-
     for r, (s,) in zip(rows, samples):
         d = parse_decision(s.text, spec)
         ok = int(d.valid)
-        hit = int(d.valid and same(d.content, r["recorded_action"]))
-        rep = int(bool(d.content) and r["previous_action"] is not None and same(d.content, r["previous_action"]))
+        # ALFWorld actions compare wording-free ("put X in/on Y" = "move X to Y")
+        hit = int(d.valid and same_action(spec, d.content, r["recorded_action"]))
+        rep = int(bool(d.content) and r["previous_action"] is not None
+                  and same_action(spec, d.content, r["previous_action"]))
         valid, match, repeated = valid + ok, match + hit, repeated + rep
         by_category.setdefault(r["category"] or "-", []).append(hit)
     n = len(rows)
-    return {"prefixes": n, "format_valid": valid / n, "action_match": match / n, "repeated_action": repeated / n,
-            "action_match_by_category": {k: sum(v) / len(v) for k, v in sorted(by_category.items())}}
+    out: dict[str, Any] = {
+        "prefixes": n, "format_valid": valid / n, "action_match": match / n, "repeated_action": repeated / n,
+        "action_match_by_category": {k: sum(v) / len(v) for k, v in sorted(by_category.items())}}
+    if teacher is not None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        params = SamplingParams(n=group_size, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                stop=stops_for(spec.decision), seed=seed)
+        records, timings = distance_records(rows, gen, HFScorer(teacher, pad), HFScorer(model, pad), tokenizer,
+                                            benchmark, params)
+        theirs = teacher_records(rows, HFGenerator(teacher, tokenizer, prompts_per_batch=prompts_per_batch,
+                                                   device=device), benchmark, params)
+        out["distance"] = {**summarize_validation(records, theirs), "timings": timings, "records": records}
+    return out

@@ -15,6 +15,16 @@ round k's scored shards → checkpoint k+1.
    :class:`UpdateProbe`), then checkpoint k+1 (HF model + optimizer/RNG/cursor), committed last
    (by rank 0).
 
+A persistent trainer (``ctx.engines.keep_trainer``: the cluster's train workers that stay up for the run)
+keeps step 1's result (:class:`Trainer`: the model, the engine with its optimizer state and fp32 master,
+the trainer state) from round to round: round k+1 starts from the weights and optimizer state checkpoint
+k+1 was written from, which are the values a fresh process loads from it, so a killed trainer that
+restarts from the last commit ends the run with the same weights.
+
+With ``train.overlap: one_step`` round k (k ≥ 1) was sampled by checkpoint k−1: π_old is still recomputed
+with the training weights (checkpoint k), and the loss weights every token by min(π_old/μ, c), μ the
+sampler's own log-probs (:func:`sapd.method.objective.behaviour_weights`).
+
 The SFT baseline (:func:`sft_round`) uses the same data path, engine and checkpoint format with
 cross-entropy on the recorded responses of the round's prefixes.
 
@@ -42,7 +52,7 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 import torch
 
 from sapd import checkpoints, layout, storage
-from sapd.config import FLOAT16_NOT_TRAINED, ConfigError, RunConfig, micro_batch_problem
+from sapd.config import FLOAT16_NOT_TRAINED, ConfigError, RunConfig, micro_batch_problem, sampler_checkpoint
 from sapd.data.batches import round_batch
 from sapd.data.scored import ScoredPrefix, read_scored, scored_prefixes
 from sapd.data.scored import committed_manifest as scored_manifest
@@ -51,7 +61,7 @@ from sapd.models.devices import bind_rank_device, rank_device
 from sapd.models.loading import load_tokenizer
 from sapd.models.scoring import response_logprobs, response_logprobs_and_entropy
 from sapd.progress import QUIET, Progress
-from sapd.stages.context import Outcome, StageContext, Step
+from sapd.stages.context import Engines, Outcome, StageContext, Startup, Step
 from sapd.stages.train_deepspeed import load_partitioned, make_deepspeed_engine
 
 # ---------------------------------------------------------------------------------------------------
@@ -300,13 +310,23 @@ def recompute_old_logprobs(model, prefixes: list[ScoredPrefix], pad_id: int, mic
     return passes
 
 
-def compute_reference_logprobs(cfg: RunConfig, prefixes: list[ScoredPrefix], pad_id: int,
-                               engine: Engine | None = None) -> float:
-    """The initial policy's (checkpoint 0's) log-probs of every sampled token, for ``loss.kl_coef`` > 0
-    (SDAR's KL to the initial policy). Loads checkpoint 0 for the purpose and frees it; returns seconds."""
+def load_reference(cfg: RunConfig, log: Callable[[str], None] = print):
+    """Checkpoint 0 (the initial policy), for the KL term."""
     t0 = time.perf_counter()
     ref = checkpoints.load_checkpoint_model(cfg.run_root, 0, cfg.model.dtype, rank_device(cfg.model.device))
     ref.eval()
+    log(f"model load: reference checkpoint 0 for loss.kl_coef ({time.perf_counter() - t0:.1f}s)")
+    return ref
+
+
+def compute_reference_logprobs(cfg: RunConfig, prefixes: list[ScoredPrefix], pad_id: int,
+                               engine: Engine | None = None, reference: Any = None,
+                               log: Callable[[str], None] = print) -> float:
+    """The initial policy's (checkpoint 0's) log-probs of every sampled token, for ``loss.kl_coef`` > 0
+    (SDAR's KL to the initial policy). Loads checkpoint 0 for the purpose and frees it, unless given as
+    ``reference`` (a persistent trainer keeps it); returns seconds."""
+    t0 = time.perf_counter()
+    ref = reference if reference is not None else load_reference(cfg, log)
     recompute_old_logprobs(ref, prefixes, pad_id, cfg.train.micro_batch_prefixes, field="ref_logp_G_T", engine=engine,
                            shared_prompt=cfg.train.shared_prompt, train_engine=cfg.train.engine,
                            zero_stage=cfg.train.zero_stage)
@@ -319,13 +339,16 @@ def compute_reference_logprobs(cfg: RunConfig, prefixes: list[ScoredPrefix], pad
 _PER_TOKEN = {"old_logp_P_G_T": ("old_logp_G_T", torch.float32),
               "teacher_logp_P_G_T": ("teacher_logp_G_T", torch.float32),
               "ref_logp_P_G_T": ("ref_logp_G_T", torch.float32),
+              "behaviour_logp_P_G_T": ("sampler_logp_G_T", torch.float32),
               "action_mask_P_G_T": ("action_mask_G_T", torch.bool)}
 _PER_RESPONSE = {"rule_scores_P_G": "rule_scores_G", "advantage_P_G": "advantage_G"}
 
 
-def _micro_loss(model, cfg: RunConfig, chunk: list[ScoredPrefix], pad_id: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """The objective's loss on one micro-batch: the student's forward, then the inputs its function takes."""
-    need = required_inputs(cfg.loss_cfg)
+def _micro_loss(model, cfg: RunConfig, chunk: list[ScoredPrefix], pad_id: int,
+                stale: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+    """The objective's loss on one micro-batch: the student's forward, then the inputs its function takes
+    (``stale``: the round was sampled by an older checkpoint, so the sampler's log-probs go in too)."""
+    need = required_inputs(cfg.loss_cfg) | ({"behaviour_logp_P_G_T"} if stale else set())
     prompts, responses = _flat_PG(chunk)
     P, G = len(chunk), len(chunk[0].responses_G_T)
     shared = shared_prompt_group(cfg.train.shared_prompt, model, G, cfg.train.engine, cfg.train.zero_stage)
@@ -586,13 +609,15 @@ def describe_step(rec: dict) -> str:
 def train_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, prefixes: list[ScoredPrefix],
                 state: dict[str, Any] | None, *, log: Callable[[str], None] = print, show_progress: bool = True,
                 on_step: Callable[[dict], None] | None = None,
-                progress: Progress | None = None) -> tuple[list[dict], dict]:
-    """Run round k's optimizer steps on ``engine.model`` (loaded from checkpoint k) with the config's
-    objective: π_old (and the reference log-probs) first when it takes them. Returns the step records and
-    the trainer state to store with checkpoint k+1."""
+                progress: Progress | None = None, reference: Any = None) -> tuple[list[dict], dict]:
+    """Run round k's optimizer steps on ``engine.model`` (at checkpoint k) with the config's objective:
+    π_old (and the reference log-probs; ``reference``: checkpoint 0 already loaded) first when it takes
+    them; a round sampled by an older checkpoint (``train.overlap: one_step``) is weighted by the sampler's
+    log-probs. Returns the step records and the trainer state to store with checkpoint k+1."""
     model = engine.model
     pad = tokenizer.pad_token_id
     need = required_inputs(cfg.loss_cfg)
+    stale = "old_logp_P_G_T" in need and sampler_checkpoint(cfg, k) != k
     _restore_rng(state)
     extra: dict[str, float] = {}
     if "old_logp_P_G_T" in need:
@@ -603,7 +628,7 @@ def train_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, prefixes: lis
             train_engine=cfg.train.engine, zero_stage=cfg.train.zero_stage)
         extra["old_logp_seconds"] = time.perf_counter() - t0
     if "ref_logp_P_G_T" in need:
-        extra["ref_logp_seconds"] = compute_reference_logprobs(cfg, prefixes, pad, engine)
+        extra["ref_logp_seconds"] = compute_reference_logprobs(cfg, prefixes, pad, engine, reference, log)
     model.train()
     if engine.world_size > 1:
         weighted, total = round_passes(len(prefixes), cfg, engine.world_size)
@@ -611,7 +636,7 @@ def train_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, prefixes: lis
             f"weight ({weighted / total:.0%})")
     label = "sft" if objective_of(cfg.loss_cfg).data == "recorded" else "training"
     records, global_step = optimizer_steps(
-        cfg, k, engine, prefixes, lambda chunk: _micro_loss(model, cfg, chunk, pad),
+        cfg, k, engine, prefixes, lambda chunk: _micro_loss(model, cfg, chunk, pad, stale),
         (state or {}).get("global_step", 0), describe_step, log=log, show_progress=show_progress, label=label,
         on_step=on_step, progress=progress)
     if records:
@@ -630,13 +655,13 @@ def recorded_prefixes(tokenizer, rows: list[dict]) -> list[ScoredPrefix]:
 
 def sft_round(cfg: RunConfig, k: int, engine: Engine, tokenizer, rows: list[dict], state: dict[str, Any] | None,
               *, log: Callable[[str], None] = print, show_progress: bool = True,
-              on_step: Callable[[dict], None] | None = None,
-              progress: Progress | None = None) -> tuple[list[dict], dict]:
+              on_step: Callable[[dict], None] | None = None, progress: Progress | None = None,
+              reference: Any = None) -> tuple[list[dict], dict]:
     """SFT baseline round: cross-entropy on the recorded response of each prefix (the response text
     followed by EOS), minibatches and micro-batches counted in prefixes exactly as SAPD's
     (:func:`train_round` over :func:`recorded_prefixes`)."""
     return train_round(cfg, k, engine, tokenizer, recorded_prefixes(tokenizer, rows), state, log=log,
-                       show_progress=show_progress, on_step=on_step, progress=progress)
+                       show_progress=show_progress, on_step=on_step, progress=progress, reference=reference)
 
 
 def write_round_log(root: str, k: int, records: list[dict], extra: dict[str, Any] | None = None) -> None:
@@ -644,18 +669,25 @@ def write_round_log(root: str, k: int, records: list[dict], extra: dict[str, Any
     storage.write_text(layout.round_log_uri(root, k), "\n".join(lines) + ("\n" if lines else ""))
 
 
-def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | None = None,
-                    log: Callable[[str], None] = print, show_progress: bool = True,
-                    on_step: Callable[[dict], None] | None = None,
-                    progress: Progress | None = None) -> dict[str, Any]:
-    """Checkpoint k + round k's data → checkpoint k+1 (idempotent: a committed k+1 is left alone).
-    ``on_step`` sees every optimizer-step record on the main rank (metrics)."""
+@dataclass
+class Trainer:
+    """What a persistent trainer keeps from one round to the next: the engine (the model, its optimizer
+    state, and the fp32 master where the engine keeps one), the tokenizer, the trainer state (step counter,
+    RNG) that goes with the weights, and checkpoint 0 for a KL term — all at checkpoint ``checkpoint``."""
+
+    checkpoint: int
+    engine: Engine
+    tokenizer: Any
+    state: dict[str, Any] | None
+    reference: Any = None
+
+
+def load_trainer(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | None = None,
+                 log: Callable[[str], None] = print, startup: Startup | None = None) -> Trainer:
+    """Checkpoint k as training needs it: the student (ZeRO-3: each rank builds and loads only its
+    partitions), the engine, the trainer state, each rank's share of the optimizer state."""
     root = cfg.run_root
-    if checkpoints.is_committed(root, k + 1):
-        log(f"round {k}: checkpoint {k + 1} already committed")
-        return checkpoints.read_marker(root, k + 1)
-    if (problem := micro_batch_problem(cfg, int(os.environ.get("WORLD_SIZE", "1")))) is not None:
-        raise ConfigError(problem, "train.micro_batch_prefixes")
+    t0 = time.perf_counter()
     # this rank's own GPU (cuda:LOCAL_RANK) is its current device before any byte is allocated
     device = bind_rank_device(cfg.model.device)
     ckpt_path = checkpoints.checkpoint_model_path(root, k)
@@ -664,20 +696,60 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
         model = load_partitioned(str(ckpt_path), cfg)  # each rank builds and loads only its partitions
     else:
         model = checkpoints.load_checkpoint_model(root, k, cfg.model.dtype, device, trainable=True)
+    log(f"model load: student checkpoint {k} for training ({time.perf_counter() - t0:.1f}s)")
+    if startup is not None:
+        startup.mark("models_loaded")
     if cfg.checkpointing_on():
         # transformers ≥ 5.x names it activation checkpointing (the old name warns, then goes in v6)
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     engine = (engine_factory or engine_factory_for(cfg))(model, cfg)
     state = checkpoints.load_trainer_state(root, k)
     checkpoints.restore_optimizer(root, k, engine, state, log=log)  # each rank reads only its share
+    if startup is not None:
+        startup.mark("engines_ready")
+    return Trainer(k, engine, tokenizer, state)
+
+
+def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | None = None,
+                    log: Callable[[str], None] = print, show_progress: bool = True,
+                    on_step: Callable[[dict], None] | None = None,
+                    progress: Progress | None = None, engines: Engines | None = None,
+                    startup: Startup | None = None) -> dict[str, Any]:
+    """Checkpoint k + round k's data → checkpoint k+1 (idempotent: a committed k+1 is left alone).
+    ``on_step`` sees every optimizer-step record on the main rank (metrics). With ``engines.keep_trainer``
+    the trainer of the previous round is reused when it holds checkpoint k (else checkpoint k is loaded),
+    and kept at checkpoint k+1 for the next round. ``startup`` gets the process's start-up phases."""
+    root = cfg.run_root
+    if checkpoints.is_committed(root, k + 1):
+        log(f"round {k}: checkpoint {k + 1} already committed")
+        return checkpoints.read_marker(root, k + 1)
+    if (problem := micro_batch_problem(cfg, int(os.environ.get("WORLD_SIZE", "1")))) is not None:
+        raise ConfigError(problem, "train.micro_batch_prefixes")
+    keep = engines is not None and engines.keep_trainer
+    trainer: Trainer | None = engines.trainer if keep and engines is not None else None
+    if trainer is not None and trainer.checkpoint == k:
+        log(f"weights: checkpoint {k} kept in memory from round {k - 1} (model, optimizer state), not reloaded")
+    else:
+        if trainer is not None:
+            log(f"the kept trainer holds checkpoint {trainer.checkpoint}, round {k} starts from checkpoint {k}: "
+                "loading it")
+            engines.trainer = trainer = None  # type: ignore[union-attr]  # keep is only true with engines
+        trainer = load_trainer(cfg, k, engine_factory=engine_factory, log=log, startup=startup)
+    engine, tokenizer = trainer.engine, trainer.tokenizer
+    if keep and trainer.reference is None and cfg.loss_cfg.kl_coef > 0:
+        trainer.reference = load_reference(cfg, log)  # once per run, like the student
+    if startup is not None:
+        startup.mark("first_work")
     if objective_of(cfg.loss_cfg).data == "recorded":
         rows = round_batch(cfg, k).to_pylist()
-        records, new_state = sft_round(cfg, k, engine, tokenizer, rows, state, log=log, show_progress=show_progress,
-                                       on_step=on_step, progress=progress)
+        records, new_state = sft_round(cfg, k, engine, tokenizer, rows, trainer.state, log=log,
+                                       show_progress=show_progress, on_step=on_step, progress=progress,
+                                       reference=trainer.reference)
     else:
         prefixes = scored_prefixes(read_scored(root, k))
-        records, new_state = train_round(cfg, k, engine, tokenizer, prefixes, state, log=log,
-                                         show_progress=show_progress, on_step=on_step, progress=progress)
+        records, new_state = train_round(cfg, k, engine, tokenizer, prefixes, trainer.state, log=log,
+                                         show_progress=show_progress, on_step=on_step, progress=progress,
+                                         reference=trainer.reference)
     # several ranks: rank 0 writes the log and checkpoint k+1, once every rank is done reading round k
     engine.barrier()
     if engine.is_main:
@@ -693,6 +765,9 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
                                 max_shard_bytes=int(cfg.train.checkpoint_shard_mb * 2**20),
                                 optimizer=engine.optimizer_shard())
     engine.barrier()
+    trainer.checkpoint, trainer.state = k + 1, new_state
+    if keep and engines is not None:
+        engines.trainer = trainer
     return checkpoints.read_marker(root, k + 1)
 
 
@@ -714,5 +789,6 @@ def run(ctx: StageContext, step: Step) -> Outcome:
     marker = run_train_stage(cfg, k, engine_factory=opts.engine_factory,
                              log=ctx.log if ctx.main else (lambda line: None),
                              progress=ctx.progress if ctx.main else QUIET,
-                             on_step=lambda rec: ctx.metrics.record_step(rec, cfg.sampling.group_size))
+                             on_step=lambda rec: ctx.metrics.record_step(rec, cfg.sampling.group_size),
+                             engines=ctx.engines, startup=ctx.startup)
     return Outcome(f"round {k}: checkpoint {k + 1} committed ({marker['commit_id'][:12]})", done_before, marker)

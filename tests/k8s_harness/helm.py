@@ -16,7 +16,12 @@ and rendering; the release bookkeeping Helm does around it is reproduced here:
   the cluster set — defaults, a queue's ``suspend`` — stays), so a change to an immutable field fails the upgrade with the
   API server's "field is immutable"; objects no longer rendered are deleted (propagation Background)
   unless annotated ``helm.sh/resource-policy: keep``; new ones are created;
-* test: the ``test`` hooks, waited for; uninstall: everything but ``keep`` resources, in reverse order.
+* upgrade to another chart (``chart=``: e.g. this chart's previous version, from git history): the
+  new chart renders the next revision, and the upgrade goes on as above;
+* test: the ``test`` hooks, waited for; uninstall: the ``pre-delete`` hooks, everything but ``keep``
+  resources in reverse order (propagation Background, as `helm uninstall`'s default cascade), then the
+  ``post-delete`` hooks, each waited for (a failed one makes the uninstall fail, as Helm's does, after
+  the release's objects are deleted).
 """
 
 from __future__ import annotations
@@ -194,15 +199,16 @@ class Helm:
         self._run_hooks(rel, "post-install", timeout)
         return rel
 
-    def upgrade(self, release: str, *, values_files=(), set_values=(), set_string=(), set_json=(),
-                reuse_values: bool = False, timeout: float = 300) -> Release:
+    def upgrade(self, release: str, chart: Path | None = None, *, values_files=(), set_values=(), set_string=(),
+                set_json=(), reuse_values: bool = False, timeout: float = 300) -> Release:
         old = self.releases[release]
+        chart = chart or old.chart
         vals = user_values(values_files, set_values, set_string, set_json)
         if reuse_values:
             vals = deep_merge(old.values, vals)
         rev = old.revision + 1
-        docs, hooks, notes = render(old.chart, vals, release, old.namespace, rev, upgrade=True)
-        new = Release(release, old.namespace, old.chart, rev, vals, docs, hooks, notes, old.history + [rev])
+        docs, hooks, notes = render(chart, vals, release, old.namespace, rev, upgrade=True)
+        new = Release(release, old.namespace, chart, rev, vals, docs, hooks, notes, old.history + [rev])
         key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
         before = {key(d): d for d in old.manifests}
         after = {key(d): d for d in docs}
@@ -237,8 +243,11 @@ class Helm:
     def test(self, release: str, timeout: float = 300) -> list[tuple[str, str]]:
         return self._run_hooks(self.releases[release], "test", timeout)
 
-    def uninstall(self, release: str) -> None:
-        rel = self.releases.pop(release)
+    def uninstall(self, release: str, timeout: float = 300) -> list[tuple[str, str]]:
+        """The release's objects deleted between its pre- and post-delete hooks; the hooks' results."""
+        rel = self.releases[release]
+        results = self._run_hooks(rel, "pre-delete", timeout)
+        self.releases.pop(release)
         for d in sorted(rel.manifests, key=order_key, reverse=True):
             if (d["metadata"].get("annotations") or {}).get("helm.sh/resource-policy") == "keep":
                 continue
@@ -246,6 +255,7 @@ class Helm:
                 self.cluster.store.delete(d["kind"], rel.namespace, d["metadata"]["name"], "Background")
             except NotFound:
                 pass
+        return results + self._run_hooks(rel, "post-delete", timeout)
 
     @staticmethod
     def lint(chart: Path, values: dict, kube_version: str) -> dict[str, Any]:

@@ -24,9 +24,12 @@ What a container gets, and how it differs from a real node (each difference is d
   annotations['…'], spec.nodeName/serviceAccountName, status.podIP/hostIP; ``resourceFieldRef``), the
   ``JOB_COMPLETION_INDEX`` an Indexed Job's controller adds. Then the harness adds, for every pod
   alike: ``PATH`` (the target's environment first: ``python``, ``torchrun``), ``PYTHONPATH``,
-  ``HOSTNAME``, ``HOME`` when the pod sets none (the image user's home on the root filesystem), and
+  ``HOSTNAME``, ``HOME`` when the pod sets none (the image user's home on the root filesystem),
   ``KUBECONFIG`` — a kubeconfig naming the harness's API server, its CA and, when a token would be
-  mounted (``automountServiceAccountToken`` not false), the pod's ServiceAccount token. In-cluster
+  mounted (``automountServiceAccountToken`` not false), the pod's ServiceAccount token — and
+  ``SAPD_HARNESS_CONTAINER``, a marker every process of the container inherits: what the container's
+  cgroup is on a node (a signal to the container, its end, a kill reach every process that carries it,
+  torchrun's workers included, which start sessions of their own). In-cluster
   config (KUBERNETES_SERVICE_HOST + the token under /var/run/secrets/…) is not offered: the client
   reads it from fixed absolute paths.
 * **Volumes.** Every volume is a directory under the pod's folder (emptyDir, configMap and secret
@@ -44,10 +47,18 @@ What a container gets, and how it differs from a real node (each difference is d
   that volume's folder (``/etc/sapd/config.yaml`` → ``…/volumes/config/config.yaml``); nothing else is
   rewritten. A volume mounted at /tmp also sets ``TMPDIR`` to its folder (what /tmp is inside the
   pod). ``/dev/shm`` is the host's.
+* **Read-only mounts.** Each container runs in a mount namespace of its own (:mod:`sandbox`): every
+  volume is a mount of its own there, read-only where a real node mounts it read-only — a volumeMount's
+  ``readOnly``, a claim mounted ``readOnly``, and always configMap, secret, downwardAPI and projected
+  volumes — and with ``readOnlyRootFilesystem: true`` everything else the process can see (the image's
+  files, this checkout, the environments, the node's other folders, the host's /tmp) is read-only as
+  well, except ``/proc``, ``/sys`` and ``/dev`` (``/dev/shm`` writable, as a runtime mounts it). A write
+  where the pod may not write fails with EROFS, as on a node. The kubelet needs root (it is, as a real
+  one) or unprivileged user namespaces for this, and refuses to start otherwise.
 * **Root filesystem.** The working directory (the image's WORKDIR unless ``workingDir``) is an empty
-  folder, ``rootfs`` + that path, root's and 0755 as in the image (a non-root process cannot write
-  there); a file a pod leaves anywhere under ``rootfs`` is recorded as a write to the read-only root
-  filesystem (``Kubelet.rootfs_writes``), which a real node refuses.
+  folder, ``rootfs`` + that path, root's and 0755 as in the image; a container without
+  ``readOnlyRootFilesystem`` could write there (as into its image's writable layer), and a file a pod
+  leaves anywhere under ``rootfs`` is recorded (``Kubelet.rootfs_writes``).
 * **Network.** Every pod's IP is 127.0.0.1. The DNS name of a pod behind a headless Service,
   ``<hostname>.<subdomain>[.<namespace>[.svc[.cluster.local]]]``, is rewritten to ``127.0.0.1`` in
   the command, args and env values (the only name resolution the harness does); ports must therefore
@@ -66,12 +77,15 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .image import ImageNotBuilt, image_config, image_env
+from .sandbox import __file__ as SANDBOX
 from .store import now_rfc3339
 
 if TYPE_CHECKING:
@@ -80,6 +94,24 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[2]
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 _TINI = {"tini", "/tini", "/usr/bin/tini", "/sbin/tini", "/usr/local/bin/tini"}
+
+
+MARKER = "SAPD_HARNESS_CONTAINER"
+
+
+def container_pids(marker: str) -> list[int]:
+    """The processes whose environment carries ``marker`` (:data:`MARKER`): every process of one container,
+    as its cgroup would hold them, whichever process group or session each is in."""
+    needle = f"{MARKER}={marker}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if needle in (d / "environ").read_bytes().split(b"\0"):
+                    out.append(int(d.name))
+            except OSError:  # gone meanwhile, or not ours to read
+                pass
+    return out
 
 
 class PodNotReady(Exception):
@@ -132,11 +164,31 @@ class ContainerRun:
     uid: int | None = None
     gid: int | None = None
     groups: list[int] = field(default_factory=list)
+    mounts: list[tuple[str, bool]] = field(default_factory=list)  # (the volume's folder, read-only)
+    read_only_root: bool = False
     proc: subprocess.Popen | None = None
     started: str | None = None
     exit_code: int | None = None
     finished: str | None = None
     signal: int | None = None
+    marker: str = ""  # MARKER's value in its environment: how its processes are found (the cgroup's part)
+
+    def signal_all(self, sig: int) -> bool:
+        """``sig`` to every process of the container (its process group and every process with its marker)."""
+        hit = False
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+                hit = True
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in container_pids(self.marker) if self.marker else []:
+            try:
+                os.kill(pid, sig)
+                hit = True
+            except (ProcessLookupError, PermissionError):
+                pass
+        return hit
 
 
 @dataclass
@@ -161,6 +213,12 @@ class Kubelet:
         # a real kubelet is root and starts containers as their user; run by anyone else, the harness
         # cannot, and every container runs as that user
         self.identity = os.geteuid() == 0
+        # every container's mounts are confined (read-only mounts and root filesystem): check it works here
+        probe = subprocess.run([sys.executable, "-I", SANDBOX, "--probe"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            raise RuntimeError("the harness confines each pod's mounts in a mount namespace (read-only volumes and "
+                               "root filesystem, as a node does) and cannot here: it needs root or unprivileged user "
+                               f"namespaces (sysctl kernel.unprivileged_userns_clone=1): {probe.stderr.strip()}")
 
     # -------------------------------------------------------------------------------- scheduling
 
@@ -355,6 +413,10 @@ class Kubelet:
         hostname = spec.get("hostname") or meta["name"]
         headless = [s["metadata"]["name"] for s in self.cluster.store.list("Service", meta["namespace"])
                     if s["spec"].get("clusterIP") == "None"]
+        # volumes a node always mounts read-only, whatever the volumeMount says, and claims mounted readOnly
+        always_ro = {v["name"] for v in spec.get("volumes", [])
+                     if {"configMap", "secret", "downwardAPI", "projected"} & set(v)
+                     or (v.get("persistentVolumeClaim") or {}).get("readOnly")}
 
         def runs(containers: list[dict]) -> list[ContainerRun]:
             out = []
@@ -362,12 +424,14 @@ class Kubelet:
                 img = image_config(self.cluster.dockerfile, c["image"])
                 venv = image_env(img.target)
                 mounts: dict[str, Path] = {}
+                confined: list[tuple[str, bool]] = []
                 for m in c.get("volumeMounts", []):
                     if m["name"] not in vols:
                         raise PodFailedToStart(f"container {c['name']}: no volume {m['name']!r}")
                     local = vols[m["name"]] / m.get("subPath", "")
                     local.mkdir(parents=True, exist_ok=True) if not local.exists() else None
                     mounts[m["mountPath"].rstrip("/") or "/"] = local
+                    confined.append((str(local), bool(m.get("readOnly")) or m["name"] in always_ro))
                 rootfs = pdir / "rootfs"
                 workdir = c.get("workingDir") or img.workdir
                 uid, gid, groups = self._identity(pod, c, img.user)
@@ -390,11 +454,14 @@ class Kubelet:
                     cwd = rootfs / workdir.lstrip("/")
                 self._make_node_dirs(cwd)
                 path = os.pathsep.join([str(venv / "bin"), env.get("PATH", "/usr/local/bin:/usr/bin:/bin")])
-                env.update(PATH=path, PYTHONPATH=str(REPO), HOSTNAME=hostname, KUBECONFIG=str(kubeconfig))
+                marker = f"{meta['namespace']}/{meta['name']}/{c['name']}/{uuid.uuid4().hex[:8]}"
+                env.update(PATH=path, PYTHONPATH=str(REPO), HOSTNAME=hostname, KUBECONFIG=str(kubeconfig),
+                           **{MARKER: marker})
                 if "/tmp" in mounts:
                     env["TMPDIR"] = str(mounts["/tmp"])
+                read_only_root = bool((c.get("securityContext") or {}).get("readOnlyRootFilesystem"))
                 out.append(ContainerRun(c["name"], argv, cwd, env, pdir / "logs" / f"{c['name']}.log",
-                                        uid, gid, groups))
+                                        uid, gid, groups, confined, read_only_root, marker=marker))
             return out
 
         grace = spec.get("terminationGracePeriodSeconds", 30)
@@ -476,13 +543,14 @@ class Kubelet:
 
     def _launch(self, c: ContainerRun) -> None:
         log = c.log.open("ab")
-        who: dict[str, Any] = {}
-        if self.identity:
-            # the runtime's supplementary groups: the primary group, fsGroup, supplementalGroups
-            who = {"user": c.uid, "group": c.gid, "extra_groups": sorted({c.gid, *c.groups}), "umask": 0o022}
+        # the sandbox makes the container's mounts, then becomes its user (the runtime's supplementary groups:
+        # the primary group, fsGroup, supplementalGroups) and execs its command
+        spec = {"mounts": c.mounts, "read_only_root": c.read_only_root, "cwd": str(c.cwd),
+                **({"uid": c.uid, "gid": c.gid, "groups": sorted({c.gid, *c.groups})} if self.identity else {})}
         try:
-            c.proc = subprocess.Popen(c.argv, cwd=c.cwd, env=c.env, stdout=log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True, **who)
+            c.proc = subprocess.Popen([sys.executable, "-I", SANDBOX, json.dumps(spec), "--", *c.argv], cwd=c.cwd,
+                                      env=c.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True)
         except OSError as e:
             log.write(f"harness: cannot start {c.argv[:1]}: {e}\n".encode())
             c.exit_code, c.finished = 128, now_rfc3339()
@@ -507,10 +575,7 @@ class Kubelet:
         if rc < 0:
             c.signal, rc = -rc, 128 - rc
         c.exit_code, c.finished = rc, now_rfc3339()
-        try:  # like the container's cgroup: nothing of it survives its main process
-            os.killpg(c.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        c.signal_all(signal.SIGKILL)  # like the container's cgroup: nothing of it survives its main process
 
     def _step(self, run: PodRun, pod: dict, deleting: bool) -> None:
         current = run.init[run.stage:run.stage + 1] if run.stage < len(run.init) else run.main
@@ -555,11 +620,11 @@ class Kubelet:
     def _kill(self, run: PodRun, sig: int) -> None:
         for c in run.init + run.main:
             if c.proc is not None and c.exit_code is None:
+                if sig == signal.SIGKILL:
+                    c.signal_all(sig)
+                    continue
                 try:
-                    if sig == signal.SIGKILL:
-                        os.killpg(c.proc.pid, sig)
-                    else:
-                        os.kill(c.proc.pid, sig)  # PID 1 (tini) gets SIGTERM and forwards it to its child
+                    os.kill(c.proc.pid, sig)  # PID 1 (tini) gets SIGTERM and forwards it to its child
                 except (ProcessLookupError, PermissionError):
                     pass
 
@@ -572,11 +637,7 @@ class Kubelet:
         hit = False
         for c in run.init + run.main:
             if c.proc is not None and c.exit_code is None:
-                try:
-                    os.killpg(c.proc.pid, sig)
-                    hit = True
-                except ProcessLookupError:
-                    pass
+                hit = c.signal_all(sig) or hit
         return hit
 
     def _publish(self, run: PodRun) -> None:

@@ -65,7 +65,8 @@ imagePullPolicy: {{ $img.pullPolicy }}
 
 {{/* Pod-spec fields shared by every job: identity, scheduling, security, volumes. Context keys: root,
      component, job; `shm` (size), `scratch` (size), `extraVolumes` (chart-internal volumes),
-     `serviceAccount` (the driver's own), `automount` (mount the token). */}}
+     `serviceAccount` (the driver's own), `automount` (mount the token), `noConfig` (no run config
+     volume: the uninstall hook, which runs after the ConfigMap is gone). */}}
 {{- define "sapd.podCommon" -}}
 {{- $s := include "sapd.settings" . | fromYaml -}}
 restartPolicy: Never
@@ -108,12 +109,14 @@ topologySpreadConstraints:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 volumes:
+  {{- if not .noConfig }}
   - name: config
     configMap:
       name: {{ include "sapd.name" (dict "root" .root "component" "config") }}
       items:
         - key: {{ .configKey | default .component }}.yaml
           path: config.yaml
+  {{- end }}
   - name: scratch
     emptyDir:
       sizeLimit: {{ .scratch | default .job.scratchSize | default .root.Values.scratchSize }}
@@ -150,9 +153,11 @@ volumes:
 {{/* The volume mounts every container of a job gets. */}}
 {{- define "sapd.mounts" -}}
 {{- $s := include "sapd.settings" . | fromYaml -}}
+{{ if not .noConfig -}}
 - name: config
   mountPath: /etc/sapd
   readOnly: true
+{{ end -}}
 - name: scratch
   mountPath: /scratch
 - name: tmp

@@ -1,7 +1,9 @@
 {{/* The stage Jobs, each as one named template rendered into the pipeline-templates ConfigMap, from
      which the driver (mode pipeline) and the gate Jobs (mode manual) create them. Call with
      (dict "root" $ "round" R): R is the round as a string, or "__SAPD_ROUND__", which the driver replaces
-     with the round it starts; "" means no round (build-prefixes).
+     with the round it starts; "" means no round (build-prefixes). The teacher-scores and train commands
+     take `--rounds __SAPD_ROUNDS__`: the rounds the Job serves (1 for per-round Jobs; a persistent Job's
+     workers stay up for all of them, each round once its input is committed: sapd.workerArgs).
      `manual` true (the gate Jobs Helm renders) adds a name suffix from a hash of the release's values:
      Jobs are immutable, so an upgrade that changes any value replaces the gates (new names; Helm deletes
      the old ones, the new ones adopt the stage Jobs, which belong to the ConfigMap) instead of patching

@@ -10,6 +10,10 @@
 {{- $c := dict "root" .root "component" (printf "gate-%s" .stage) "job" .root.Values.pipeline "round" .round "manual" true "extraVolumes" $vols "extraMounts" $mounts "serviceAccount" $sa "automount" true "failJobCodes" (list 1 2) "configKey" "pipeline" }}
 {{- $args := list "python" "-m" "jobs.pipeline" "--config" "/etc/sapd/config.yaml" "--release" .root.Release.Name "--templates" "/etc/sapd-pipeline" "--owner" (printf "configmap/%s" $templates) "--retries" (toString (int .root.Values.pipeline.stageRetries)) "--poll-seconds" (toString (int .root.Values.manual.pollSeconds)) "--log-every-seconds" (toString .root.Values.pipeline.logEverySeconds) "--stage" .stage }}
 {{- with .round }}{{ $args = concat $args (list "--round" (toString .)) }}{{ end }}
+{{- if and (eq .stage "evaluate") (include "sapd.alfworldFillWanted" .root) }}
+{{- $args = concat $args (list "--evaluate-after-job" (include "sapd.alfworldFillName" .root)) }}
+{{- end }}
+{{- if .root.Values.pipeline.forceTakeover }}{{ $args = append $args "--force-takeover" }}{{ end }}
 apiVersion: batch/v1
 kind: Job
 metadata:

@@ -28,6 +28,9 @@ containers:
       - /etc/sapd/config.yaml
       - --round
       - {{ .round | quote }}
+      {{- range include "sapd.workerArgs" . | fromJsonArray }}
+      - {{ . | quote }}
+      {{- end }}
     ports:
       - name: rendezvous
         containerPort: {{ int $t.rendezvousPort }}
