@@ -193,16 +193,18 @@ def test_every_values_key_has_a_comment():
 
 
 def test_every_values_key_is_in_the_schema_and_the_job_blocks_are_symmetric():
+    """Pod settings are stated once, in `jobDefaults`: a job block's schema takes every one of them (set
+    there, it is merged over jobDefaults'), its values.yaml lists only its own keys."""
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert set(values) == set(schema["properties"])
     pod_keys = set(values["jobDefaults"])
     common = {"image", "resources", "config", "activeDeadlineSeconds", "ttlSecondsAfterFinished", "scratchSize"}
     for b in ["buildPrefixes", "teacherScores", "train", "evaluate", "pipeline"]:
-        block = schema["properties"][b]
-        assert set(values[b]) == set(block["properties"]), (b, set(values[b]) ^ set(block["properties"]))
+        block = set(schema["properties"][b]["properties"])
+        assert set(values[b]) == block - pod_keys, (b, set(values[b]) ^ (block - pod_keys))
         assert common <= set(values[b]), (b, common - set(values[b]))
-        assert pod_keys - {"serviceAccountName"} <= set(values[b]), (b, pod_keys - set(values[b]))
+        assert pod_keys - {"serviceAccountName"} <= block, (b, pod_keys - block)
         assert "enabled" in values[b] or b == "pipeline"
     assert "parallelism" in values["teacherScores"] and "parallelism" in values["train"]
 
@@ -279,6 +281,23 @@ def test_every_pod_requests_ephemeral_storage_and_sizes_its_scratch(rendered):
         assert "ephemeral-storage" in c["resources"]["requests"], name
         (scratch,) = [v for v in pod["volumes"] if v["name"] == "scratch"]
         assert scratch["emptyDir"]["sizeLimit"], name
+
+
+def test_chart_metadata_names_its_home_its_own_icon_and_the_images_it_runs():
+    """What Helm and ArtifactHub users read first: home, sources, the chart's own icon (a file of this
+    repository, served from it), and the images the jobs pull, consistent with values.yaml's defaults."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["home"].startswith("https://") and chart["sources"] and chart["maintainers"][0].get("url")
+    repo_raw = "https://raw.githubusercontent.com/sapd/sapd/main/"
+    assert chart["icon"].startswith(repo_raw)
+    icon = REPO / chart["icon"].removeprefix(repo_raw)
+    assert icon.is_file() and icon.read_text().lstrip().startswith("<svg")
+    notes = chart["annotations"]
+    assert notes["artifacthub.io/license"] == "Apache-2.0"
+    image = yaml.safe_load((CHART / "values.yaml").read_text())["image"]
+    images = {i["image"] for i in yaml.safe_load(notes["artifacthub.io/images"])}
+    assert images == {f"{image['repository']}:{chart['appVersion']}-{flavor}" for flavor in ("gpu", "cpu", "eval")}
+    assert all(link["url"].startswith("https://") for link in yaml.safe_load(notes["artifacthub.io/links"]))
 
 
 def test_image_tag_defaults_to_app_version_and_a_digest_per_flavor_pins_it():
