@@ -1,4 +1,4 @@
-# One image for every sapd job (`python -m jobs.<name>`), three targets:
+# One image for every sapd job (`python -m sapd.jobs.<name>`), three targets:
 #   cpu   torch (CPU wheel), DeepSpeed, the k8s client, TextWorld and the BM25 retriever: CPU clusters,
 #         the smoke overlay (charts/sapd/values/smoke.yaml)
 #   gpu   torch with its CUDA wheels, vLLM, DeepSpeed, the k8s client: the stage Jobs on GPU pools
@@ -70,23 +70,20 @@ RUN apt-get update && apt-get install -y --no-install-recommends build-essential
 FROM cpu-deps AS cpu
 COPY README.md ./
 COPY sapd ./sapd
-COPY jobs ./jobs
 RUN pip install --no-deps . \
- && python -c "import sapd, jobs.teacher_scores, jobs.train, jobs.build_prefixes, jobs.wait, jobs.check, textworld, bm25s"
+ && python -c "import sapd, sapd.jobs.teacher_scores, sapd.jobs.train, sapd.jobs.build_prefixes, sapd.jobs.wait, sapd.jobs.check, textworld, bm25s"
 USER 1000:1000
 
 FROM gpu-deps AS gpu
 COPY README.md ./
 COPY sapd ./sapd
-COPY jobs ./jobs
 RUN pip install --no-deps . \
- && python -c "import sapd, jobs.teacher_scores, jobs.train, jobs.build_prefixes, jobs.wait, jobs.check, vllm"
+ && python -c "import sapd, sapd.jobs.teacher_scores, sapd.jobs.train, sapd.jobs.build_prefixes, sapd.jobs.wait, sapd.jobs.check, vllm"
 USER 1000:1000
 
 FROM eval-deps AS eval
 COPY README.md ./
 COPY sapd ./sapd
-COPY jobs ./jobs
 RUN pip install --no-deps . \
- && python -c "import sapd, jobs.evaluate, jobs.check, vllm, textworld, bm25s, alfworld, fast_downward"
+ && python -c "import sapd, sapd.jobs.evaluate, sapd.jobs.check, vllm, textworld, bm25s, alfworld, fast_downward"
 USER 1000:1000

@@ -45,7 +45,7 @@ test: setup system-deps .venv-vllm/.sapd-vllm-installed image-venvs lint docs
 	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
 
 lint: setup
-	$(BIN)/ruff check sapd jobs tests bench research scripts docs/conf.py
+	$(BIN)/ruff check sapd tests bench research scripts docs/conf.py
 	$(BIN)/mypy
 
 # the documentation site: every warning an error, every cross-reference resolved (-n), every page read afresh

@@ -39,7 +39,7 @@ others. The sections:
 * ``pi_old_once``: π_old per round from the step logs (``old_logp_seconds``, ``old_logp_forward_passes``
   of each round's first record): the forward passes must equal the round's micro-batches, and the time
   is set beside one plain no-grad forward over the same sequences and beside the training loop.
-* ``rank_placement`` (2 GPUs; the dry run: 2 CPU processes): the train job (``python -m jobs.train``)
+* ``rank_placement`` (2 GPUs; the dry run: 2 CPU processes): the train job (``python -m sapd.jobs.train``)
   under ``torchrun --nproc-per-node 2``, DeepSpeed ZeRO-2, on a round of its own: each rank's device at
   the model load (``cuda:LOCAL_RANK``, the process's current device), where its parameters landed, what
   it had allocated on every GPU right after the load (nothing on the other rank's), and its peak memory.
@@ -521,7 +521,7 @@ def _rank_worker(config: str, out: str) -> int:
         return model
 
     checkpoints.load_checkpoint_model = observed  # observes only: the model it returns is the stage's own
-    from jobs.train import main as train_main
+    from sapd.jobs.train import main as train_main
     rec["rc"] = train_main(["--config", config, "--round", "0", "--no-progress"])
     if torch.cuda.is_available():
         rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the checkout's sapd and jobs, installed or not
+sys.path.insert(0, str(REPO))  # the checkout's sapd, installed or not
 
 import sapd  # noqa: E402
 
@@ -60,7 +60,7 @@ nitpick_ignore_regex = [
 def _runbook_as_text(app, what, name, obj, options, lines):  # noqa: ANN001 - Sphinx's event signature
     """The stage doors' module docstrings are runbooks in plain text (the commands to type, aligned by
     hand): shown as they are written, below their first line."""
-    if what == "module" and name.startswith("jobs.") and len(lines) > 1:
+    if what == "module" and name.startswith("sapd.jobs.") and len(lines) > 1:
         lines[:] = [lines[0], "", "::", ""] + ["    " + line for line in lines[1:]] + [""]
 
 

@@ -1,6 +1,6 @@
 """The ``sapd`` command line. Each subcommand parses its flags and calls one function of the library
 (a stage, an executor, a baseline or the demo); errors and exit codes go through :mod:`sapd.entry`,
-which the ``jobs/*`` entry points share. Library imports are per command, so ``sapd --help`` is quick."""
+which the ``sapd/jobs/*`` entry points share. Library imports are per command, so ``sapd --help`` is quick."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_train_round(args: argparse.Namespace) -> int:
     """One training stage (checkpoint K + round K's scored shards → checkpoint K+1), on every process
-    torchrun starts; the engine is ``train.engine``: what ``python -m jobs.train`` runs (checks, config,
+    torchrun starts; the engine is ``train.engine``: what ``python -m sapd.jobs.train`` runs (checks, config,
     metrics, the stage), through the same :func:`sapd.run.job.stage_main`."""
     from sapd.run.job import stage_main
     from sapd.stages import train

@@ -1,4 +1,4 @@
-"""What the two front doors share — the ``sapd`` command line and the ``jobs/*`` entry points the chart
+"""What the two front doors share — the ``sapd`` command line and the ``sapd/jobs/*`` entry points the chart
 runs: one exit-code map, one error handler and the run-config flags. (A stage's job is one call of
 :func:`sapd.run.job.stage_main`; the evaluation panel's flags are in :mod:`sapd.panel_flags`.)
 

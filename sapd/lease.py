@@ -120,7 +120,7 @@ class Claimant:
 
     @classmethod
     def this_process(cls, command: str) -> Claimant:
-        """A door run by hand (``sapd run``, ``python -m jobs.train`` …): its owner is ``SAPD_LEASE_OWNER``
+        """A door run by hand (``sapd run``, ``python -m sapd.jobs.train`` …): its owner is ``SAPD_LEASE_OWNER``
         when set (the chart's pods; processes a user starts side by side for one run), else the release of a
         pod that names its release and namespace but no owner (a stage Job rendered by a chart version
         before the lease, 0.2.0, adopted by a driver of this one across `helm upgrade`), else this process."""

@@ -1,6 +1,6 @@
 """The command-line flags that pick an evaluation panel (:class:`sapd.envs.panels.PanelSpec`) and the
 environment deadline. Only the front doors that play episodes use them (``sapd evaluate``,
-``collect-expert``, ``online``, ``teacher-pool`` and ``python -m jobs.evaluate``), so the flags name the
+``collect-expert``, ``online``, ``teacher-pool`` and ``python -m sapd.jobs.evaluate``), so the flags name the
 panel's fields and leave building it to the caller — ``PanelSpec(**panel_fields(args))`` — and this module
 imports no environment: a door that never plays an episode (the train job) never loads one.
 """

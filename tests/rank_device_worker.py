@@ -1,5 +1,5 @@
 """One rank of the device-placement check (tests/test_rank_device.py, under ``torchrun`` with 2 processes,
-no GPU): the train job's own door, ``jobs.train.main``, with ``model.device: cuda``. CUDA is stood in for
+no GPU): the train job's own door, ``sapd.jobs.train.main``, with ``model.device: cuda``. CUDA is stood in for
 by recording what this rank asks of it — ``torch.cuda.set_device`` — and the device the train stage passes
 to the loader (``sapd.checkpoints.load_checkpoint_model``), where the rank stops: everything up to the
 first byte of the model is the real code path. Writes ``{out}.rank{r}.json``."""
@@ -34,7 +34,7 @@ def load_checkpoint_model(root, k, dtype="float32", device="cpu", trainable=Fals
 def main(config: str, out: str) -> None:
     torch.cuda.set_device = set_device  # type: ignore[assignment]  # no GPU here: record the call
     checkpoints.load_checkpoint_model = load_checkpoint_model  # type: ignore[assignment]
-    from jobs.train import main as train_main
+    from sapd.jobs.train import main as train_main
     try:
         rc = train_main(["--config", config, "--round", "0", "--no-progress"])
     except Loaded:

@@ -1,7 +1,7 @@
 """The local ALFWorld journey as a user runs it, on CPU with tiny models: ``sapd alfworld-games`` (train and
 valid_unseen), ALFWorld's expert recorded with ``sapd collect-expert``, ``sapd init --benchmark alfworld``
 filled in, ``sapd run`` for two rounds, then ``sapd evaluate`` on valid_unseen (ALFWorld's engine plays
-the checkpoint) and the evaluation job (``jobs.evaluate``) the way the chart runs it, with ALFWORLD_DATA."""
+the checkpoint) and the evaluation job (``sapd.jobs.evaluate``) the way the chart runs it, with ALFWORLD_DATA."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import pytest
 import yaml
 
-import jobs.evaluate
+import sapd.jobs.evaluate
 from sapd import layout, storage
 from sapd.cli import main
 from tests.alfworld_util import generated_games
@@ -67,7 +67,7 @@ def test_alfworld_journey_games_expert_init_run_evaluate(tmp_path, capsys, monke
     assert all(json.loads(e)["metadata"]["engine_wording"] == "move" for e in episodes)  # the real engine played
 
     # the evaluation job as the chart runs it: the run's config, ALFWORLD_DATA from the environment
-    assert jobs.evaluate.main(["--config", str(run_root / "config.yaml"), "--checkpoint", "1", "--horizon", "3",
+    assert sapd.jobs.evaluate.main(["--config", str(run_root / "config.yaml"), "--checkpoint", "1", "--horizon", "3",
                                "--no-progress"]) == 0
     job = json.loads((run_root / "evals" / "000001" / "alfworld.json").read_text())
     assert set(job["by_category"]) == SIX and job["checkpoint"] == 1
@@ -80,6 +80,6 @@ def test_alfworld_journey_games_expert_init_run_evaluate(tmp_path, capsys, monke
     old = run_root / "evals" / "000001" / "alfworld.json"
     old.write_text(json.dumps({**job, "split": "test"}))
     capsys.readouterr()
-    assert jobs.evaluate.main(["--config", str(run_root / "config.yaml"), "--checkpoint", "1", "--horizon", "3",
+    assert sapd.jobs.evaluate.main(["--config", str(run_root / "config.yaml"), "--checkpoint", "1", "--horizon", "3",
                                "--no-progress"]) == 0
     assert "checkpoint 1: alfworld already evaluated" in capsys.readouterr().out

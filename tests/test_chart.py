@@ -337,7 +337,7 @@ def test_teacher_scores_is_an_indexed_job_of_one_pod_per_worker(name, workers):
     assert spec["completions"] == spec["parallelism"] == workers
     assert spec["backoffLimitPerIndex"] == 2 and spec["maxFailedIndexes"] == 0 and "backoffLimit" not in spec
     c = container(spec)
-    assert c["args"][:3] == ["python", "-m", "jobs.teacher_scores"] and c["args"][3:5] == ["--config", "/etc/sapd/config.yaml"]
+    assert c["args"][:3] == ["python", "-m", "sapd.jobs.teacher_scores"] and c["args"][3:5] == ["--config", "/etc/sapd/config.yaml"]
     # each worker pushes its metrics under its own grouping key: its completion index
     inst = env_of(c)["SAPD_METRICS_INSTANCE"]["valueFrom"]["fieldRef"]["fieldPath"]
     assert inst == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -397,7 +397,7 @@ def test_train_rendezvous_goes_through_the_headless_service():
     cmd = c["args"]
     assert cmd[0] == "torchrun" and "--nnodes=2" in cmd and "--nproc-per-node=8" in cmd
     assert f"--master-addr={t['metadata']['name']}-0.{svc['metadata']['name']}" in cmd  # pod 0's DNS name
-    assert "--node-rank=$(NODE_RANK)" in cmd and cmd[cmd.index("-m") + 1] == "jobs.train"
+    assert "--node-rank=$(NODE_RANK)" in cmd and cmd[cmd.index("-m") + 1] == "sapd.jobs.train"
     env = env_of(c)
     assert "job-completion-index" in env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
     assert env["OMP_WAIT_POLICY"]["value"] == "PASSIVE"  # spinning OpenMP threads starve DeepSpeed/gloo on CPU
@@ -499,7 +499,7 @@ def test_evaluation_cronjob():
     assert spec["schedule"] == "0 */6 * * *" and spec["concurrencyPolicy"] == "Forbid"
     assert spec["timeZone"] == "Etc/UTC" and spec["startingDeadlineSeconds"] == 600
     assert spec["jobTemplate"]["metadata"]["labels"]["app.kubernetes.io/component"] == "evaluate"
-    assert container(spec["jobTemplate"]["spec"])["args"][:3] == ["python", "-m", "jobs.evaluate"]
+    assert container(spec["jobTemplate"]["spec"])["args"][:3] == ["python", "-m", "sapd.jobs.evaluate"]
     (cron,) = by_kind(render(overlay_values("smoke")), "CronJob").values()
     assert cron["spec"]["schedule"] == "*/30 * * * *"
     assert not by_kind(render({"evaluate": {"schedule": ""}}), "CronJob")
@@ -558,7 +558,7 @@ def test_evaluation_gets_each_benchmark_what_it_needs():
     assert args[args.index("--rows") + 1] == "s3://sapd/data/searchqa/test.parquet"
     assert args[args.index("--retriever-url") + 1] == "http://sapd-test-retriever:8000"
     dep = by_kind(docs, "Deployment")["sapd-test-retriever"]["spec"]["template"]["spec"]
-    assert dep["initContainers"][0]["args"][:3] == ["python", "-m", "jobs.fetch"]
+    assert dep["initContainers"][0]["args"][:3] == ["python", "-m", "sapd.jobs.fetch"]
     assert dep["containers"][0]["args"][:3] == ["python", "-m", "sapd.envs.retriever"] and dep["restartPolicy"] == "Always"
     assert dep["containers"][0]["image"].endswith("-cpu") and GPU not in json.dumps(dep)
     assert by_kind(docs, "Service")["sapd-test-retriever"]["spec"]["ports"][0]["port"] == 8000
@@ -598,10 +598,10 @@ def test_every_pod_of_a_release_claims_the_run_roots_lease_as_the_release(render
 def test_force_takeover_is_a_value_of_the_driver_and_its_gates():
     for values in ({}, manual({})):
         drivers = [d for d in render(values, with_templates=False) if d["kind"] == "Job"
-                   and container(d["spec"])["args"][:3] == ["python", "-m", "jobs.pipeline"]]
+                   and container(d["spec"])["args"][:3] == ["python", "-m", "sapd.jobs.pipeline"]]
         assert drivers and not [d for d in drivers if "--force-takeover" in container(d["spec"])["args"]]
         forced = [d for d in render({**values, "pipeline": {"forceTakeover": True}}, with_templates=False)
-                  if d["kind"] == "Job" and container(d["spec"])["args"][:3] == ["python", "-m", "jobs.pipeline"]]
+                  if d["kind"] == "Job" and container(d["spec"])["args"][:3] == ["python", "-m", "sapd.jobs.pipeline"]]
         assert len(forced) == len(drivers) and all("--force-takeover" in container(d["spec"])["args"] for d in forced)
 
 
@@ -666,7 +666,7 @@ def test_pipeline_driver_creates_the_stage_jobs_from_the_same_templates_as_manua
     # of the templates ConfigMap, which every revision keeps (an upgrade never deletes a running stage)
     drv = job(docs, "pipeline")
     args = container(drv["spec"])["args"]
-    assert args[:3] == ["python", "-m", "jobs.pipeline"] and args[args.index("--templates") + 1] == "/etc/sapd-pipeline"
+    assert args[:3] == ["python", "-m", "sapd.jobs.pipeline"] and args[args.index("--templates") + 1] == "/etc/sapd-pipeline"
     assert args[args.index("--owner") + 1] == "configmap/sapd-test-pipeline-templates"
     (vol,) = [v for v in drv["spec"]["template"]["spec"]["volumes"] if v["name"] == "stage-templates"]
     assert vol["configMap"]["name"] == "sapd-test-pipeline-templates"
@@ -690,7 +690,7 @@ def test_pipeline_driver_creates_the_stage_jobs_from_the_same_templates_as_manua
         g = gates[f"gate-{stage}"]
         assert g["metadata"]["name"] == f"sapd-test-gate-{stage}{'' if k is None else f'-r{k}'}-{suffix}"
         gargs = container(g["spec"])["args"]
-        assert gargs[:3] == ["python", "-m", "jobs.pipeline"] and gargs[gargs.index("--stage") + 1] == stage
+        assert gargs[:3] == ["python", "-m", "sapd.jobs.pipeline"] and gargs[gargs.index("--stage") + 1] == stage
         assert (gargs[gargs.index("--round") + 1] if "--round" in gargs else None) == k
         assert gargs[gargs.index("--owner") + 1] == "configmap/sapd-test-pipeline-templates"
         gpod = g["spec"]["template"]["spec"]
@@ -871,14 +871,14 @@ def test_network_policy_is_opt_in():
 
 
 def test_uninstall_deletes_the_releases_pushgateway_groups():
-    """A post-delete hook Job (jobs.delete_metrics): it runs after the release's objects are gone, so it
+    """A post-delete hook Job (sapd.jobs.delete_metrics): it runs after the release's objects are gone, so it
     mounts no ConfigMap and needs no S3 Secret; only with a Pushgateway, and it can be turned off."""
     (hook,) = [d for d in render({}) if d["kind"] == "Job" and d["metadata"]["name"] == "sapd-test-delete-metrics"]
     ann = hook["metadata"]["annotations"]
     assert ann["helm.sh/hook"] == "post-delete" and ann["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
     pod = hook["spec"]["template"]["spec"]
     c = container(hook["spec"])
-    assert c["args"] == ["python", "-m", "jobs.delete_metrics", "--settle-seconds", "30"]
+    assert c["args"] == ["python", "-m", "sapd.jobs.delete_metrics", "--settle-seconds", "30"]
     assert not [v for v in pod["volumes"] if "configMap" in v or "secret" in v]
     env = env_of(c)
     assert "AWS_ACCESS_KEY_ID" not in env and env["SAPD_RELEASE"]["value"] == "sapd-test"
@@ -911,7 +911,7 @@ def test_every_cache_goes_to_a_writable_volume(rendered):
 def test_helm_test_hook_is_a_preflight_pod():
     (pod,) = [d for d in render({}) if d["kind"] == "Pod"]
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
-    assert pod["spec"]["containers"][0]["args"] == ["python", "-m", "jobs.check", "--config", "/etc/sapd/config.yaml"]
+    assert pod["spec"]["containers"][0]["args"] == ["python", "-m", "sapd.jobs.check", "--config", "/etc/sapd/config.yaml"]
     assert pod["spec"]["volumes"][0]["configMap"]["items"][0]["key"] == "config.yaml"
     assert not [d for d in render({"tests": {"enabled": False}}) if d["kind"] == "Pod"]
 

@@ -151,7 +151,7 @@ def test_storage_credentials_and_reachability_on_real_s3(s3_server, tmp_path, mo
     # a stage's job stops at its checks with the same verdict, one line naming what to fix
     env = {**os.environ, "AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": "wrong-secret",
            "SAPD_S3_ENDPOINT_URL": s3_server.endpoint_url, "AWS_DEFAULT_REGION": "us-east-1", "SAPD_S3_MAX_ATTEMPTS": "1"}
-    job = subprocess.run([sys.executable, "-m", "jobs.build_prefixes", "--config", str(cfg), "--no-progress"], env=env,
+    job = subprocess.run([sys.executable, "-m", "sapd.jobs.build_prefixes", "--config", str(cfg), "--no-progress"], env=env,
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert job.returncode == EXIT_USER_ERROR, job.stdout + job.stderr
     assert "check storage: FAILED" in job.stdout and job.stderr.startswith("build_prefixes: error: check storage")

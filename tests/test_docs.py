@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = [*REPO.glob("sapd/**/*.py"), *REPO.glob("jobs/*.py"), *REPO.glob("charts/**/*.yaml"),
+SOURCES = [*REPO.glob("sapd/**/*.py"), *REPO.glob("charts/**/*.yaml"),
            *REPO.glob("charts/**/*.tpl"), *REPO.glob("charts/**/*.txt"), *REPO.glob("charts/**/*.md"),
            *REPO.glob("charts/**/*.tmpl"), *REPO.glob("docs/**/*.md"), *REPO.glob("docs/*.py"),
            *REPO.glob("bench/*.py"), *REPO.glob("research/*.py"), *REPO.glob("experiments/*.py"),

@@ -1,4 +1,4 @@
-"""The pipeline driver (jobs/pipeline.py, sapd/run/k8s.py) against the real ``kubernetes`` client,
+"""The pipeline driver (sapd/jobs/pipeline.py, sapd/run/k8s.py) against the real ``kubernetes`` client,
 with only its HTTP layer faked: ``urllib3.PoolManager.request`` is routed to an in-memory API server
 that stores the Jobs, JobSets, Services and the ConfigMap it is sent, plays a Job controller (a test
 scripts each Job's attempts: complete, fail, fail permanently, be preempted, stay queued by Kueue, wait
@@ -450,7 +450,7 @@ ORDER = [f"{RELEASE}-build-prefixes", f"{RELEASE}-teacher-scores-r0", f"{RELEASE
 def test_the_driver_checks_first_and_creates_no_job_when_a_check_fails(env, capsys):
     """Here the data and models are simulated S3 URIs no server holds: the driver's checks (its first
     step in the chart) stop it with exit 2 and a line naming the input, before any Job exists."""
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     assert pipeline.main([a for a in env.argv() if a != "--no-check"]) == 2
     cap = capsys.readouterr()
     assert "check data: FAILED" in cap.out and "check data: FAILED" in cap.err
@@ -458,7 +458,7 @@ def test_the_driver_checks_first_and_creates_no_job_when_a_check_fails(env, caps
 
 
 def test_two_rounds_in_order_with_valid_manifests(env, capsys):
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     assert pipeline.main(env.argv()) == 0
     out = capsys.readouterr().out
     assert env.kube.posted_jobs() == ORDER == env.effect.log
@@ -481,7 +481,7 @@ def test_two_rounds_in_order_with_valid_manifests(env, capsys):
         assert ts["spec"]["completionMode"] == "Indexed"
         assert ts["spec"]["completions"] == ts["spec"]["parallelism"] == 2 == env.cfg.workers
         cmd = ts["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert cmd[:3] == ["python", "-m", "jobs.teacher_scores"] and cmd[cmd.index("--round") + 1] == str(k)
+        assert cmd[:3] == ["python", "-m", "sapd.jobs.teacher_scores"] and cmd[cmd.index("--round") + 1] == str(k)
         assert ts["metadata"]["labels"]["sapd.io/round"] == str(k)
         tr = jobs[f"{RELEASE}-train-r{k}"]
         tcmd = tr["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -509,7 +509,7 @@ def test_two_rounds_in_order_with_valid_manifests(env, capsys):
 
 
 def test_rerun_of_a_finished_run_creates_nothing(env, capsys):
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     assert pipeline.main(env.argv()) == 0
     n = len(env.kube.posted)
     assert pipeline.main(env.argv()) == 0
@@ -584,7 +584,7 @@ def test_a_failed_job_is_recreated_then_succeeds(env):
 
 
 def test_a_stage_that_keeps_failing_stops_the_driver_with_exit_1(env, capsys):
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     name = f"{RELEASE}-train-r0"
     env.kube.script[name] = ["fail"] * 5
     assert pipeline.main(env.argv("--retries", "2")) == 1
@@ -602,7 +602,7 @@ def test_a_stage_that_keeps_failing_stops_the_driver_with_exit_1(env, capsys):
 
 
 def test_a_job_that_completes_without_committing_counts_as_a_failure(env, capsys):
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     env.kube.effect = job_effect(env.root, commit=False)
     assert pipeline.main(env.argv("--retries", "1")) == 1
     err = capsys.readouterr().err
@@ -681,7 +681,7 @@ def test_a_build_without_validation_prefixes_has_no_last_validation_job(tmp_path
 
 
 def test_forbidden_is_a_clear_exit_3(env, capsys):
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     env.kube.fail_next = [403]
     assert pipeline.main(env.argv("--owner", "")) == 3
     assert "the driver's ServiceAccount may not do this" in capsys.readouterr().err
@@ -705,7 +705,7 @@ def test_templates_are_checked(tmp_path):
 def test_a_permanent_failure_is_not_retried(env, capsys):
     """Exit code 2 (a config or input error) matches the chart's FailJob rule: the Job fails with reason
     PodFailurePolicy, and the driver stops at once instead of spending its retries on GPU nodes."""
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     name = f"{RELEASE}-train-r0"
     env.kube.script[name] = ["fail-permanent"]
     assert pipeline.main(env.argv("--retries", "2")) == 1
@@ -735,7 +735,7 @@ def test_a_jobset_train_stage_is_created_watched_and_retried(tmp_path, monkeypat
 def test_a_jobset_permanent_failure_is_recognised_by_jobsets_own_reason(tmp_path, monkeypatch, capsys):
     """Exit code 2 in a JobSet's child Job: JobSet applies the chart's FailJobSet rule and reports
     FailJobSetFailurePolicyAction (never the child's PodFailurePolicy): no retry on 16 GPUs, exit 1."""
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     e = Env(tmp_path, monkeypatch, {"train": {"launcher": "jobset"}})
     name = f"{RELEASE}-train-r0"
     e.kube.script[name] = ["fail-permanent"]
@@ -817,7 +817,7 @@ def test_the_newest_failed_pod_is_the_one_whose_log_is_shown(env):
 def test_a_failed_final_evaluation_leaves_the_run_complete(env, capsys):
     """The checkpoints are committed: an evaluation that keeps failing is reported, and the driver exits 0
     (the driver Job Complete) instead of failing a run whose training succeeded."""
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     name = f"{RELEASE}-evaluate-r2"
     env.kube.script[name] = ["fail"] * 3
     assert pipeline.main(env.argv("--retries", "2")) == 0
@@ -841,7 +841,7 @@ def fill_job(env: Env) -> dict:
 def test_the_evaluation_waits_for_the_alfworld_fill_job(env, capsys):
     """The chart's driver arguments name ALFWorld's fill Job: the final evaluation is created only once that
     Job is complete (here it is still running when the driver gets there)."""
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     fill = fill_job(env)
     name = fill["metadata"]["name"]
     env.kube.add_job(fill)  # Helm created it with the release; it runs (completes on its second read)
@@ -854,7 +854,7 @@ def test_the_evaluation_waits_for_the_alfworld_fill_job(env, capsys):
 
 
 def test_a_failed_fill_job_fails_the_evaluation_not_the_run(env, capsys):
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     fill = fill_job(env)
     name = fill["metadata"]["name"]
     env.kube.add_job(fill, state="fail")
@@ -867,7 +867,7 @@ def test_a_failed_fill_job_fails_the_evaluation_not_the_run(env, capsys):
 
 
 def test_a_fill_job_deleted_after_its_ttl_counts_as_done(env, capsys):
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     name = fill_job(env)["metadata"]["name"]
     assert pipeline.main(env.argv("--evaluate-after-job", name)) == 0
     out = capsys.readouterr().out
@@ -885,7 +885,7 @@ def test_evaluate_r_evaluates_exactly_checkpoint_r(env):
 
 
 def test_one_stage_waits_for_its_input_then_runs_only_its_job(env):
-    """`python -m jobs.pipeline --stage train --round 1` (a manual-mode gate): a small pod that waits until
+    """`python -m sapd.jobs.pipeline --stage train --round 1` (a manual-mode gate): a small pod that waits until
     round 1's scored manifest is committed — no GPU, no deadline running meanwhile — then creates train-r1."""
     from sapd.data.scored import commit_round
     from sapd.run.k8s import StageTemplates
@@ -917,7 +917,7 @@ def test_one_stage_waits_for_its_input_then_runs_only_its_job(env):
 
 
 def test_one_stage_from_the_command_line(env, capsys):
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     assert pipeline.main(env.argv("--stage", "build-prefixes")) == 0
     assert env.kube.posted_jobs() == [f"{RELEASE}-build-prefixes"]
     for bad in (["--stage", "train"], ["--stage", "build-prefixes", "--round", "0"]):
@@ -948,7 +948,7 @@ def test_persistent_jobs_serve_every_round_from_one_scoring_and_one_train_job(po
     """`helm install` with the defaults: after build-prefixes, one teacher-scores Job and one train Job,
     created together, serve rounds 0–2 (their workers wait for each round's input); the driver logs each
     round's commits; the Jobs' time limit is their rounds × one round of each pool."""
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     assert pipeline.main(pools.argv()) == 0
     out = capsys.readouterr().out
     assert pools.kube.posted_jobs() == POOLS and pools.kube.invalid == []
@@ -1028,7 +1028,7 @@ def test_a_per_round_job_a_previous_chart_started_is_adopted_for_its_one_round(t
 
 
 def test_a_prefix_build_that_fails_takes_the_waiting_round_jobs_with_it(pools, capsys):
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     pools.kube.script[f"{RELEASE}-build-prefixes"] = ["fail-permanent"]
     assert pipeline.main(pools.argv()) == 1
     out = capsys.readouterr().out
@@ -1072,7 +1072,7 @@ def test_a_failed_persistent_job_is_recreated_and_resumes_from_the_commits(pools
 def test_when_one_persistent_job_gives_up_the_other_is_deleted(pools, capsys):
     """Exit code 2 in the scoring workers: no retry, and the trainer, which would wait for scores that never
     come, is deleted too (its GPUs freed); the driver exits 1 naming the scoring Job."""
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     name = f"{RELEASE}-teacher-scores-r0"
     pools.kube.script[name] = ["fail-permanent"]
     assert pipeline.main(pools.argv("--retries", "2")) == 1
@@ -1155,7 +1155,7 @@ def test_overlap_one_step_lets_the_scoring_job_work_a_round_ahead(tmp_path, monk
 
 
 def test_templates_without_the_rounds_placeholder_refuse_persistent_jobs(pools, capsys):
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     for f in ("teacher-scores.yaml", "train.yaml"):
         path = pools.templates / f
         path.write_text(path.read_text().replace("__SAPD_ROUNDS__", "1"))

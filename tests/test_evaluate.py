@@ -96,7 +96,7 @@ def test_collect_expert_writes_a_pool_the_prefix_builder_reads(tmp_path):
 def test_evaluate_job_reads_run_root_and_benchmark_from_the_config(tmp_path, capsys):
     cfg = tmp_path / "config.yaml"
     cfg.write_text(json.dumps({"run_root": str(tmp_path / "empty-run"), "data": {"benchmark": "textworld"}}))
-    from jobs.evaluate import main
+    from sapd.jobs.evaluate import main
     # no checkpoint yet: a CronJob started before the first round has nothing to do, and that is no failure
     assert main(["--config", str(cfg), "--no-progress"]) == 0
     assert "no committed checkpoint yet, nothing to evaluate" in capsys.readouterr().out

@@ -1,5 +1,5 @@
 """Evaluation generates as the run does: the checkpoint loaded in the run's ``model.dtype`` with its
-``sampling.backend`` — for the evaluation Job (``python -m jobs.evaluate --config``) from the run config,
+``sampling.backend`` — for the evaluation Job (``python -m sapd.jobs.evaluate --config``) from the run config,
 for ``sapd evaluate --run`` from the run root's resolved config — and the result records both. (The vLLM
 backend's run is in tests/vllm/test_vllm_evaluate.py, in the vLLM environment.)"""
 
@@ -49,7 +49,7 @@ PANEL = ["--benchmark", "textworld", "--families", "simple", "--games-per-family
 
 
 def test_evaluate_job_loads_the_run_dtype_and_backend(bf16_run, loaded_dtypes, tmp_path):
-    from jobs.evaluate import main
+    from sapd.jobs.evaluate import main
     cfg, path = bf16_run
     assert main(["--config", str(path), "--no-progress", "--no-check", "--cache", str(tmp_path / "games"),
                  *PANEL[2:]]) == 0

@@ -81,8 +81,8 @@ def test_the_cli_reference_has_every_command_and_flag():
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
                     assert f"`{flag}" in text or f", {flag}" in text, (name, flag)
-    for door in ("jobs.build_prefixes", "jobs.teacher_scores", "jobs.train", "jobs.evaluate", "jobs.pipeline",
-                 "jobs.check", "jobs.wait", "jobs.fetch"):
+    for door in ("sapd.jobs.build_prefixes", "sapd.jobs.teacher_scores", "sapd.jobs.train", "sapd.jobs.evaluate", "sapd.jobs.pipeline",
+                 "sapd.jobs.check", "sapd.jobs.wait", "sapd.jobs.fetch"):
         assert f"### `python -m {door}`" in text, door
 
 

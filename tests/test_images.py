@@ -170,7 +170,7 @@ def test_dockerfile_targets_install_with_the_script_and_run_as_non_root():
         assert copy_src < no_deps
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored and ".cache" in ignored
-    assert not {"sapd", "jobs", "pyproject.toml", "README.md", "docker"} & set(ignored)
+    assert not {"sapd", "pyproject.toml", "README.md", "docker"} & set(ignored)
 
 
 def test_install_script_table_names_each_targets_contents():

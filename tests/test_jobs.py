@@ -1,4 +1,4 @@
-"""The job entrypoints (jobs/) run for real on a tiny run, as the chart's pods would run them."""
+"""The job entrypoints (sapd/jobs/) run for real on a tiny run, as the chart's pods would run them."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def models(tmp_path_factory):
 
 
 def test_teacher_scores_two_indexed_workers_then_commit(tmp_path, models, monkeypatch, capsys):
-    from jobs import teacher_scores
+    from sapd.jobs import teacher_scores
     from sapd.models.loading import load_tokenizer
     from sapd.stages.build_prefixes import ensure_initial_checkpoint, ensure_prefixes
 
@@ -60,7 +60,7 @@ def test_teacher_scores_two_indexed_workers_then_commit(tmp_path, models, monkey
 
 
 def test_teacher_scores_errors_are_one_line_and_exit_2(tmp_path, models, capsys):
-    from jobs import teacher_scores
+    from sapd.jobs import teacher_scores
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(str(tmp_path / "run"), *models, workers=2)))
     assert teacher_scores.main(["--config", str(config), "--round", "0"]) == 2
@@ -73,7 +73,7 @@ def test_teacher_scores_errors_are_one_line_and_exit_2(tmp_path, models, capsys)
 
 
 def test_build_prefixes_then_scores_then_train_from_one_config(tmp_path, models):
-    from jobs import build_prefixes, teacher_scores, train
+    from sapd.jobs import build_prefixes, teacher_scores, train
     root = str(tmp_path / "run")
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(root, *models)))
@@ -93,19 +93,19 @@ def test_stage_jobs_share_their_releases_lease_and_refuse_anothers(tmp_path, mod
     every pod): it shares the release's lease (its driver holds it) and leaves it to the release; a Job of
     another release refuses the root in one line, exit 2; an evaluation only checks. A door run by hand
     holds the lease as itself and gives it back."""
-    from jobs import build_prefixes
-    from jobs import evaluate as ev
     from sapd import layout, lease, storage
+    from sapd.jobs import build_prefixes
+    from sapd.jobs import evaluate as ev
     root = str(tmp_path / "run")
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(root, *models)))
     driver = lease.RunLease(root, lease.Claimant(lease.release_owner("sapd-a", "team"), "sapd-a-pipeline-1-x pid 1",
-                                                 "python -m jobs.pipeline"), ttl_s=60).acquire()
+                                                 "python -m sapd.jobs.pipeline"), ttl_s=60).acquire()
     monkeypatch.setenv(lease.OWNER_ENV, lease.release_owner("sapd-b", "team"))
     assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"build_prefixes: error: run root {root} is held by release sapd-a in "
-                                               "namespace team (python -m jobs.pipeline on sapd-a-pipeline-1-x pid 1")
+                                               "namespace team (python -m sapd.jobs.pipeline on sapd-a-pipeline-1-x pid 1")
     assert not storage.exists(layout.config_uri(root))  # refused before any write
     assert ev.main(["--config", str(config)]) == 2  # an evaluation of another release's root: refused too
     assert "is held by release sapd-a in namespace team" in capsys.readouterr().err
@@ -124,7 +124,7 @@ def test_batch_jobs_push_their_outcome(tmp_path, models, monkeypatch, prometheus
     """build_prefixes and teacher_scores push to a real Pushgateway; its /metrics shows each job's figures."""
     import urllib.request
 
-    from jobs import build_prefixes, teacher_scores
+    from sapd.jobs import build_prefixes, teacher_scores
     monkeypatch.setenv("SAPD_PUSHGATEWAY_URL", prometheus_stack["pushgateway"])
     monkeypatch.setenv("SAPD_RELEASE", "jobs-test")
     config = tmp_path / "config.yaml"
@@ -151,9 +151,9 @@ def test_batch_jobs_push_their_outcome(tmp_path, models, monkeypatch, prometheus
 def test_the_last_teacher_scores_worker_commits_the_round(tmp_path, models, capsys):
     """With no driver (the chart's manual mode) nobody runs --commit: the worker that finds every part
     done commits the round itself; the others leave it."""
-    from jobs import teacher_scores
     from sapd import layout
     from sapd.data import shards
+    from sapd.jobs import teacher_scores
     from sapd.models.loading import load_tokenizer
     from sapd.stages.build_prefixes import ensure_initial_checkpoint, ensure_prefixes
     root = str(tmp_path / "run")
@@ -177,7 +177,7 @@ def test_the_last_teacher_scores_worker_commits_the_round(tmp_path, models, caps
 def test_wait_returns_once_the_input_is_committed(tmp_path, models, capsys):
     import threading
 
-    from jobs import build_prefixes, wait
+    from sapd.jobs import build_prefixes, wait
     root = str(tmp_path / "run")
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(root, *models)))
@@ -199,7 +199,7 @@ def test_wait_returns_once_the_input_is_committed(tmp_path, models, capsys):
 
 
 def test_check_reports_each_preflight_item(tmp_path, models, capsys, monkeypatch):
-    from jobs import check
+    from sapd.jobs import check
     monkeypatch.delenv("SAPD_PUSHGATEWAY_URL", raising=False)
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(str(tmp_path / "run"), *models)))
@@ -253,7 +253,7 @@ def test_each_job_checks_its_inputs_before_its_work(tmp_path, models, monkeypatc
 
 
 def test_the_commit_step_and_evaluate_check_storage_only(tmp_path, models, monkeypatch, capsys):
-    from jobs import evaluate, teacher_scores
+    from sapd.jobs import evaluate, teacher_scores
     _no_work(monkeypatch)
     config = tmp_path / "config.yaml"
     blocker = tmp_path / "file"
@@ -268,7 +268,7 @@ def test_the_commit_step_and_evaluate_check_storage_only(tmp_path, models, monke
 
 
 def test_the_pipeline_driver_checks_before_it_reads_its_templates(tmp_path, models, capsys):
-    from jobs import pipeline
+    from sapd.jobs import pipeline
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config(str(tmp_path / "run"), *models, data={"input": str(tmp_path / "x.json")})))
     args = ["--config", str(config), "--release", "r", "--templates", str(tmp_path / "no-templates")]
@@ -282,7 +282,7 @@ def test_the_pipeline_driver_checks_before_it_reads_its_templates(tmp_path, mode
 
 
 def test_evaluate_takes_device_and_budget_from_the_config_and_skips_a_run_without_checkpoints(tmp_path, monkeypatch, capsys):
-    import jobs.evaluate as ev
+    import sapd.jobs.evaluate as ev
     from sapd import checkpoints
     cfg = tmp_path / "config.yaml"
     root = tmp_path / "run"
@@ -308,7 +308,7 @@ def test_evaluate_takes_device_and_budget_from_the_config_and_skips_a_run_withou
 
 def test_unreachable_storage_exits_75(tmp_path, models, monkeypatch, capsys):
     """75 (EX_TEMPFAIL) is what the chart's podFailurePolicy retries (2 would fail the Job at once)."""
-    from jobs import build_prefixes
+    from sapd.jobs import build_prefixes
     monkeypatch.setenv("SAPD_S3_ENDPOINT_URL", "http://127.0.0.1:1")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")

@@ -273,9 +273,9 @@ def test_a_second_release_on_a_running_root_is_refused_naming_the_holder(release
     (error,) = [ln for ln in releases.seen["dup log"].splitlines() if "error:" in ln]
     # held by the release; the process named is whichever of its pods renewed last (driver or stage Job)
     assert error.startswith(f"pipeline: error: run root {base} is held by release sapd-base in namespace {NS} ("), error
-    assert re.search(r"\(python -m jobs\.\w+ on sapd-base-[a-z0-9-]+ pid \d+, since ", error), error
+    assert re.search(r"\(python -m sapd\.jobs\.\w+ on sapd-base-[a-z0-9-]+ pid \d+, since ", error), error
     assert error.endswith("take over now: helm upgrade sapd-dup --reuse-values --set pipeline.forceTakeover=true "
-                          "(or run jobs.pipeline with --force-takeover)"), error
+                          "(or run sapd.jobs.pipeline with --force-takeover)"), error
     (pod,) = cluster.pods("batch.kubernetes.io/job-name=sapd-dup-pipeline-1")
     assert pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 2
     log = logs_of_job(cluster, "sapd-base-pipeline-1")

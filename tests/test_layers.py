@@ -2,17 +2,17 @@
 
 Every import is read — module-level, function-local and ``if TYPE_CHECKING:`` ones, ``from pkg import
 module`` resolved to the module, relative imports, ``importlib.import_module("…")`` — in every module of
-``sapd/``, ``jobs/``, ``research/``, ``bench/`` and ``experiments/``. A failure names ``file:line`` and
+``sapd/``, ``research/``, ``bench/`` and ``experiments/``. A failure names ``file:line`` and
 the rule it breaks. The rules:
 
 - every module has a floor (:data:`FLOORS`, the table docs/DESIGN.md shows: the two are compared), and
   imports only from lower floors, or from inside its own package where the package rules allow it:
   a stage never imports another stage; no environment adapter knows the loop or the panels;
-- nothing under ``sapd/`` or ``jobs/`` imports ``research/``; only the command line (and the scripts of
+- nothing under ``sapd/`` imports ``research/``; only the command line (and the scripts of
   ``research/`` and ``bench/``) imports ``sapd/demo``; no module imports ``tests/``;
 - third-party packages per layer (:data:`THIRD_PARTY`): ``method`` is torch and the standard library,
   ``data`` never a model library; ``import yaml`` only in ``sapd/yamlio.py``; the heavy optional packages
-  (:data:`LAZY`) only inside functions in ``sapd/`` and ``jobs/``;
+  (:data:`LAZY`) only inside functions in ``sapd/``;
 - ``sapd`` imports inside functions only in ``sapd/cli.py`` (per-command imports keep ``sapd --help``
   quick); an import the checker cannot read (``importlib.import_module(name)``) is refused there;
 - no import cycle;
@@ -21,7 +21,7 @@ the rule it breaks. The rules:
   beyond tokenizer and weights loading.
 
 ``python tests/test_layers.py`` prints the figures of the import graph (modules, longest chains, each
-door's closure) and the import time of ``python -m jobs.train --help``.
+door's closure) and the import time of ``python -m sapd.jobs.train --help``.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from functools import lru_cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = ("sapd", "jobs", "research", "bench", "experiments")
-PRODUCTION = ("sapd", "jobs")
+ROOTS = ("sapd", "research", "bench", "experiments")
+PRODUCTION = ("sapd",)
 
 # Every module's floor, bottom up; an entry covers its submodules, except ``sapd`` itself (the package
 # face: ``__version__`` only), so a new top-level ``sapd/x.py`` has no floor until it is given one here.
@@ -55,7 +55,7 @@ FLOORS: dict[str, int] = {
     "sapd.run": 8,
     "sapd.baselines": 9,
     "sapd.demo": 10,  # `sapd demo` and its kit (games, pools, models, parallel jobs); the research harness uses it
-    "sapd.cli": 11, "jobs": 11,
+    "sapd.cli": 11, "sapd.jobs": 11,
     "research": 12, "bench": 12,
     "experiments": 13,
 }
@@ -93,11 +93,11 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "sapd.baselines": {"torch", "tqdm"},
     "sapd.demo": {"torch", "transformers", "textworld", "tqdm", "matplotlib"},
     "sapd.cli": set(),
-    "jobs": {"kubernetes"},
+    "sapd.jobs": {"kubernetes"},
     "research": ANY, "bench": ANY, "experiments": ANY,
 }
 YAML_READER = "sapd.yamlio"  # the one module that imports yaml (YAML 1.2 numbers, key lines for errors)
-# heavy or optional packages: only inside functions in sapd/ and jobs/, so every module is cheap to import
+# heavy or optional packages: only inside functions in sapd/, so every module is cheap to import
 LAZY = {"vllm", "deepspeed", "textworld", "scienceworld", "alfworld", "fast_downward", "matplotlib", "bm25s",
         "Stemmer", "transformers", "tokenizers", "safetensors"}
 
@@ -278,7 +278,7 @@ def violations() -> list[str]:
                 problems.append(f"{where}: {me} imports {target}, which has no floor")
                 continue
             if theirs == "research" and production:
-                problems.append(f"{where}: {me} imports {target}; nothing under sapd/ or jobs/ imports research/")
+                problems.append(f"{where}: {me} imports {target}; nothing under sapd/ imports research/")
                 continue
             if target == "sapd.cli" or (theirs == "sapd.demo" and not any(
                     mine == u or mine.startswith(u + ".") for u in DEMO_USERS)):
@@ -391,15 +391,15 @@ MODEL_CODE = ("sapd.models.generation", "sapd.models.scoring", "sapd.models.vllm
 # or loss code (the config's LossConfig does not need the loss functions either).
 DOORS: dict[str, tuple[list[str], set[str] | None, tuple[str, ...]]] = {
     # name: (roots, CLI command function or None, forbidden)
-    "jobs.train": (["jobs.train"], None, ENVS + RESEARCH),
+    "sapd.jobs.train": (["sapd.jobs.train"], None, ENVS + RESEARCH),
     "sapd train-round": (["sapd.cli"], {"cmd_train_round"}, ENVS + RESEARCH),
-    "jobs.teacher_scores": (["jobs.teacher_scores"], None, ENVS + RESEARCH),
-    "jobs.build_prefixes": (["jobs.build_prefixes"], None, ENVS + RESEARCH + MODEL_CODE[:-1]),
-    "jobs.evaluate": (["jobs.evaluate"], None, RESEARCH),
+    "sapd.jobs.teacher_scores": (["sapd.jobs.teacher_scores"], None, ENVS + RESEARCH),
+    "sapd.jobs.build_prefixes": (["sapd.jobs.build_prefixes"], None, ENVS + RESEARCH + MODEL_CODE[:-1]),
+    "sapd.jobs.evaluate": (["sapd.jobs.evaluate"], None, RESEARCH),
     "sapd evaluate": (["sapd.cli"], {"cmd_evaluate"}, RESEARCH),
-    "jobs.check": (["jobs.check"], None, ENVS + RESEARCH + MODEL_CODE[:-1]),
+    "sapd.jobs.check": (["sapd.jobs.check"], None, ENVS + RESEARCH + MODEL_CODE[:-1]),
     "sapd check": (["sapd.cli"], {"cmd_check"}, ENVS + RESEARCH + MODEL_CODE[:-1]),
-    "jobs.fetch": (["jobs.fetch"], None, ENVS + RESEARCH + MODEL_CODE + ("sapd.config",)),
+    "sapd.jobs.fetch": (["sapd.jobs.fetch"], None, ENVS + RESEARCH + MODEL_CODE + ("sapd.config",)),
     "stage train": (["sapd.stages.train"], None, ENVS + RESEARCH + FORMAT_PARSERS),
     "stage teacher-scores": (["sapd.stages.teacher_scores"], None, ENVS + RESEARCH + FORMAT_PARSERS),
     "data.batches": (["sapd.data.batches"], None, FORMAT_PARSERS + ("sapd.models",)),
@@ -465,17 +465,17 @@ def test_the_design_table_is_the_floor_table():
 
 
 def test_the_train_job_imports_what_the_static_graph_says(tmp_path):
-    """The graph is the truth: the sapd modules `python -m jobs.train --help` really imports are the ones the
+    """The graph is the truth: the sapd modules `python -m sapd.jobs.train --help` really imports are the ones the
     static closure names (the import time is printed: `pytest -s`)."""
-    code = ("import sys, time; t = time.perf_counter(); import jobs.train; "
+    code = ("import sys, time; t = time.perf_counter(); import sapd.jobs.train; "
             "print(round(time.perf_counter() - t, 3)); "
-            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('sapd', 'jobs'))))")
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('sapd',))))")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                          check=True).stdout.splitlines()
     imported = set(out[1].split())
-    print(f"\nimport jobs.train: {out[0]} s, {len(imported)} sapd/jobs modules")
-    assert imported == door_closure("jobs.train")
+    print(f"\nimport sapd.jobs.train: {out[0]} s, {len(imported)} sapd/jobs modules")
+    assert imported == door_closure("sapd.jobs.train")
     assert not _hits(imported, ENVS)
 
 
@@ -496,7 +496,7 @@ PLANTED = {
     "sapd/envs/alfworld_env.py": ("import alfworld\n", "imports alfworld at module level"),
     "sapd/run/k8s.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sapd.cli import main\n",
                         "imports sapd.cli; only the command line"),
-    "jobs/train.py": ("def main():\n    from sapd.stages import train\n", "function-local import of sapd.stages.train"),
+    "sapd/jobs/train.py": ("def main():\n    from sapd.stages import train\n", "function-local import of sapd.stages.train"),
     "sapd/stages/train.py": ("def f(name):\n    import importlib\n    return importlib.import_module(name)\n",
                              "an import of a computed module name"),
     "sapd/data/__init__.py": ("", None),
@@ -565,9 +565,9 @@ def report() -> None:
     print(f"modules: sapd/ {len(sapd) - inits} + {inits} __init__; whole tree {len(g)}")
     for label, start, within, without in (
             ("all imports, whole tree", None, ROOTS, ()),
-            ("sapd/ and jobs/", None, PRODUCTION, ()),
-            ("the product: sapd/ and jobs/ without sapd/demo", None, PRODUCTION, ("sapd.demo",)),
-            ("from jobs/", [m for m in g if m.startswith("jobs.")], PRODUCTION, ())):
+            ("sapd/", None, PRODUCTION, ()),
+            ("the product: sapd/ without sapd/demo", None, PRODUCTION, ("sapd.demo",)),
+            ("from sapd/jobs/", [m for m in g if m.startswith("sapd.jobs.")], PRODUCTION, ())):
         c = longest_chain(start, within=within, without=without)
         print(f"longest chain ({label}): {len(c)}: {' → '.join(c)}")
     for name in DOORS:
@@ -577,10 +577,10 @@ def report() -> None:
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "jobs.train", "--help"], capture_output=True, check=True, cwd=REPO,
+        subprocess.run([sys.executable, "-m", "sapd.jobs.train", "--help"], capture_output=True, check=True, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
         times.append(time.perf_counter() - t0)
-    print(f"python -m jobs.train --help: {min(times):.2f} s (best of 3)")
+    print(f"python -m sapd.jobs.train --help: {min(times):.2f} s (best of 3)")
 
 
 if __name__ == "__main__":

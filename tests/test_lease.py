@@ -55,7 +55,7 @@ def test_a_second_owner_is_refused_in_one_line_naming_the_holder(root: str) -> N
     assert "renewed 0 s ago, expires in 60 s unless renewed): let that run finish; if it is dead, its lease " \
            "expires by itself, or take over now: run `sapd run` again with --force-takeover" in message
     # processes of one owner share it: a restarted driver, the stage Jobs of a release
-    RunLease(root, Claimant("run A", "host-A2 pid 9", "python -m jobs.train"), ttl_s=60, log=lines.append).acquire()
+    RunLease(root, Claimant("run A", "host-A2 pid 9", "python -m sapd.jobs.train"), ttl_s=60, log=lines.append).acquire()
     assert lines == [f"lease: run A holds {root} already (renewed 0 s ago by host-A pid 7); this process shares it"]
     a.release(for_owner=True)
     assert storage.read_versioned(layout.lease_uri(root)) is None
@@ -208,13 +208,13 @@ def test_a_pod_of_a_chart_before_the_lease_shares_its_release_s_lease(tmp_path: 
     monkeypatch.delenv(lease.OWNER_ENV, raising=False)
     monkeypatch.delenv("SAPD_NAMESPACE", raising=False)
     monkeypatch.setenv("SAPD_RELEASE", "sapd-upg")
-    assert Claimant.this_process("python -m jobs.train").local  # a release alone is not a pod of one
-    driver = RunLease(root, Claimant.of_release("sapd-upg", "sapd", "python -m jobs.pipeline"), ttl_s=600)
+    assert Claimant.this_process("python -m sapd.jobs.train").local  # a release alone is not a pod of one
+    driver = RunLease(root, Claimant.of_release("sapd-upg", "sapd", "python -m sapd.jobs.pipeline"), ttl_s=600)
     driver.acquire()
     monkeypatch.setenv("SAPD_NAMESPACE", "sapd")
-    old_pod = Claimant.this_process("python -m jobs.train")
+    old_pod = Claimant.this_process("python -m sapd.jobs.train")
     assert not old_pod.local and old_pod.owner == lease.release_owner("sapd-upg", "sapd")
     RunLease(root, old_pod, ttl_s=600).acquire()  # shared, not refused
     monkeypatch.setenv("SAPD_RELEASE", "sapd-other")
     with pytest.raises(LeaseHeld, match="held by release sapd-upg in namespace sapd"):
-        RunLease(root, Claimant.this_process("python -m jobs.train"), ttl_s=600).acquire()
+        RunLease(root, Claimant.this_process("python -m sapd.jobs.train"), ttl_s=600).acquire()

@@ -165,12 +165,12 @@ def test_a_stage_that_skips_leaves_its_groups_figures(tmp_path, prometheus_stack
 
 @pytest.mark.integration
 def test_an_uninstalled_releases_groups_are_deleted(prometheus_stack):
-    """`python -m jobs.delete_metrics` (the chart's post-delete hook): every group of the release in its
+    """`python -m sapd.jobs.delete_metrics` (the chart's post-delete hook): every group of the release in its
     namespace goes (each stage's, each worker's), the same release in another namespace and other releases
     stay; a group pushed while it settles (a pod that was still stopping) goes too."""
     import threading
 
-    import jobs.delete_metrics
+    import sapd.jobs.delete_metrics
     gateway = prometheus_stack["pushgateway"]
     pushes = [("build_prefixes", "team", "rel", ""), ("teacher_scores", "team", "rel", "0"),
               ("teacher_scores", "team", "rel", "1"), ("train", "team", "rel", ""), ("train", "other", "rel", ""),
@@ -194,7 +194,7 @@ def test_an_uninstalled_releases_groups_are_deleted(prometheus_stack):
     thread = threading.Thread(target=straggler)
     thread.start()
     try:
-        assert jobs.delete_metrics.main(["--pushgateway", gateway, "--namespace", "team", "--release", "rel",
+        assert sapd.jobs.delete_metrics.main(["--pushgateway", gateway, "--namespace", "team", "--release", "rel",
                                          "--settle-seconds", "2"]) == 0
     finally:
         thread.join()
@@ -202,10 +202,10 @@ def test_an_uninstalled_releases_groups_are_deleted(prometheus_stack):
 
 
 def test_an_unreachable_pushgateway_never_fails_an_uninstall(capsys):
-    import jobs.delete_metrics
+    import sapd.jobs.delete_metrics
     port = free_port()
     t0 = time.monotonic()
-    assert jobs.delete_metrics.main(["--pushgateway", f"http://127.0.0.1:{port}", "--namespace", "team", "--release",
+    assert sapd.jobs.delete_metrics.main(["--pushgateway", f"http://127.0.0.1:{port}", "--namespace", "team", "--release",
                                      "rel", "--deadline-seconds", "2", "--settle-seconds", "0"]) == 0
     assert time.monotonic() - t0 < 10
     out = capsys.readouterr().out

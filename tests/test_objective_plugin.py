@@ -1,7 +1,7 @@
 """"A new objective is one registered function", end to end: an objective defined outside the package
 (tests/toy_objective.py) is named in a run config as ``package.module:function`` or installed as an entry
 point of the group ``sapd.objectives``; it trains through the real stages — the stage Jobs' doors
-(``python -m jobs.<stage>``) and ``sapd run`` — and its own loss terms reach the round log and the step
+(``python -m sapd.jobs.<stage>``) and ``sapd run`` — and its own loss terms reach the round log and the step
 lines, Prometheus (a real Pushgateway scraped by a real Prometheus) and ``sapd report``'s plotted
 series, with no edit anywhere in sapd."""
 
@@ -96,9 +96,9 @@ def test_a_toy_objective_from_a_user_module_trains_and_shows_its_terms_everywher
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "SAPD_PUSHGATEWAY_URL": prometheus_stack["pushgateway"], "SAPD_RELEASE": "toy"}
     # round 0 as the chart's stage Jobs run it: one door per stage, each a process of its own
-    _run(["-m", "jobs.build_prefixes", "--config", str(cfg_path)], env)
-    _run(["-m", "jobs.teacher_scores", "--config", str(cfg_path), "--round", "0", "--worker", "0"], env)
-    train_log = _run(["-m", "jobs.train", "--config", str(cfg_path), "--round", "0", "--no-progress"], env)
+    _run(["-m", "sapd.jobs.build_prefixes", "--config", str(cfg_path)], env)
+    _run(["-m", "sapd.jobs.teacher_scores", "--config", str(cfg_path), "--round", "0", "--worker", "0"], env)
+    train_log = _run(["-m", "sapd.jobs.train", "--config", str(cfg_path), "--round", "0", "--no-progress"], env)
     # round 1 as `sapd run` runs it locally (it resumes from what the Jobs committed)
     run_log = _run(["-m", "sapd.cli", "run", str(cfg_path), "--no-progress"], env)
     assert "holds checkpoints [0, 1, 2]" in run_log, run_log

@@ -1,7 +1,7 @@
 """Stage workers that stay up for the run (issue 34): a trainer that keeps its model and optimizer state from
 round to round ends where a trainer reloaded from every checkpoint does, bit for bit; the stage doors run as
-the chart's persistent pods run them (``python -m jobs.teacher_scores … --rounds 0`` beside ``python -m
-jobs.train … --rounds 0``), each loading every model once and waiting for its input; ``train.overlap:
+the chart's persistent pods run them (``python -m sapd.jobs.teacher_scores … --rounds 0`` beside ``python -m
+sapd.jobs.train … --rounds 0``), each loading every model once and waiting for its input; ``train.overlap:
 one_step`` samples round k with checkpoint k−1 and weights the loss by the sampler's log-probs."""
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def test_the_persistent_doors_side_by_side_end_where_sapd_run_does(tmp_path, mod
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(data))
     base = ["--config", str(config), "--no-progress", "--no-check"]
-    subprocess.run([sys.executable, "-m", "jobs.build_prefixes", *base], cwd=REPO, env=_env(), check=True,
+    subprocess.run([sys.executable, "-m", "sapd.jobs.build_prefixes", *base], cwd=REPO, env=_env(), check=True,
                    capture_output=True)
     pool = ["--round", "0", "--rounds", "0", "--poll-seconds", "0.2"]
     procs = {name: subprocess.Popen([sys.executable, "-m", f"jobs.{name}", *base, *pool, *extra], cwd=REPO,
@@ -322,7 +322,7 @@ def test_overlap_one_step_samples_round_k_with_checkpoint_k_minus_1_and_weights_
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage, dtype", [(2, "float32"), (3, "bfloat16")])
 def test_a_kept_deepspeed_trainer_on_two_ranks_ends_where_per_round_trainers_do(tmp_path, models, zero_stage, dtype):
-    """DeepSpeed ZeRO on 2 processes: one torchrun of `python -m jobs.train --round 0 --rounds 0` keeps its
+    """DeepSpeed ZeRO on 2 processes: one torchrun of `python -m sapd.jobs.train --round 0 --rounds 0` keeps its
     engine (the partitions, the optimizer state, in bf16 DeepSpeed's fp32 master partitions) for both
     rounds; two torchruns of one round each rebuild it from checkpoints 0 and 1. Same scored rounds in, the
     same checkpoints out, bit for bit, the stored master included; each round logs its own update."""
@@ -352,7 +352,7 @@ def test_a_kept_deepspeed_trainer_on_two_ranks_ends_where_per_round_trainers_do(
                "OMP_WAIT_POLICY": "PASSIVE",
                "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                               "127.0.0.1", "--master_port", port, "-m", "jobs.train", "--config", str(config),
+                               "127.0.0.1", "--master_port", port, "-m", "sapd.jobs.train", "--config", str(config),
                                "--no-progress", "--no-check", *args], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=900)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]

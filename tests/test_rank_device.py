@@ -2,7 +2,7 @@
 train job resolves ``model.device: cuda`` to ``cuda:LOCAL_RANK``, makes it the process's current device and
 only then loads the student onto it; an explicit ``cuda:N`` that would put every rank on one GPU is
 refused. No GPU here: tests/rank_device_worker.py records the device each rank sets and passes to the
-loader, through the real door (``jobs.train.main``)."""
+loader, through the real door (``sapd.jobs.train.main``)."""
 
 from __future__ import annotations
 

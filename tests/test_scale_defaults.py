@@ -139,7 +139,7 @@ def test_a_train_pod_checks_its_own_gpu_before_loading(gib, fits, qwen, tmp_path
     podFailurePolicy fails the Job at once, no retry) with what to change, and nothing loaded."""
     import torch
 
-    from jobs.train import main as train_main
+    from sapd.jobs.train import main as train_main
     student = _paper_model(tmp_path / "student", QWEN_1_5B, qwen)
     config = tmp_path / "run.yaml"
     config.write_text(f"run_root: {tmp_path / 'run'}\nmodel: {{student: {student}, teacher: {student}, device: cuda, "

@@ -1,5 +1,5 @@
 """One step of a run in this process, as its Kubernetes Job runs it: the body of every stage door
-(``python -m jobs.<stage>`` and ``sapd train-round``), so that each door is its flags and one call of
+(``python -m sapd.jobs.<stage>`` and ``sapd train-round``), so that each door is its flags and one call of
 :func:`~sapd.run.job.stage_main`.
 
 The body: the run config from ``--config``/``--run-root``; the stage's share of ``sapd check`` (unless

@@ -1,9 +1,9 @@
-"""The Kubernetes executor (``python -m jobs.pipeline``, the pipeline driver): the run's plan
+"""The Kubernetes executor (``python -m sapd.jobs.pipeline``, the pipeline driver): the run's plan
 (:mod:`sapd.run.plan`, the same one ``sapd run`` follows) with every step run as a Kubernetes Job:
 ``build-prefixes``, then per round ``teacher-scores-r<k>`` (an Indexed Job, one pod per worker; the last
 worker commits the round, and the driver commits it too if a Job completes with every part written)
 and ``train-r<k>``, then ``evaluate-r<R>`` when the chart renders an evaluate template. With a ``stage``
-(:meth:`Driver.run_stage`, ``jobs.pipeline --stage``: the chart's manual mode) it runs one step only,
+(:meth:`Driver.run_stage`, ``sapd.jobs.pipeline --stage``: the chart's manual mode) it runs one step only,
 after waiting — in its own small pod, holding no GPU — until that step's input is committed.
 
 The stage manifests come from the chart (the ``pipeline-templates`` ConfigMap, one file per stage):
@@ -33,7 +33,7 @@ The evaluation waits first for the Jobs it needs (``evaluate_after``: the chart'
 which writes the game files every evaluation pod reads): it starts once they are Complete, fails (as an
 evaluation) if one failed, and goes on if one is not there (finished and deleted after its TTL).
 Every wait is bounded; every decision is one plain log line. Given the run root's lease (``lease``, which
-``jobs.pipeline`` holds for the release), the driver stops (exit 2) once another run holds it: it checks
+``sapd.jobs.pipeline`` holds for the release), the driver stops (exit 2) once another run holds it: it checks
 between its polls and before it creates a Job.
 """
 
@@ -231,7 +231,7 @@ class Driver:
         self.api_attempts = api_attempts
         self.evaluate_after = list(evaluate_after)  # Jobs of the release the evaluation needs complete first
         self.stats = DriverStats()
-        self.lease = lease  # the run root's sapd.lease.RunLease this driver holds (jobs.pipeline), if any
+        self.lease = lease  # the run root's sapd.lease.RunLease this driver holds (sapd.jobs.pipeline), if any
         self._owner_ref: dict[str, Any] | None = None
         self.evaluation_failed: str | None = None
         self._pools_since = 0.0  # when the persistent stage Jobs of the current rounds were started (or adopted)

@@ -1,4 +1,4 @@
-"""The build-prefixes stage of a run (``jobs.build_prefixes``, the chart's ``buildPrefixes`` block): the
+"""The build-prefixes stage of a run (``sapd.jobs.build_prefixes``, the chart's ``buildPrefixes`` block): the
 config's recorded trajectories → decision prefixes under ``RUN_ROOT/prefixes`` (:mod:`sapd.data.prefixes`),
 then the initial student saved as checkpoint 0, which every later stage starts from. Both are skipped
 when already committed, so the stage can be re-run at any time. Entry: :func:`run` (the stage interface

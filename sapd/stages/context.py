@@ -3,7 +3,7 @@
 Each stage module (:mod:`~sapd.stages.build_prefixes`, :mod:`~sapd.stages.teacher_scores`,
 :mod:`~sapd.stages.train`, :mod:`~sapd.stages.evaluate`) exposes ``run(ctx: StageContext, step: Step)``, and
 every door runs it through :func:`run_stage`: the local executor (``sapd run``, every step of the plan in
-one process), the stage's Job (``python -m jobs.<stage>``) and ``sapd train-round``, both through
+one process), the stage's Job (``python -m sapd.jobs.<stage>``) and ``sapd train-round``, both through
 :func:`sapd.run.job.stage_main`. So the three run the same function per step and cannot differ in what
 they record or commit.
 

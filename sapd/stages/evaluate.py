@@ -1,4 +1,4 @@
-"""The evaluate stage (``jobs.evaluate``, the chart's ``evaluate`` Job and CronJob): a committed
+"""The evaluate stage (``sapd.jobs.evaluate``, the chart's ``evaluate`` Job and CronJob): a committed
 checkpoint × an environment panel (:mod:`sapd.envs.panels`) → task success per category and overall, as
 ``evals/NNNNNN/<benchmark>.json`` in the run root (the episodes themselves beside it as native JSONL).
 Deterministic: greedy decoding over a fixed, seeded panel, so the same checkpoint and panel give the

@@ -1,4 +1,4 @@
-"""The teacher-scores stage of round k (``jobs.teacher_scores``, the chart's ``teacherScores`` block):
+"""The teacher-scores stage of round k (``sapd.jobs.teacher_scores``, the chart's ``teacherScores`` block):
 checkpoint k + the round's prefix batch → G student samples per prefix, the frozen teacher's log-probs
 of every sampled token, action masks and rule scores, one scored part per worker
 (``rounds/k/scored/part-WWWWW.parquet``, format and commit in :mod:`sapd.data.scored`).
@@ -238,7 +238,8 @@ class Options:
     """What the teacher-scores door chose (``ctx.options["teacher-scores"]``)."""
 
     worker: int | None = None  # this worker's share; None: every worker in turn (the local executor)
-    commit_only: bool = False  # only commit the round, whose workers are all done (``jobs.teacher_scores --commit``)
+    # only commit the round, whose workers are all done (``sapd.jobs.teacher_scores --commit``)
+    commit_only: bool = False
 
 
 def _scoring_engines(ctx: StageContext, k: int) -> tuple[RunConfig, Generator, TeacherScorer, Any]:

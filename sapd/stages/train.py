@@ -1,4 +1,4 @@
-"""The train stage of round k (``jobs.train``, the chart's ``train`` block), top to bottom: checkpoint k +
+"""The train stage of round k (``sapd.jobs.train``, the chart's ``train`` block), top to bottom: checkpoint k +
 round k's scored shards → checkpoint k+1.
 
 1. Load the student from checkpoint k (it sampled round k, so it *is* π_old) and its trainer state; in

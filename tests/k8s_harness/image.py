@@ -3,7 +3,7 @@ stage (``…-cpu`` / ``…-gpu`` / ``…-eval`` tag suffix) and, following its `
 CMD, WORKDIR, ENV and USER; and the Python environment that stands for the target's installed
 packages: ``.cache/images/<target>/``, made by the Dockerfile's own install script
 (``docker/install.sh <target> --venv …``; ``make image-venvs``). The code the image copies (``sapd``,
-``jobs``) comes from the working tree (PYTHONPATH)."""
+``sapd.jobs``) comes from the working tree (PYTHONPATH)."""
 
 from __future__ import annotations
 

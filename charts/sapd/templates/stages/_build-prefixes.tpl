@@ -25,7 +25,7 @@ spec:
       containers:
         - name: build-prefixes
           {{- include "sapd.containerCommon" $c | nindent 10 }}
-          args: [python, -m, jobs.build_prefixes, --config, /etc/sapd/config.yaml]
+          args: [python, -m, sapd.jobs.build_prefixes, --config, /etc/sapd/config.yaml]
           env:
             {{- include "sapd.env" $c | nindent 12 }}
 {{- end -}}

@@ -4,7 +4,7 @@
 {{- $c := .c }}
 {{- $e := .root.Values.evaluate }}
 {{- $bench := include "sapd.benchmark" $c }}
-{{- $args := list "python" "-m" "jobs.evaluate" "--config" "/etc/sapd/config.yaml" }}
+{{- $args := list "python" "-m" "sapd.jobs.evaluate" "--config" "/etc/sapd/config.yaml" }}
 {{- with .round }}{{ $args = concat $args (list "--checkpoint" (toString .)) }}{{ end }}
 {{- range $e.args }}{{ $args = append $args (toString .) }}{{ end }}
 {{- if eq $bench "alfworld" }}

@@ -1,5 +1,5 @@
 {{/* mode manual: the gate of one stage of round `round` — the driver limited to that stage
-     (python -m jobs.pipeline --stage S --round K). Its small pod waits until the stage's input is
+     (python -m sapd.jobs.pipeline --stage S --round K). Its small pod waits until the stage's input is
      committed, then creates the stage Job from the pipeline-templates ConfigMap (so no GPU is held, and no
      deadline runs, while a stage waits), adopts it if it exists, and retries it like the driver does. */}}
 {{- define "sapd.gateJob" -}}
@@ -8,7 +8,7 @@
 {{- $mounts := list (dict "name" "stage-templates" "mountPath" "/etc/sapd-pipeline" "readOnly" true) }}
 {{- $sa := include "sapd.name" (dict "root" .root "component" "pipeline") }}
 {{- $c := dict "root" .root "component" (printf "gate-%s" .stage) "job" .root.Values.pipeline "round" .round "manual" true "extraVolumes" $vols "extraMounts" $mounts "serviceAccount" $sa "automount" true "failJobCodes" (list 1 2) "configKey" "pipeline" }}
-{{- $args := list "python" "-m" "jobs.pipeline" "--config" "/etc/sapd/config.yaml" "--release" .root.Release.Name "--templates" "/etc/sapd-pipeline" "--owner" (printf "configmap/%s" $templates) "--retries" (toString (int .root.Values.pipeline.stageRetries)) "--poll-seconds" (toString (int .root.Values.manual.pollSeconds)) "--log-every-seconds" (toString .root.Values.pipeline.logEverySeconds) "--stage" .stage }}
+{{- $args := list "python" "-m" "sapd.jobs.pipeline" "--config" "/etc/sapd/config.yaml" "--release" .root.Release.Name "--templates" "/etc/sapd-pipeline" "--owner" (printf "configmap/%s" $templates) "--retries" (toString (int .root.Values.pipeline.stageRetries)) "--poll-seconds" (toString (int .root.Values.manual.pollSeconds)) "--log-every-seconds" (toString .root.Values.pipeline.logEverySeconds) "--stage" .stage }}
 {{- with .round }}{{ $args = concat $args (list "--round" (toString .)) }}{{ end }}
 {{- if and (eq .stage "evaluate") (include "sapd.alfworldFillWanted" .root) }}
 {{- $args = concat $args (list "--evaluate-after-job" (include "sapd.alfworldFillName" .root)) }}

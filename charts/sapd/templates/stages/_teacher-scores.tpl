@@ -33,7 +33,7 @@ spec:
       containers:
         - name: teacher-scores
           {{- include "sapd.containerCommon" $c | nindent 10 }}
-          args: {{ concat (list "python" "-m" "jobs.teacher_scores" "--config" "/etc/sapd/config.yaml" "--round" (toString .round)) (include "sapd.workerArgs" . | fromJsonArray) | toJson }}
+          args: {{ concat (list "python" "-m" "sapd.jobs.teacher_scores" "--config" "/etc/sapd/config.yaml" "--round" (toString .round)) (include "sapd.workerArgs" . | fromJsonArray) | toJson }}
           env:
             {{- include "sapd.env" $c | nindent 12 }}
 {{- end -}}

@@ -23,7 +23,7 @@ containers:
       # every pod waits this long for the whole group (torchrun's static rendezvous: 600 s by default)
       - --rdzv-conf=timeout={{ int $t.rendezvousTimeoutSeconds }}
       - -m
-      - jobs.train
+      - sapd.jobs.train
       - --config
       - /etc/sapd/config.yaml
       - --round

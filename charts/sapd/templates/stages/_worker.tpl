@@ -1,4 +1,4 @@
-{{/* The arguments of a worker that may serve several rounds (jobs/teacher_scores.py, jobs/train.py): the
+{{/* The arguments of a worker that may serve several rounds (sapd/jobs/teacher_scores.py, sapd/jobs/train.py): the
      count the driver fills in, how often it checks a round's input, and how long it waits for one: one
      round of each pool (a scoring worker waits for the trainer's round and the slowest worker's; the
      trainer for the scoring round), past which it exits 75 and is retried. */}}

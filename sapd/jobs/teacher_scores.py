@@ -15,9 +15,9 @@ teacher and the student sampler loaded, takes each round's checkpoint in place, 
 checkpoint k (``train.overlap: one_step``: k-1) is committed (sapd.run.job: the wait, its bound, the
 skipping of committed rounds).
 
-Local:   python -m jobs.teacher_scores --config run.yaml --round 0 --worker 0
-         python -m jobs.teacher_scores --config run.yaml --round 0 --worker 1   (commits round 0 when last)
-         python -m jobs.teacher_scores --config run.yaml --round 0 --rounds 0 --worker 0   (stays up)
+Local:   python -m sapd.jobs.teacher_scores --config run.yaml --round 0 --worker 0
+         python -m sapd.jobs.teacher_scores --config run.yaml --round 0 --worker 1   (commits round 0 when last)
+         python -m sapd.jobs.teacher_scores --config run.yaml --round 0 --rounds 0 --worker 0   (stays up)
 Cluster: helm install sapd-alfworld charts/sapd -f charts/sapd/values/alfworld.yaml
          (teacherScores: an Indexed Job; each pod takes its worker index from JOB_COMPLETION_INDEX; with
          pipeline.stageJobs persistent, the default, one Job serves every round)
@@ -39,7 +39,7 @@ from sapd.stages.context import Step
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = job_parser("python -m jobs.teacher_scores", __doc__)
+    p = job_parser("python -m sapd.jobs.teacher_scores", __doc__)
     add_rounds_flags(p)
     p.add_argument("--worker", type=int, default=None,
                    help="this worker's index (default: $JOB_COMPLETION_INDEX, set by an Indexed Job)")

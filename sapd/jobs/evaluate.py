@@ -3,9 +3,9 @@ panel; the run root, the benchmark, the device and the generation length come fr
 A checkpoint already evaluated is skipped, so the CronJob only pays for new checkpoints; with no
 committed checkpoint yet it exits 0 with "nothing to evaluate".
 
-Local:   python -m jobs.evaluate --config runs/textworld/config.yaml
-         python -m jobs.evaluate --config run.yaml --checkpoint 3 --games-per-family 8
-Cluster: the chart's `evaluate` Job and CronJob run `python -m jobs.evaluate --config /etc/sapd/config.yaml`
+Local:   python -m sapd.jobs.evaluate --config runs/textworld/config.yaml
+         python -m sapd.jobs.evaluate --config run.yaml --checkpoint 3 --games-per-family 8
+Cluster: the chart's `evaluate` Job and CronJob run `python -m sapd.jobs.evaluate --config /etc/sapd/config.yaml`
          plus the panel flags of its values (search QA: --rows, --retriever-url; ALFWorld: --data-dir;
          WebShop: --webshop-url).
 Exit codes (sapd.entry): 0 evaluated (or already evaluated, or nothing to evaluate), 2 bad config or
@@ -36,7 +36,7 @@ def _checkpoint(value: str) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = job_parser("python -m jobs.evaluate", __doc__)
+    p = job_parser("python -m sapd.jobs.evaluate", __doc__)
     p.add_argument("--checkpoint", type=_checkpoint, default=None, metavar="K|latest",
                    help="checkpoint index, or 'latest' (default)")
     add_panel_flags(p, benchmark_default=None)

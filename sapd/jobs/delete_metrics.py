@@ -5,7 +5,7 @@ stopping when the hook starts (`helm uninstall` deletes them in the background),
 then pushes once more: after ``--settle-seconds`` (the pods' termination grace) the groups are looked up
 and deleted again.
 
-Local:   python -m jobs.delete_metrics --pushgateway http://127.0.0.1:9091 --namespace sapd --release sapd-alfworld
+Local:   python -m sapd.jobs.delete_metrics --pushgateway http://127.0.0.1:9091 --namespace sapd --release sapd-alfworld
 Cluster: helm uninstall sapd-alfworld   (the hook Job <release>-delete-metrics; metrics.deleteOnUninstall)
 Exit codes (sapd.entry): 0 deleted (or nothing there), 2 bad flags; an unreachable Pushgateway is retried
 until --deadline-seconds, then reported as a WARNING with exit 0: an uninstall never fails on dashboards.
@@ -25,7 +25,7 @@ from sapd.metrics import delete_release_groups
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs.delete_metrics", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m sapd.jobs.delete_metrics", description=__doc__.splitlines()[0])
     p.add_argument("--pushgateway", default=os.environ.get("SAPD_PUSHGATEWAY_URL"),
                    help="the Pushgateway's URL (default $SAPD_PUSHGATEWAY_URL)")
     p.add_argument("--namespace", default=os.environ.get("SAPD_NAMESPACE", ""),

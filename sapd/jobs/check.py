@@ -5,7 +5,7 @@ model folders have a config and a tokenizer with a chat template (no weights are
 tokenizers are identical, the memory estimate per stage, and the Pushgateway answers. One line per
 check; every check runs even after one failed (:func:`sapd.run.check.run_checks`).
 
-Local:   python -m jobs.check --config run.yaml
+Local:   python -m sapd.jobs.check --config run.yaml
 Cluster: helm test <release>   (the pod `<release>-preflight`)
 Exit codes (sapd.entry): 0 every check passed, 2 a user error (bad config, input, credentials: the
 FAILED line says what to fix), 75 a service was unreachable (retry later), 1 another failure.
@@ -22,7 +22,7 @@ from sapd.run.check import check_command
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs.check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m sapd.jobs.check", description=__doc__.splitlines()[0])
     add_config_flags(p, progress=False, check=False, takeover=False)
     p.add_argument("--device-memory-gib", type=float, default=None,
                    help="compare the memory estimate against this much device memory (default: the device here)")

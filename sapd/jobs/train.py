@@ -8,9 +8,9 @@ With ``--rounds N`` the trainer stays up for rounds K … K+N-1 (0: to the run's
 model, the optimizer state and the engine in memory from round to round, starts round k once its scored
 manifest is committed, and still commits every checkpoint (a killed trainer restarts from the last one).
 
-Local:   python -m jobs.train --config run.yaml --round 0
-         python -m jobs.train --config run.yaml --round 0 --rounds 0       (stays up to the last round)
-         torchrun --nproc-per-node 2 -m jobs.train --config run.yaml --round 0   (train.engine: deepspeed)
+Local:   python -m sapd.jobs.train --config run.yaml --round 0
+         python -m sapd.jobs.train --config run.yaml --round 0 --rounds 0       (stays up to the last round)
+         torchrun --nproc-per-node 2 -m sapd.jobs.train --config run.yaml --round 0   (train.engine: deepspeed)
 Cluster: helm install sapd-alfworld charts/sapd -f charts/sapd/values/alfworld.yaml
          (train: an Indexed Job of torchrun pods; node rank = completion index, rendezvous at pod 0
          through the headless Service; with pipeline.stageJobs persistent, the default, one Job for every round)
@@ -30,7 +30,7 @@ from sapd.stages.context import Step
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = job_parser("python -m jobs.train", __doc__)
+    p = job_parser("python -m sapd.jobs.train", __doc__)
     add_rounds_flags(p)
     return p
 

@@ -1,6 +1,6 @@
 """Job helper: wait until a stage's input is committed in the run root — for a script, or an init
 container of your own. (The chart's `mode: manual` does not use it: its gate Jobs, `python -m
-jobs.pipeline --stage …`, wait in a small pod of their own and only then create the stage Job, so no GPU
+sapd.jobs.pipeline --stage …`, wait in a small pod of their own and only then create the stage Job, so no GPU
 pod waits.) What "committed" means is the run's plan (sapd/run/plan.py), the one both executors follow.
 
   --for prefixes        the prefix build and checkpoint 0 (what teacher-scores of round 0 needs)
@@ -8,7 +8,7 @@ pod waits.) What "committed" means is the run's plan (sapd/run/plan.py), the one
   --for scored:K        round K's scored manifest (train of round K); for the sft objective, which
                         scores nothing, checkpoint K instead
 
-Local:   python -m jobs.wait --config run.yaml --for checkpoint:1 --poll-seconds 5
+Local:   python -m sapd.jobs.wait --config run.yaml --for checkpoint:1 --poll-seconds 5
 Cluster: an init container of your own, e.g. of a job that consumes a run's checkpoint K.
 Exit codes (sapd.entry): 0 the input is committed, 2 bad config or --for, 75 storage unreachable or
 the wait ran out (--timeout-seconds): transient, the pod is retried.
@@ -30,7 +30,7 @@ from sapd.storage import StorageError, StorageUnavailable
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs.wait", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m sapd.jobs.wait", description=__doc__.splitlines()[0])
     p.add_argument("--config", nargs="+", required=True, help="YAML overlays, applied in order over the defaults")
     p.add_argument("--for", dest="target", required=True, help="prefixes | checkpoint:K | scored:K")
     p.add_argument("--poll-seconds", type=float, default=30.0, help="seconds between two checks (default 30)")

@@ -3,7 +3,7 @@ prefixes under ``RUN_ROOT/prefixes``, then the initial student saved as checkpoi
 stage starts from). Re-running over a committed build does nothing. (To cut a file into prefixes
 outside a run, use ``sapd build-prefixes``.)
 
-Local:   python -m jobs.build_prefixes --config run.yaml
+Local:   python -m sapd.jobs.build_prefixes --config run.yaml
 Cluster: helm install sapd-alfworld charts/sapd -f charts/sapd/values/alfworld.yaml
          (buildPrefixes: one pod, `--config /etc/sapd/config.yaml` from the chart's ConfigMap)
 Exit codes (sapd.entry): 0 done (or already committed), 2 bad config or input, 75 storage unreachable.
@@ -21,7 +21,7 @@ from sapd.stages.context import Step
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return job_parser("python -m jobs.build_prefixes", __doc__)
+    return job_parser("python -m sapd.jobs.build_prefixes", __doc__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

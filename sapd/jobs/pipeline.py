@@ -26,9 +26,9 @@ Job per stage of round `round`.
 
 Cluster: helm install sapd-alfworld charts/sapd -f charts/sapd/values/alfworld.yaml
          (mode: pipeline, the default: the driver Job <release>-pipeline-<revision> creates the stage Jobs)
-Local:   python -m jobs.pipeline --config run.yaml --release sapd-alfworld --namespace sapd \
+Local:   python -m sapd.jobs.pipeline --config run.yaml --release sapd-alfworld --namespace sapd \
              --templates rendered-templates/ --kubeconfig ~/.kube/config
-         python -m jobs.pipeline … --stage train --round 3      (one step, once its input is committed)
+         python -m sapd.jobs.pipeline … --stage train --round 3      (one step, once its input is committed)
 First it runs the checks of `sapd check` (storage, run root, data sample, models and tokenizers; memory is
 checked by each stage pod on its own device): a failure exits before any Job is created (--no-check skips).
 Then it takes the run root's lease as the release (sapd/lease.py; `SAPD_LEASE_OWNER`, which the chart sets in
@@ -59,7 +59,7 @@ from sapd.run.plan import Step
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs.pipeline", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m sapd.jobs.pipeline", description=__doc__.splitlines()[0])
     add_config_flags(p, progress=False)
     p.add_argument("--release", required=True, help="the Helm release (only used in log lines)")
     p.add_argument("--templates", default="/etc/sapd-pipeline",
@@ -105,10 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         templates = StageTemplates.from_dir(args.templates)
         namespace = current_namespace(args.namespace)
         log_line(f"pipeline: release {args.release}, templates {args.templates} ({', '.join(sorted(templates.texts))})")
-        claimant = lease.Claimant.of_release(args.release, namespace, "python -m jobs.pipeline"
+        claimant = lease.Claimant.of_release(args.release, namespace, "python -m sapd.jobs.pipeline"
                                              + (f" --stage {args.stage}" if args.stage else ""))
         hint = (f"helm upgrade {args.release} --reuse-values --set pipeline.forceTakeover=true (or run "
-                "jobs.pipeline with --force-takeover)")
+                "sapd.jobs.pipeline with --force-takeover)")
         with lease.holding(cfg.run_root, claimant, ttl_s=cfg.storage.lease_ttl_s, log=log_line,
                            force=args.force_takeover, takeover_hint=hint,
                            give_back="owner" if args.stage is None else "no") as held:

@@ -1,7 +1,7 @@
 """Job helper: copy one file or a folder from the run's object storage into the pod (the init container
 that gives the search-QA retriever its corpus).
 
-Local:   python -m jobs.fetch s3://bucket/data/corpus.jsonl /scratch/corpus.jsonl
+Local:   python -m sapd.jobs.fetch s3://bucket/data/corpus.jsonl /scratch/corpus.jsonl
 Exit codes: 0 copied, 2 nothing at that URI, 75 storage unreachable (transient: retried).
 """
 
@@ -16,7 +16,7 @@ from sapd import storage
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jobs.fetch", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m sapd.jobs.fetch", description=__doc__.splitlines()[0])
     p.add_argument("source", help="a file or folder URI (s3:// or a path)")
     p.add_argument("dest", help="a local file (for a file) or folder (for a folder)")
     return p
