@@ -234,7 +234,7 @@ def _no_work(monkeypatch):
                                         ("train", ["--round", "1"])])
 def test_each_job_checks_its_inputs_before_its_work(tmp_path, models, monkeypatch, capsys, job, extra):
     import importlib
-    mod = importlib.import_module(f"jobs.{job}")
+    mod = importlib.import_module(f"sapd.jobs.{job}")
     _no_work(monkeypatch)
     config = tmp_path / "config.yaml"
     missing = tmp_path / "no-such-student"

@@ -248,7 +248,7 @@ def test_the_persistent_doors_side_by_side_end_where_sapd_run_does(tmp_path, mod
     subprocess.run([sys.executable, "-m", "sapd.jobs.build_prefixes", *base], cwd=REPO, env=_env(), check=True,
                    capture_output=True)
     pool = ["--round", "0", "--rounds", "0", "--poll-seconds", "0.2"]
-    procs = {name: subprocess.Popen([sys.executable, "-m", f"jobs.{name}", *base, *pool, *extra], cwd=REPO,
+    procs = {name: subprocess.Popen([sys.executable, "-m", f"sapd.jobs.{name}", *base, *pool, *extra], cwd=REPO,
                                     env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for name, extra in (("teacher_scores", ["--worker", "0"]), ("train", []))}
     logs = {}
