@@ -51,6 +51,7 @@ lint: setup
 # the documentation site: every warning an error, every cross-reference resolved (-n), every page read afresh
 # (-E: a cached page would hide its warnings, which CI, building from scratch, sees); HTML in docs/_build/html
 docs: setup
+	rm -rf docs/reference/api/_generated  # autosummary's pages, regenerated: none left of a module that moved
 	$(BIN)/sphinx-build -E -n -W --keep-going -q -b html docs docs/_build/html
 
 .venv-vllm/.sapd-vllm-installed: scripts/setup_vllm_venv.sh docker/install.sh docker/constraints-gpu.txt
