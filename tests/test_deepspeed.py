@@ -25,9 +25,10 @@ from tests.pipeline_util import make_models, tiny_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = dict(log=lambda s: None, show_progress=False)
-# 6 prefixes per minibatch in micro-batches of 2: 3 micro-batches, so rank 0 takes two and rank 1 one
-# plus a zero-weight pass; the round's last minibatch is shorter still
-TRAIN = {"rounds": 2, "trajectories_per_round": 3, "minibatch_prefixes": 6, "micro_batch_prefixes": 2,
+# 6 prefixes per minibatch in micro-batches of 3: one micro-batch per rank (the ranks check refuses a
+# split that idles a rank in every step); the round's last minibatch is shorter, so there a rank runs a
+# zero-weight pass
+TRAIN = {"rounds": 2, "trajectories_per_round": 3, "minibatch_prefixes": 6, "micro_batch_prefixes": 3,
          "weight_decay": 0.01, "max_grad_norm": 0.5}
 METRICS = ("loss", "loss_tok", "loss_step", "loss_rule", "teacher_student_gap", "clip_fraction", "grad_norm", "lr")
 
