@@ -364,11 +364,11 @@ def test_prometheus_sees_the_train_pods_metrics_and_each_workers_push(smoke, clu
     assert all(0 < float(r["value"][1]) < 600 for r in first_work), first_work
     evals = wait_query(prom, 'sapd_eval_success_ratio{release="sapd-smoke", category="all"}')
     assert evals and evals[0]["metric"]["benchmark"] == "textworld"
-    # the distance to the teacher, pushed by the teacher-scores workers (the newest: checkpoint 2's)
+    # the distance to the teacher, pushed by the teacher-scores workers (the newest: the last checkpoint's)
     kl = wait_query(prom, 'sapd_validation_reverse_kl{job="teacher_scores", release="sapd-smoke", category="all"}')
     assert kl and all(float(r["value"][1]) == float(kl[0]["value"][1]) for r in kl)
     (ckpt, *_) = wait_query(prom, 'max(sapd_validation_checkpoint{job="teacher_scores", release="sapd-smoke"})')
-    assert float(ckpt["value"][1]) == 2
+    assert float(ckpt["value"][1]) == ROUNDS
     match = wait_query(prom, 'sapd_validation_action_match_ratio{release="sapd-smoke", category="all"}')
     assert {r["metric"]["model"] for r in match} == {"student", "teacher"}
 
@@ -408,7 +408,8 @@ def test_killed_pods_end_in_the_same_committed_result(smoke, cluster, inputs, mo
     from sapd.data.scored import read_scored
     assert smoke.state == "Complete"
     t0 = time.monotonic()
-    rel = cluster.helm.install("sapd-kill", CHART, values_files=[SMOKE], set_json=LR,
+    # the undisturbed smoke run's config exactly (its held-out share too), so the results can be compared
+    rel = cluster.helm.install("sapd-kill", CHART, values_files=[SMOKE], set_json=[*LR, "config.data.val_fraction=0.5"],
                                set_values=user_sets(inputs, monitoring, "sapd-kill", f"config.train.rounds={ROUNDS}"))
     root = rel.values["runRoot"]
     running = lambda p: p["status"].get("phase") == "Running"  # noqa: E731
@@ -619,9 +620,9 @@ def pushed_series(prom: str, release: str, namespace: str = NS) -> dict[tuple, f
 
 def test_dashboards_keep_their_series_through_a_skipped_stage_and_lose_them_at_uninstall(smoke, cluster,
                                                                                          monitoring):
-    """The smoke run's series on the real Prometheus, fed by the real Pushgateway: a train Job of round 1
-    created again (the manifest the driver creates on a retry, read from the release's templates)
-    finds checkpoint 2 committed and does nothing — and every series stays as it was, restated from what the
+    """The smoke run's series on the real Prometheus, fed by the real Pushgateway: a train Job of the last
+    round created again (the manifest the driver creates on a retry, read from the release's templates)
+    finds its checkpoint committed and does nothing — and every series stays as it was, restated from what the
     run recorded, its success time moving on. The Grafana dashboard's queries name the namespace. Then
     `helm uninstall`: its hook Job deletes the release's groups, Prometheus drops the series, and the other
     releases' groups stay."""
@@ -633,22 +634,26 @@ def test_dashboards_keep_their_series_through_a_skipped_stage_and_lose_them_at_u
     train = {k: v for k, v in before.items() if ("job", "train") in k[1]}
     assert {k[0] for k in train} >= {"sapd_loss", "sapd_round", "sapd_optimizer_steps_total", "sapd_clip_ratio",
                                       "sapd_teacher_student_gap", success}, sorted(train)
-    assert [v for k, v in train.items() if k[0] == "sapd_round"] == [1.0], [  # round 1's figures
+    last_round = ROUNDS - 1  # the persistent trainer's last round: its figures are the group's
+    assert [v for k, v in train.items() if k[0] == "sapd_round"] == [float(last_round)], [
         (k, v) for k, v in train.items() if k[0] == "sapd_round"]
     last = next(v for k, v in train.items() if k[0] == success)
 
-    # the retried train Job: the driver's manifest, from the templates ConfigMap, created again by hand
-    kubectl(cluster, "-n", NS, "delete", "job", "sapd-smoke-train-r1", "--wait=true")
+    # a retried train Job of the last round: the driver's manifest, from the templates ConfigMap (one round,
+    # as a per-round retry), created by hand
+    retried = f"sapd-smoke-train-r{last_round}"
     manifest = kubectl(cluster, "-n", NS, "get", "configmap", "sapd-smoke-pipeline-templates", "-o",
-                       "jsonpath={.data.train\\.yaml}").replace("__SAPD_ROUND__", "1")
+                       "jsonpath={.data.train\\.yaml}").replace("__SAPD_ROUND__", str(last_round)).replace(
+                           "__SAPD_ROUNDS__", "1")
     # created as the driver creates it on a retry (`kubectl create -f` would want the OpenAPI document, which
     # the harness does not serve)
     from kubernetes import client
     client.BatchV1Api(cluster.client()).create_namespaced_job(NS, yaml.safe_load(manifest), field_validation="Strict")
-    assert cluster.wait_job("sapd-smoke-train-r1", 300) == "Complete", cluster.describe()
-    log = kubectl(cluster, "-n", NS, "logs", "job/sapd-smoke-train-r1")
-    recorded = layout.pushed_metrics_uri(smoke.root, "train", "train-r1")
-    assert f"metrics: train-r1 was committed already: restated its committed figures ({recorded})" in log, log
+    assert cluster.wait_job(retried, 300) == "Complete", cluster.describe()
+    log = kubectl(cluster, "-n", NS, "logs", f"job/{retried}")
+    recorded = layout.pushed_metrics_uri(smoke.root, "train", f"train-r{last_round}")
+    assert f"metrics: train-r{last_round} was committed already: restated its committed figures ({recorded})" \
+        in log, log
     assert storage.exists(recorded)
     cluster.wait_for(lambda: any(k[0] == success and ("job", "train") in k[1] and v > last
                                  for k, v in pushed_series(prom, "sapd-smoke").items()), 60,
@@ -680,7 +685,7 @@ def test_dashboards_keep_their_series_through_a_skipped_stage_and_lose_them_at_u
     theirs.push()
     others = {(g["labels"].get("namespace"), g["labels"]["release"]) for g in json.loads(get_url(f"{gw}/api/v1/metrics"))["data"]}
     others -= {(NS, "sapd-smoke")}
-    kubectl(cluster, "-n", NS, "delete", "job", "sapd-smoke-train-r1")  # the one made by hand, no owner
+    kubectl(cluster, "-n", NS, "delete", "job", retried)  # the one made by hand, no owner
     assert cluster.helm.uninstall("sapd-smoke") == [("sapd-smoke-delete-metrics", "Complete")]
     groups = [g["labels"] for g in json.loads(get_url(f"{gw}/api/v1/metrics"))["data"]]
     assert not [g for g in groups if (g.get("namespace"), g["release"]) == (NS, "sapd-smoke")], groups
