@@ -449,6 +449,10 @@ class Kubelet:
                         os.chown(env["HOME"], uid, gid)
                 env = {k: rw(v) for k, v in env.items()}
                 argv = [rw(a) for a in argv]
+                # every image runs this checkout's code: a pod of a chart from before the stage doors moved
+                # into the package (`-m jobs.<stage>`, chart 0.2.0) runs them where they are now
+                argv = [f"sapd.{a}" if i and argv[i - 1] == "-m" and re.fullmatch(r"jobs\.\w+", a) else a
+                        for i, a in enumerate(argv)]
                 cwd = Path(rw(workdir))
                 if not str(cwd).startswith(str(pdir)):  # not in a volume: on the (read-only) root filesystem
                     cwd = rootfs / workdir.lstrip("/")
