@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evaluate-after-job", action="append", default=[], metavar="JOB",
                    help="a Job of the release the evaluation needs complete first (repeatable; the chart: the "
                         "ALFWorld data fill); one that is not there is taken as done and deleted after its TTL")
-    p.add_argument("--stage-jobs", choices=STAGE_JOBS, default="persistent",
+    p.add_argument("--stage-jobs", choices=STAGE_JOBS, default=None,
                    help="persistent (default): one teacher-scores Job and one train Job whose pods stay up for "
                         "--rounds-per-job rounds, keeping their models loaded; per-round: two Jobs per round")
     p.add_argument("--rounds-per-job", type=int, default=0,
@@ -103,6 +103,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.no_check:
             preflight(cfg, "driver", log=log_line)  # before any stage Job is created
         templates = StageTemplates.from_dir(args.templates)
+        # default: persistent, unless the templates cannot serve several rounds (a chart from before
+        # persistent workers, e.g. a driver pod of an older revision running this code): then per-round
+        stage_jobs = args.stage_jobs or ("persistent" if all(templates.serves_rounds(st) for st in
+                                                             ("teacher-scores", "train") if templates.has(st))
+                                         else "per-round")
         namespace = current_namespace(args.namespace)
         log_line(f"pipeline: release {args.release}, templates {args.templates} ({', '.join(sorted(templates.texts))})")
         claimant = lease.Claimant.of_release(args.release, namespace, "python -m sapd.jobs.pipeline"
@@ -118,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 poll_seconds=args.poll_seconds, log_every_seconds=args.log_every_seconds,
                                 stage_timeout_seconds=args.stage_timeout_seconds, owner=args.owner, log=log_line,
                                 lease=held, evaluate_after=args.evaluate_after_job,
-                                stage_jobs=args.stage_jobs if args.stage is None else "per-round",
+                                stage_jobs=stage_jobs if args.stage is None else "per-round",
                                 rounds_per_job=args.rounds_per_job)
                 if args.stage is None:
                     driver.run()
