@@ -523,21 +523,27 @@ class Crash(Exception):
     """The driver pod is killed."""
 
 
-def test_restart_skips_committed_stages_and_adopts_the_running_job(env):
-    env.kube.script[f"{RELEASE}-train-r1"] = ["run"]
+def kill_driver_while_running(env, name: str) -> None:
+    """Run the driver until Job ``name`` runs, kill it there (:class:`Crash`), then script ``name`` to
+    complete while the next driver watches it."""
+    env.kube.script[name] = ["run"]
     sleeps = []
 
     def dying_sleep(s):
         sleeps.append(s)
-        if f"{RELEASE}-train-r1" in env.kube.jobs and len(sleeps) > 5:
+        if name in env.kube.jobs and len(sleeps) > 5:
             raise Crash
     with pytest.raises(Crash):
         env.driver(sleep=dying_sleep).run()
+    env.kube.script[name] = ["complete"]
+    env.kube.reads[name] = 0
+
+
+def test_restart_skips_committed_stages_and_adopts_the_running_job(env):
+    kill_driver_while_running(env, f"{RELEASE}-train-r1")
     assert env.kube.posted_jobs() == ORDER[:5]
     assert not checkpoints.is_committed(env.root, 2)
     # the new driver pod: train-r1 is still running; it finishes while being watched
-    env.kube.script[f"{RELEASE}-train-r1"] = ["complete"]
-    env.kube.reads[f"{RELEASE}-train-r1"] = 0
     env.lines.clear()
     result = env.driver().run()
     assert env.kube.posted_jobs() == ORDER  # only the last validation and evaluate are new: no duplicate train-r1
@@ -1006,18 +1012,8 @@ def test_a_per_round_job_a_previous_chart_started_is_adopted_for_its_one_round(t
     persistent Job of rounds 1–2 would take its name), then serves round 2 with persistent Jobs."""
     e = Env(tmp_path, monkeypatch, {"config": {"train": {"rounds": 3}}}, stage_jobs="per-round")
     e.lines = []
-    e.kube.script[f"{RELEASE}-train-r1"] = ["run"]
-    sleeps = []
-
-    def dying_sleep(s):
-        sleeps.append(s)
-        if f"{RELEASE}-train-r1" in e.kube.jobs and len(sleeps) > 5:
-            raise Crash
-    with pytest.raises(Crash):
-        e.driver(sleep=dying_sleep).run()
+    kill_driver_while_running(e, f"{RELEASE}-train-r1")
     assert not checkpoints.is_committed(e.root, 2)
-    e.kube.script[f"{RELEASE}-train-r1"] = ["complete"]
-    e.kube.reads[f"{RELEASE}-train-r1"] = 0
     e.lines.clear()
     result = e.driver(stage_jobs="persistent").run()
     assert result["adopted"][0] == f"{RELEASE}-train-r1", result

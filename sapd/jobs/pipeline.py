@@ -54,7 +54,16 @@ from kubernetes.config.config_exception import ConfigException
 from sapd import lease
 from sapd.entry import add_config_flags, config_from_args, log_line, run_main
 from sapd.run.check import preflight
-from sapd.run.k8s import STAGE_JOBS, STAGES, Driver, KubeError, StageTemplates, current_namespace, load_api_client
+from sapd.run.k8s import (
+    POOL_STAGES,
+    STAGE_JOBS,
+    STAGES,
+    Driver,
+    KubeError,
+    StageTemplates,
+    current_namespace,
+    load_api_client,
+)
 from sapd.run.plan import Step
 
 
@@ -105,9 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         templates = StageTemplates.from_dir(args.templates)
         # default: persistent, unless the templates cannot serve several rounds (a chart from before
         # persistent workers, e.g. a driver pod of an older revision running this code): then per-round
-        stage_jobs = args.stage_jobs or ("persistent" if all(templates.serves_rounds(st) for st in
-                                                             ("teacher-scores", "train") if templates.has(st))
-                                         else "per-round")
+        stage_jobs = args.stage_jobs or ("persistent" if all(templates.serves_rounds(st) for st in POOL_STAGES
+                                                             if templates.has(st)) else "per-round")
         namespace = current_namespace(args.namespace)
         log_line(f"pipeline: release {args.release}, templates {args.templates} ({', '.join(sorted(templates.texts))})")
         claimant = lease.Claimant.of_release(args.release, namespace, "python -m sapd.jobs.pipeline"
