@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from sapd import checkpoints, layout
+from sapd import checkpoints, layout, lease
 from sapd.config import config_from_dict
 from sapd.progress import QUIET
 from sapd.run import plan
@@ -228,7 +228,48 @@ def test_startup_marks_each_phase_once_and_reports_at_first_work():
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SAPD_PUSHGATEWAY_URL": ""}
+    # the chart's pods of one release share the run root's lease as the release (SAPD_LEASE_OWNER)
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SAPD_PUSHGATEWAY_URL": "",
+            "SAPD_LEASE_OWNER": lease.release_owner("persistent-doors", "test")}
+
+
+def _run_pipeline_single_threaded(cfg) -> None:
+    """`sapd run` in this process with the pods' one intra-op thread (`_env`'s OMP_NUM_THREADS=1): a float32
+    reduction split over another number of threads rounds otherwise, which bit-exactness would see."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_pipeline(cfg, log=lambda s: None, show_progress=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_side_by_side(tmp_path, commands: dict[str, list[str]], timeout_s: float = 900) -> dict[str, str]:
+    """Start the doors together and wait for all; the first to fail stops the others (each waits on the
+    others' commits, so a failed one would leave them polling until the timeout). Returns each one's log."""
+    outs = {name: open(tmp_path / f"{name}.log", "w+") for name in commands}
+    procs = {name: subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=outs[name], stderr=subprocess.STDOUT)
+             for name, cmd in commands.items()}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            if any(p.returncode not in (None, 0) for p in procs.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = {}
+    for name, f in outs.items():
+        f.seek(0)
+        logs[name] = f.read()
+        f.close()
+    for name, p in procs.items():
+        assert p.returncode == 0, f"{name} exited {p.returncode}:\n{logs[name]}\n(others:\n" + "\n".join(
+            f"--- {other}:\n{log[-3000:]}" for other, log in logs.items() if other != name) + ")"
+    return logs
 
 
 @pytest.mark.slow
@@ -241,20 +282,15 @@ def test_the_persistent_doors_side_by_side_end_where_sapd_run_does(tmp_path, mod
     one update line per round, measured in the weights the optimizer keeps (bf16: the fp32 master)."""
     data = tiny_config(str(tmp_path / "pods"), *models, model={"dtype": dtype}, train={"rounds": 3, "overlap": overlap})
     ref = str(tmp_path / "sapd-run")
-    run_pipeline(config_from_dict({**data, "run_root": ref}), log=lambda s: None, show_progress=False)
+    _run_pipeline_single_threaded(config_from_dict({**data, "run_root": ref}))
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(data))
     base = ["--config", str(config), "--no-progress", "--no-check"]
     subprocess.run([sys.executable, "-m", "sapd.jobs.build_prefixes", *base], cwd=REPO, env=_env(), check=True,
                    capture_output=True)
     pool = ["--round", "0", "--rounds", "0", "--poll-seconds", "0.2"]
-    procs = {name: subprocess.Popen([sys.executable, "-m", f"sapd.jobs.{name}", *base, *pool, *extra], cwd=REPO,
-                                    env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, extra in (("teacher_scores", ["--worker", "0"]), ("train", []))}
-    logs = {}
-    for name, proc in procs.items():
-        logs[name], _ = proc.communicate(timeout=900)
-        assert proc.returncode == 0, logs[name]
+    logs = _run_side_by_side(tmp_path, {name: [sys.executable, "-m", f"sapd.jobs.{name}", *base, *pool, *extra]
+                                        for name, extra in (("teacher_scores", ["--worker", "0"]), ("train", []))})
     root = data["run_root"]
     assert layout.committed_checkpoints(root) == [0, 1, 2, 3]
     assert_same_weights(root, ref, (1, 2, 3))

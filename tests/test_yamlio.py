@@ -68,8 +68,10 @@ def test_every_run_config_float_field(tmp_path):
     # every float knob the user can set (a guard: a new float field is covered without editing this test)
     assert {"train.lr", "train.weight_decay", "sampling.temperature", "sampling.top_p", "data.val_fraction",
             "data.reopd_kappa", "rules.format_weight"} <= set(paths)
+    # fields with a range of their own get spellings inside it (the lease is renewed every quarter of its time)
+    ranged = {"storage.lease_ttl_s": {"4e0": 4.0, "5E+0": 5.0, "+2.5e+3": 2500.0, "5.": 5.0}}
     for dotted in paths:
-        for text, want in SPELLINGS.items():
+        for text, want in ranged.get(dotted, SPELLINGS).items():
             f = tmp_path / "run.yaml"
             f.write_text(nested_yaml(dotted, text))
             got = get(load_config(f), dotted)
@@ -80,7 +82,8 @@ def test_every_loss_float_field(tmp_path):
     paths = float_fields(LossConfig)
     assert {"lambda_tok", "lambda_step", "lambda_rule", "token_scale", "clip_eps", "eps"} <= set(paths)
     # fields with a range of their own get spellings inside it (dual-clip's c must exceed 1)
-    ranged = {"dual_clip": {"3e0": 3.0, "3.5E+0": 3.5, "+2.5e+3": 2500.0, "5.": 5.0}}
+    ranged = {name: {"3e0": 3.0, "3.5E+0": 3.5, "+2.5e+3": 2500.0, "5.": 5.0}
+              for name in ("dual_clip", "behaviour_weight_cap")}  # a behaviour weight cap is at least 1
     for name in paths:
         for text, want in ranged.get(name, SPELLINGS).items():
             f = tmp_path / "variant.yaml"
