@@ -200,7 +200,8 @@ def stage_lease(cfg: RunConfig, stage: str, prog: str, *, main: bool, log: Calla
     if not main:
         yield
         return
-    claimant = lease.Claimant.this_process(prog)
+    # the lease names the command a person would see in `ps` or the pod spec: `python -m sapd.jobs.train`
+    claimant = lease.Claimant.this_process(prog if " " in prog else f"python -m sapd.jobs.{prog}")
     hint = "run it again with --force-takeover"
     if stage == "evaluate":
         if not claimant.local:
