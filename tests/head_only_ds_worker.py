@@ -13,8 +13,8 @@ import sys
 import torch
 
 from sapd.config import config_from_dict
+from sapd.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_config, load_partitioned, make_deepspeed_engine
 from sapd.models.scoring import HeadOnlyLM, response_logprobs
-from sapd.stages.train_deepspeed import DeepSpeedEngine, deepspeed_config, load_partitioned, make_deepspeed_engine
 from tests.pipeline_util import tiny_config
 
 
@@ -30,7 +30,7 @@ def main(model_dir: str, teacher_dir: str, stage: str, run_root: str, out: str) 
         from sapd.models.loading import load_causal_lm
         return load_causal_lm(model_dir, trainable=True)
 
-    from sapd.stages.train_deepspeed import init_distributed
+    from sapd.engines.deepspeed_engine import init_distributed
     init_distributed()
     world = torch.distributed.get_world_size()
     lm_a = build()

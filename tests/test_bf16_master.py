@@ -26,6 +26,8 @@ import torch
 
 from sapd import checkpoints
 from sapd.config import ConfigError, config_from_dict
+from sapd.engines.deepspeed_engine import deepspeed_config
+from sapd.engines.torch_engine import make_torch_engine
 from sapd.run.local import run_pipeline
 from sapd.run.report import read_step_log
 from sapd.stages import train
@@ -157,9 +159,8 @@ def test_float16_is_refused_in_one_line(models, tmp_path):
     cfg = config_from_dict(_config(tmp_path / "run", models, "float16"))
     with pytest.raises(ConfigError, match=r"^model.dtype: float16 is not trained: its gradients need dynamic loss "
                                           r"scaling, which sapd does not do; use bfloat16") as e:
-        train.make_torch_engine(load_causal_lm(models[0], dtype="float16", trainable=True), cfg)
+        make_torch_engine(load_causal_lm(models[0], dtype="float16", trainable=True), cfg)
     assert "\n" not in str(e.value)
-    from sapd.stages.train_deepspeed import deepspeed_config
     with pytest.raises(ConfigError, match="float16 is not trained"):
         deepspeed_config(config_from_dict(_config(tmp_path / "run", models, "float16", engine="deepspeed")), 1)
 
@@ -173,7 +174,7 @@ def _probe_step(weights: torch.Tensor, lr: float, weight_decay: float) -> tuple[
     with torch.no_grad():
         model.weight.copy_(weights)
     cfg = config_from_dict(tiny_config("unused", "", "", train={"lr": lr, "weight_decay": weight_decay}))
-    engine = train.make_torch_engine(model, cfg)
+    engine = make_torch_engine(model, cfg)
     probe = train.UpdateProbe(engine)
     before = model.weight.detach().clone()
     (model(torch.linspace(-1, 1, 8).view(2, 4)) ** 2).sum().backward()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sapd import checkpoints, layout, storage
+from sapd.engines.torch_engine import TorchEngine
 from sapd.models.loading import load_tokenizer
 from sapd.stages import train
 from tests import reshard_worker as rw
@@ -26,7 +27,7 @@ def student(tmp_path_factory) -> str:
     return make_models(tmp_path_factory.mktemp("models"))[0]
 
 
-def _save_and_continue(student: str, root: str) -> tuple[list[float], train.TorchEngine, checkpoints.OptimizerShard]:
+def _save_and_continue(student: str, root: str) -> tuple[list[float], TorchEngine, checkpoints.OptimizerShard]:
     """The torch engine: round 0, checkpoint 1, round 1 in the same process (the uninterrupted run)."""
     torch.manual_seed(0)
     cfg, engine = rw._engine({"engine": "torch"}, student, root)
@@ -38,7 +39,7 @@ def _save_and_continue(student: str, root: str) -> tuple[list[float], train.Torc
     return losses, engine, shard
 
 
-def _resume(root: str, into: str, engine_kind: str = "torch") -> tuple[list[float], str, train.TorchEngine]:
+def _resume(root: str, into: str, engine_kind: str = "torch") -> tuple[list[float], str, TorchEngine]:
     cfg, engine = rw._engine({"engine": engine_kind}, str(checkpoints.checkpoint_model_path(root, 1)), into)
     state = checkpoints.load_trainer_state(root, 1)
     how = checkpoints.restore_optimizer(root, 1, engine, state, log=lambda s: None)
@@ -86,7 +87,7 @@ def test_restored_state_equals_the_saved_state(student, tmp_path):
             assert torch.equal(got[i][key], saved[i][key]), (i, key)
 
 
-def _write_legacy(root: str, engine: train.TorchEngine, step: int) -> None:
+def _write_legacy(root: str, engine: TorchEngine, step: int) -> None:
     """Checkpoint 1's state as sapd wrote it before sharding: the whole AdamW state in trainer.pt."""
     buf = io.BytesIO()
     torch.save({"global_step": step, "round": 1, "rng": train._rng_state(),

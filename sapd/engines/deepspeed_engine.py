@@ -1,5 +1,5 @@
 """DeepSpeed engine (``train.engine: deepspeed``): ZeRO 1/2/3 data-parallel training behind the same
-methods as :class:`sapd.stages.train.TorchEngine`. The only module that imports ``deepspeed``.
+methods as :class:`sapd.engines.torch_engine.TorchEngine`. The only module that imports ``deepspeed``.
 
 Launch one round on N processes (the round's scored shards and checkpoint K committed already)::
 
