@@ -192,7 +192,7 @@ def test_react_responses_refused(text, reason, words):
 def test_search_qa_takes_only_search_and_finish(action, reason):
     from sapd.data.react import ResponseProblem, decision_response
     with pytest.raises(ResponseProblem) as ei:
-        decision_response("t", action, get_benchmark("searchqa"))
+        decision_response("t", action, get_benchmark("searchqa").decision)
     assert ei.value.reason == reason
 
 

@@ -15,7 +15,7 @@ the rule it breaks. The rules:
   (:data:`LAZY`) only inside functions in ``sapd/``;
 - ``sapd`` imports inside functions only in ``sapd/cli.py`` (per-command imports keep ``sapd --help``
   quick); an import the checker cannot read (``importlib.import_module(name)``) is refused there;
-- no import cycle;
+- no import cycle, and no import chain in ``sapd/`` longer than :data:`MAX_CHAIN` modules;
 - what each front door imports (:data:`DOORS`): the train job and ``sapd train-round`` no environment, the
   train and teacher-scores stages no trajectory-format parser, the build-prefixes job no model code
   beyond tokenizer and weights loading.
@@ -66,6 +66,9 @@ EXACT = {"sapd"}  # entries that cover only themselves
 # training engines live below, in sapd.engines), and no environment knows the loop or the panels
 STAGE_HELPERS = {"sapd.stages", "sapd.stages.context", "sapd.stages.validation"}
 ENVS_NOBODY_IMPORTS = {"sapd.envs.loop", "sapd.envs.panels"}
+# the longest import chain (module-level and function-local imports) allowed in sapd/: a longer one is a layer
+# too many, or an import of a module for what belongs lower down
+MAX_CHAIN = 10
 LAZY_OK = {"sapd/cli.py"}  # the one production file whose sapd imports may sit inside functions
 # who may import the demo and its kit: the command line, and the research harness and benchmarks above it
 DEMO_USERS = ("sapd.demo", "sapd.cli", "research", "experiments", "bench")
@@ -445,6 +448,34 @@ def test_every_import_stays_on_or_below_its_floor():
 
 def test_no_import_cycles():
     assert cycles() == []
+
+
+def chain_problem() -> str | None:
+    """Why the longest import chain in ``sapd/`` is too long, or None."""
+    chain = longest_chain(within=PRODUCTION)
+    if len(chain) <= MAX_CHAIN:
+        return None
+    return f"the longest import chain in sapd/ has {len(chain)} modules (at most {MAX_CHAIN}): {' → '.join(chain)}"
+
+
+def test_no_import_chain_in_sapd_is_longer_than_ten():
+    """The sapd/ figure `python tests/test_layers.py` prints (which covers the product's and the jobs')."""
+    assert MAX_CHAIN == 10
+    assert chain_problem() is None, chain_problem()
+
+
+def test_the_chain_check_reports_a_planted_chain_of_eleven(tmp_path, monkeypatch):
+    (tmp_path / "sapd").mkdir()
+    (tmp_path / "sapd" / "__init__.py").write_text("")
+    for i in range(MAX_CHAIN + 1):
+        text = f"from sapd import m{i + 1}\n" if i < MAX_CHAIN else ""
+        (tmp_path / "sapd" / f"m{i}.py").write_text(text, encoding="utf-8")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert chain_problem() == (f"the longest import chain in sapd/ has {MAX_CHAIN + 1} modules (at most {MAX_CHAIN}): "
+                               + " → ".join(f"sapd.m{i}" for i in range(MAX_CHAIN + 1)))
+    (tmp_path / "sapd" / f"m{MAX_CHAIN - 1}.py").write_text("", encoding="utf-8")  # cut the last link
+    _graph_at.cache_clear()
+    assert chain_problem() is None
 
 
 def test_each_door_imports_only_what_its_job_needs():
