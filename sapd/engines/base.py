@@ -1,7 +1,7 @@
-"""What the training loop asks of an engine (:class:`Engine`), and the choice of one from ``train.engine``
-(:func:`engine_factory_for`): plain torch (:mod:`sapd.engines.torch_engine`) or DeepSpeed ZeRO
-(:mod:`sapd.engines.deepspeed_engine`). Both keep the same checkpoint format, so a checkpoint trained by
-either resumes on the other."""
+"""What the training loop asks of an engine (:class:`sapd.engines.base.Engine`), and the choice of one from
+``train.engine`` (:func:`sapd.engines.base.engine_factory_for`): plain torch (:mod:`sapd.engines.torch_engine`)
+or DeepSpeed ZeRO (:mod:`sapd.engines.deepspeed_engine`). Both keep the same checkpoint format, so a
+checkpoint trained by either resumes on the other."""
 
 from __future__ import annotations
 
