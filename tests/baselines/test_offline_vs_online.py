@@ -15,7 +15,7 @@ import pytest
 from bench.offline_vs_online import PARTS, main
 from tests.alfworld_util import generated_games
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _check_breakdown(rr: dict, online: bool) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # vLLM's CPU build lives in its own environment (scripts/setup_vllm_venv.sh; `make test` builds it)
 VLLM_PYTHON = os.environ.get("SAPD_VLLM_PYTHON") or (
     str(REPO / ".venv-vllm" / "bin" / "python") if (REPO / ".venv-vllm" / "bin" / "python").exists() else None)

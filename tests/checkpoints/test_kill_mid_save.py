@@ -25,7 +25,7 @@ from sapd.run.report import read_step_log
 from sapd.stages.build_prefixes import ensure_initial_checkpoint
 from tests.pipeline_util import cpu_ranks_env, make_models, ranks_command, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = {"rounds": 2, "trajectories_per_round": 3, "minibatch_prefixes": 4, "micro_batch_prefixes": 2,
          "weight_decay": 0.01}
 

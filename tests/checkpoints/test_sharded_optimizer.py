@@ -17,7 +17,7 @@ from sapd.stages import train
 from tests import reshard_worker as rw
 from tests.pipeline_util import make_models, run_rank_worker
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-6
 
 

@@ -6,7 +6,7 @@ Helm 4 library (PyPI ``helm-python-sdk``, libhelm_c through ctypes: no helm bina
 them from the same templates), and every rendered document is validated with ``kubernetes-validate`` in
 strict mode (unknown fields are errors) against the lowest Kubernetes minor of the chart's `kubeVersion`
 and the newest one it ships schemas for; JobSets against the vendored JobSet CRD schema.
-How the chart behaves on a cluster is tests/test_journeys.py's subject.
+How the chart behaves on a cluster is tests/cluster/test_journeys.py's subject.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from sapd.config import load_config
 from tests.k8s_harness.apiserver import ApiError, ApiServer, crd_schema, validate_crd
 from tests.k8s_harness.store import BY_KIND
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "sapd"
 MANIFESTS = REPO / "manifests"
 KUBE_VERSION = kubernetes_validate.utils.latest_version()  # "1.37.0" with kubernetes-validate 1.37
@@ -994,7 +994,7 @@ def test_grafana_dashboard_uses_sapd_metrics_by_convention():
 # ------------------------------------------------------------------------------------------ image
 
 
-# The Dockerfile's structure and every target's resolution: tests/test_images.py
+# The Dockerfile's structure and every target's resolution: tests/cluster/test_images.py
 
 
 @pytest.mark.parametrize("how", ["set", "values-file"])

@@ -1,4 +1,4 @@
-"""The chart's rendered manifests stay as recorded (tests/data/chart-snapshot.json): a restructure of the
+"""The chart's rendered manifests stay as recorded (tests/assets/chart-snapshot.json): a restructure of the
 templates changes no value of what Helm renders, for the chart's values and every overlay, in both modes."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 import chart_snapshot  # noqa: E402
 

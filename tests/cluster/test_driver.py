@@ -33,7 +33,7 @@ from sapd import checkpoints, layout, storage
 from sapd.config import load_config
 from sapd.data import shards, validation
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "sapd"
 KUBE_VERSION = kubernetes_validate.utils.latest_version()
 NS = "sapd"
@@ -414,7 +414,7 @@ class Env:
 
     def argv(self, *extra: str) -> list[str]:
         # --no-check: the config names S3 inputs the stand-in stage pods never read (the driver's checks,
-        # which run before it creates anything, are tested in tests/test_jobs.py)
+        # which run before it creates anything, are tested in tests/run/test_jobs.py)
         return ["--no-check", "--config", str(self.config), "--run-root", self.root, "--release", RELEASE,
                 "--templates", str(self.templates), "--namespace", NS, "--kubeconfig", str(self.kubeconfig),
                 "--poll-seconds", "0", "--owner", f"configmap/{self.owner}", "--stage-jobs", self.stage_jobs, *extra]

@@ -1,7 +1,7 @@
 """The journey harness itself (tests/k8s_harness): its Job semantics, its API server's authentication,
 RBAC, validation, defaulting and discovery (driven by the real kubectl), its queue admission, and what
 a container sees — its image target's environment, its user, its volumes' permissions — each on tiny
-`python -c` pods, so that a journey failing in tests/test_journeys.py can be trusted to be the chart's
+`python -c` pods, so that a journey failing in tests/cluster/test_journeys.py can be trusted to be the chart's
 or sapd's fault, not the harness's. The pods run as uid 1000 (the image's USER) unless they say
 otherwise, which needs the test process to be root (as in CI)."""
 
@@ -168,7 +168,7 @@ def test_read_only_mounts_and_a_read_only_root_filesystem_are_enforced(cluster):
     mounts, and readOnlyRootFilesystem makes every other path read-only (the image's working directory,
     this checkout, the node's /tmp) — EROFS even for root, so it is the mount, not a permission, that stops
     the write; the writable volumes and /dev/shm stay writable."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     cluster.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "games"},
                     "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
     cluster.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"a": "1"}})

@@ -5,7 +5,7 @@ the pins of the target they stand for, and the Dockerfile keeps the structure th
 The resolution checks ask PyPI for metadata only (pip --dry-run --report with HTTP range requests:
 about 40-50 s and ~100 MB per target here, where the full gpu wheels would be 4.1 GB). Building the
 images themselves needs buildah and minutes per target (docs/kubernetes/install.md "The image"); the cluster harness runs
-each target's pods in an environment made by the same install script (tests/test_harness.py)."""
+each target's pods in an environment made by the same install script (tests/cluster/test_harness.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "docker" / "install.sh"
 TARGETS = ("cpu", "gpu", "eval")
 PINS_OF = {"cpu": "cpu", "gpu": "gpu", "eval": "gpu"}

@@ -33,7 +33,7 @@ from tests.journey_util import NODE_CACHE, NS, journey_cluster, upload_models, u
 from tests.k8s_harness import Cluster
 from tests.k8s_harness.prometheus import TargetWriter, prometheus_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "sapd"
 SMOKE = CHART / "values" / "smoke.yaml"
 TEXTWORLD = CHART / "values" / "textworld.yaml"
@@ -528,7 +528,7 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
     from sapd import layout, storage
     from sapd.data import shards
     t0 = time.monotonic()
-    ext = REPO / ".cache" / "torch_extensions"  # a warm node: DeepSpeed's op already built (tests/test_deepspeed.py)
+    ext = REPO / ".cache" / "torch_extensions"  # a warm node: DeepSpeed's op already built (tests/stages/test_deepspeed.py)
     if ext.is_dir() and not (cluster.host_path(NODE_CACHE) / "torch_extensions").exists():
         shutil.copytree(ext, cluster.host_path(NODE_CACHE) / "torch_extensions")
         cluster.host_path(NODE_CACHE, owner=(1000, 1000))

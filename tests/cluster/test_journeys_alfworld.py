@@ -1,5 +1,5 @@
 """The ALFWorld journey on a cluster, as a user runs it (the harness of tests/k8s_harness, as
-tests/test_journeys.py uses it): ALFWorld's expert recorded on the user's machine with
+tests/cluster/test_journeys.py uses it): ALFWorld's expert recorded on the user's machine with
 `sapd collect-expert --benchmark alfworld --split train --expert planner` straight into S3 (SeaweedFS),
 then `helm install -f values/smoke.yaml -f values/alfworld.yaml`: the chart's one-time fill Job writes a
 generated `valid_unseen` split (`sapd alfworld-games`) into the ALFWorld data claim, the driver runs two
@@ -33,7 +33,7 @@ from tests.alfworld_util import generated_games
 from tests.journey_util import NS, journey_cluster, upload_models, user_s3
 from tests.k8s_harness import Cluster
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "sapd"
 SMOKE = CHART / "values" / "smoke.yaml"
 ALFWORLD = CHART / "values" / "alfworld.yaml"

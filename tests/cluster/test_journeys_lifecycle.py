@@ -1,4 +1,4 @@
-"""A run's lifecycle on a cluster, end to end (the harness of tests/k8s_harness, as tests/test_journeys.py
+"""A run's lifecycle on a cluster, end to end (the harness of tests/k8s_harness, as tests/cluster/test_journeys.py
 uses it): what a user does to a release while it runs, each ending in the same committed result as a run
 nobody touched.
 
@@ -41,7 +41,7 @@ from tests.conftest import free_port
 from tests.journey_util import NS, journey_cluster, upload_models, user_s3
 from tests.k8s_harness import Cluster
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "sapd"
 SMOKE = CHART / "values" / "smoke.yaml"
 LR = ["config.train.lr=0.001"]

@@ -22,7 +22,7 @@ from sapd.data.prefix_table import longest_prompt
 from sapd.entry import EXIT_USER_ERROR
 from sapd.models.memory import GIB, HEADROOM, estimate, shape_from_config
 from sapd.stages.train import round_passes
-from tests.test_chart import by_kind, container, job, overlay_values, render
+from tests.cluster.test_chart import by_kind, container, job, overlay_values, render
 from tests.tokenizer_util import SAMPLE_DATA, qwen_tokenizer
 
 GPU_BYTES = 80e9  # an 80 GB GPU (H100 80GB: 79.1 GiB)
@@ -179,7 +179,7 @@ def test_the_memory_figures_are_measured(tmp_path):
     and without gradient checkpointing."""
     import subprocess
     import sys
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "bench/activation_memory.py", "--quick", "--out", str(tmp_path)],
                           cwd=repo, capture_output=True, text=True, timeout=900,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(repo)})

@@ -1,4 +1,4 @@
-"""Real public trajectory files, as users download them (tests/data/realdata/SOURCES.md): every file
+"""Real public trajectory files, as users download them (tests/assets/realdata/SOURCES.md): every file
 either builds the prefixes a person reading it expects, or is refused with a message naming the file,
 record, field and what to do. Expected values were read off the files by hand."""
 
@@ -16,7 +16,7 @@ from sapd.data.prefixes import PrefixOptions, build_prefix_rows, build_prefixes
 from sapd.method.benchmarks import get_benchmark
 from tests.tokenizer_util import build_test_tokenizer
 
-REAL = Path(__file__).resolve().parent / "data" / "realdata"
+REAL = Path(__file__).resolve().parents[1] / "assets" / "realdata"
 RAW, DERIVED = REAL / "raw", REAL / "derived"
 
 LTSURE_ALF = RAW / "LTSure__on-policy-cold-start__data__alfworld_sft.excerpt-first6.json"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOY = {"pretrain_games": 3, "train_games": 2, "test_games": 1, "student_epochs": 1.0, "teacher_epochs": 1.0,
        "sft_trajectories_per_round": 4, "rounds": 1, "trajectories_per_round": 2, "group_size": 2,
        "max_new_tokens": 24, "horizon": 3, "tokenizer_vocab": 400,

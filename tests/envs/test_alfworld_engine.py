@@ -325,7 +325,7 @@ def test_startup_bench_runs_collect_expert_three_ways_with_the_same_trajectories
     """bench/alfworld_startup.py as its user runs it: ``sapd collect-expert`` in isolated workers, as shipped
     (``--no-engine-cache``), cached cold and warm; it fails by itself when the trajectories differ."""
     import subprocess
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     out, work = tmp_path / "startup.json", tmp_path / "work"
     run = subprocess.run([sys.executable, "bench/alfworld_startup.py", "--alfworld-data", str(games), "--split",
                           "valid_unseen", "--limit", "3", "--work", str(work), "--json", str(out)],

@@ -20,7 +20,7 @@ from sapd.envs.base import Environment
 from sapd.envs.loop import EpisodeSpec, run_episodes
 from sapd.envs.webshop_env import HTTPFetcher, WebShopEnv, page_text, parse_page, webshop_specs
 from sapd.method.benchmarks import ALFWORLD_CATEGORIES
-from tests.test_agent_loop import ScriptedGenerator, _load, assert_replay_matches_prefixes
+from tests.envs.test_agent_loop import ScriptedGenerator, _load, assert_replay_matches_prefixes
 from tests.tokenizer_util import SAMPLE_DATA, build_test_tokenizer
 
 

@@ -22,7 +22,7 @@ from sapd.envs.textworld_env import (
     make_env,
 )
 from sapd.method.benchmarks import get_benchmark, parse_decision
-from tests.test_agent_loop import ScriptedGenerator
+from tests.envs.test_agent_loop import ScriptedGenerator
 from tests.tokenizer_util import build_test_tokenizer
 
 PANEL = [GameSpec("simple", 0), GameSpec("coin", 0), GameSpec("cook_open", 0)]

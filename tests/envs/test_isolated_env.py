@@ -14,7 +14,7 @@ from sapd.data.loaders import LoadOptions, load_trajectories
 from sapd.envs.base import ReplayEnv
 from sapd.envs.isolated import EnvCallError, EnvTimeout, IsolatedEnv
 from sapd.envs.loop import EpisodeSpec, LoopOptions, collect_expert, run_episodes
-from tests.test_agent_loop import ScriptedGenerator
+from tests.envs.test_agent_loop import ScriptedGenerator
 from tests.tokenizer_util import SAMPLE_DATA, build_test_tokenizer
 
 

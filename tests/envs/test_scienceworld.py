@@ -21,7 +21,7 @@ from sapd.envs.scienceworld_env import (
     task_names,
 )
 from sapd.method.benchmarks import get_benchmark, parse_decision
-from tests.test_agent_loop import ScriptedGenerator
+from tests.envs.test_agent_loop import ScriptedGenerator
 from tests.tokenizer_util import build_test_tokenizer
 
 # two short tasks of the default test-split panel (seed 0): 10 and 8 gold actions

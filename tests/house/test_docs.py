@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SOURCES = [*REPO.glob("sapd/**/*.py"), *REPO.glob("charts/**/*.yaml"),
            *REPO.glob("charts/**/*.tpl"), *REPO.glob("charts/**/*.txt"), *REPO.glob("charts/**/*.md"),
            *REPO.glob("charts/**/*.tmpl"), *REPO.glob("docs/**/*.md"), *REPO.glob("docs/*.py"),
@@ -190,8 +190,26 @@ def test_the_readme_is_a_door_that_opens_with_the_two_commands_ci_runs():
         assert "make test-fast" in (REPO / page).read_text(encoding="utf-8"), page
 
 
-@pytest.mark.parametrize("test_file", sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("tests/test_*.py"),
-                                                                                  *REPO.glob("tests/vllm/test_*.py")]))
-def test_the_tests_map_names_every_test_file(test_file):
-    assert f"`{Path(test_file).name}`" in (REPO / "tests/README.md").read_text(encoding="utf-8"), \
-        f"tests/README.md does not map {test_file}: add its row"
+def map_sections() -> dict[str, str]:
+    """tests/README.md's map: the text of each `### tests/<folder> ↔ …` section, by folder."""
+    text = (REPO / "tests/README.md").read_text(encoding="utf-8")
+    return {m.group(1): m.group(2) for m in re.finditer(r"^### tests/(\w+) .*?\n(.*?)(?=^##)", text, flags=re.M | re.S)}
+
+
+@pytest.mark.parametrize("test_file", sorted(str(p.relative_to(REPO)) for p in REPO.glob("tests/**/test_*.py")))
+def test_the_tests_map_names_every_test_file_in_its_folders_section(test_file):
+    parts = Path(test_file).parts
+    assert len(parts) == 3, f"{test_file}: a test file sits in the folder of its part of the package (tests/<folder>/)"
+    sections = map_sections()
+    assert parts[1] in sections, f"tests/README.md has no section for tests/{parts[1]}: add one"
+    assert f"| `{parts[2]}` |" in sections[parts[1]], \
+        f"tests/README.md does not map {test_file}: add its row to the tests/{parts[1]} section"
+
+
+def test_every_test_folder_is_a_package_and_has_a_section():
+    """tests/ is a package (`from tests.conftest import free_port`); each folder of tests is one too, so
+    pytest names its modules tests.<folder>.test_x (vllm/ excepted: its own conftest, in .venv-vllm/)."""
+    folders = {p.parent.name for p in REPO.glob("tests/*/test_*.py")}
+    assert len(folders) >= 15 and set(map_sections()) == folders, sorted(set(map_sections()) ^ folders)
+    missing = [f for f in sorted(folders - {"vllm"}) if not (REPO / "tests" / f / "__init__.py").is_file()]
+    assert not missing, f"tests/<folder>/__init__.py missing for {missing}"

@@ -23,7 +23,7 @@ from sapd.data import scored
 from sapd.method.objective import VARIANTS, LossConfig
 from scripts import gen_refs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("page", sorted(gen_refs.PAGES))

@@ -20,7 +20,7 @@ the rule it breaks. The rules:
   train and teacher-scores stages no trajectory-format parser, the build-prefixes job no model code
   beyond tokenizer and weights loading.
 
-``python tests/test_layers.py`` prints the figures of the import graph (modules, longest chains, each
+``python tests/house/test_layers.py`` prints the figures of the import graph (modules, longest chains, each
 door's closure) and the import time of ``python -m sapd.jobs.train --help``.
 """
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("sapd", "research", "bench", "experiments")
 PRODUCTION = ("sapd",)
 
@@ -255,7 +255,7 @@ def violations() -> list[str]:
         me, rel = mod.name, mod.rel
         mine = group(me)
         if mine is None:
-            problems.append(f"{rel}:1: module {me} has no floor; give it one in tests/test_layers.py FLOORS and in "
+            problems.append(f"{rel}:1: module {me} has no floor; give it one in tests/house/test_layers.py FLOORS and in "
                             "docs/DESIGN.md's layer table")
             continue
         production = me.split(".")[0] in PRODUCTION
@@ -536,7 +536,7 @@ def test_the_checker_catches_each_planted_violation(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------
-# the figures (python tests/test_layers.py)
+# the figures (python tests/house/test_layers.py)
 
 
 def longest_chain(start: list[str] | None = None, *, within: tuple[str, ...] = ROOTS,

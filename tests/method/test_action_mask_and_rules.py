@@ -105,7 +105,7 @@ def qwen(tmp_path_factory):
     ("<think>ok</think>\n<action>go to cabinet 10</action>\n", ["go", " to", " cabinet", " ", "1", "0"]),
 ])
 def test_qwen_tag_pieces_stay_out_of_the_mask(qwen, text, pieces):
-    """The real Qwen2.5 tokenizer (tests/data/qwen2.5-tokenizer): the masked tokens are the action's own,
+    """The real Qwen2.5 tokenizer (tests/assets/qwen2.5-tokenizer): the masked tokens are the action's own,
     no piece of '<action>' or '</action>' (the gpu-regime audit's E5 found ' </' and '>\n' inside)."""
     ids = qwen(text, add_special_tokens=False)["input_ids"] + [qwen.eos_token_id]
     assert qwen.eos_token == "<|im_end|>" and len(qwen) == 151665 + 271  # Qwen2.5's vocabulary, padded

@@ -23,7 +23,7 @@ from sapd.metrics import Metrics
 from tests.conftest import get_url
 from tests.pipeline_util import make_models, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOY = "tests.toy_objective:squared_gap"
 
 
@@ -112,7 +112,7 @@ def test_a_toy_objective_from_a_user_module_trains_and_shows_its_terms_everywher
         assert any(" (gap " in line and " abs_gap " in line for line in out.splitlines()), out
 
     # Prometheus: the train Job's push, scraped from the Pushgateway
-    from tests.test_metrics import _wait_query
+    from tests.run.test_metrics import _wait_query
     terms = {r["metric"]["term"]: float(r["value"][1])
              for r in _wait_query(prometheus_stack["prometheus"], 'sapd_loss{job="train",release="toy"}')}
     assert {"total", "gap", "abs_gap"} == set(terms), terms

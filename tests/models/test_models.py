@@ -247,7 +247,7 @@ def test_loading_a_model_prints_no_deepspeed_accelerator_warning(tmp_path):
     code = ("import deepspeed.accelerator as a; from sapd.models.loading import load_causal_lm; "
             f"load_causal_lm({str(tmp_path / 'm')!r}); print(a.get_accelerator()._name)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("cpu")  # DeepSpeed still runs on the CPU here
     assert "Setting accelerator" not in out.stderr

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tests.pipeline_util import make_models
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NOTICES = ("pad_token_id", "not valid and may be ignored", "attention mask", "GenerationConfig is invalid",
            "generation flags", "Setting accelerator")
 

@@ -202,7 +202,7 @@ def test_the_committed_config_states_the_power_calculation_it_was_derived_from()
     from pathlib import Path
 
     from research.powered import PoweredStudy, check_power, load_powered_config
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     cfg = load_powered_config(repo / "experiments" / "powered.yaml")
     seeds = len(cfg.final_seeds)
     assert seeds >= 4
@@ -231,7 +231,7 @@ def test_powered_study_is_resumable_in_units_and_rebuilds_its_cache_deterministi
     from pathlib import Path
 
     from research.powered import PoweredStudy, load_powered_config, weights_hash
-    cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
+    cfg = load_powered_config(Path(__file__).resolve().parents[1] / "powered_smoke.yaml")
     ledger, cache = tmp_path / "ledger", tmp_path / "cache"
     study = PoweredStudy(cfg, ledger, cache, log=lambda s: None, config_path=tmp_path / "not-committed.yaml")
     pilot = study.pilot()
@@ -262,7 +262,7 @@ def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
 
     from research.powered import PoweredStudy, load_powered_config
     from research.powered_report import render_powered
-    cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
+    cfg = load_powered_config(Path(__file__).resolve().parents[1] / "powered_smoke.yaml")
     cfg.final_seeds = [1, 2]
     study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
 
@@ -312,7 +312,7 @@ def test_report_shows_only_finished_units_and_the_paired_differences(tmp_path):
     # once every planned final run is in, the summary stops calling itself partial; with the round-0 probes
     # recorded (here the study's own units), the premise line gives both models' AUCs
     import json
-    committed = Path(__file__).resolve().parents[1] / "experiments" / "powered"
+    committed = Path(__file__).resolve().parents[2] / "experiments" / "powered"
     for unit in ("probe-round0", "probe-smollm2"):
         study.ledger.put(unit, json.loads((committed / f"{unit}.json").read_text()))
     cfg.arms = {a: cfg.arms[a] for a in ("opd_rule", "sapd")}
@@ -346,7 +346,7 @@ def test_selection_lines_show_where_match_and_success_disagree(tmp_path):
 
     from research.powered import PoweredStudy, load_powered_config
     from research.powered_report import selection_lines
-    study = PoweredStudy(load_powered_config(Path(__file__).parent / "powered_smoke.yaml"), tmp_path / "l",
+    study = PoweredStudy(load_powered_config(Path(__file__).resolve().parents[1] / "powered_smoke.yaml"), tmp_path / "l",
                          tmp_path / "c", log=lambda s: None)
 
     def run(m, s):
@@ -388,7 +388,7 @@ def test_claims_split_units_between_processes_and_stale_claims_are_taken_over(tm
     from pathlib import Path
 
     from research.powered import PoweredStudy, load_powered_config
-    cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
+    cfg = load_powered_config(Path(__file__).resolve().parents[1] / "powered_smoke.yaml")
     study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
     ran: list[str] = []
 
@@ -418,7 +418,7 @@ def test_final_runs_the_arms_in_the_order_asked_then_the_reference_rows(tmp_path
     from pathlib import Path
 
     from research.powered import PoweredStudy, load_powered_config
-    cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
+    cfg = load_powered_config(Path(__file__).resolve().parents[1] / "powered_smoke.yaml")
     cfg.final_seeds = [1, 2]
     study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
     # a finished sweep: penalty wins the treatment choice
@@ -465,7 +465,7 @@ def test_tokenizer_and_teacher_data_keep_to_the_first_pretraining_games(tmp_path
     from research.powered import PoweredStudy, load_powered_config
     from sapd.data.loaders import write_native_jsonl
     from sapd.data.schema import Trajectory, Turn
-    cfg = load_powered_config(Path(__file__).parent / "powered_smoke.yaml")
+    cfg = load_powered_config(Path(__file__).resolve().parents[1] / "powered_smoke.yaml")
     cfg.tokenizer_pretrain_games = 2
     study = PoweredStudy(cfg, tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
     study.pools.mkdir(parents=True)

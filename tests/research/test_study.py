@@ -21,7 +21,7 @@ from research.a5 import (
 from research.reproduction import Study, load_study_config
 from sapd.config import ConfigError
 
-SMOKE = Path(__file__).parent / "study_smoke.yaml"
+SMOKE = Path(__file__).resolve().parents[1] / "study_smoke.yaml"
 
 
 def test_config_checks_keys_and_types(tmp_path):

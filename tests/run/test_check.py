@@ -19,7 +19,7 @@ from sapd.entry import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USER_ERROR
 from sapd.run.check import check_command, run_checks
 from tests.pipeline_util import make_models, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_webshop_is_bring_your_own_server_probed_in_seconds(tmp_path, models, mo
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from tests.test_alfworld_webshop import _records, _site
+    from tests.envs.test_alfworld_webshop import _records, _site
     first_page = _site(_records("webshop_eto.json")[0])[("init", "")]  # a recorded goal's instruction page
 
     class Handler(BaseHTTPRequestHandler):

@@ -9,8 +9,8 @@
 - a run that crashed on another machine blocks the root only until its lease expires; the next run then
   takes over and resumes to the undisturbed run's weights.
 
-(A `sapd run` SIGKILLed on this machine is taken over at once by the next: tests/test_pipeline.py's
-kill-and-resume tests; two releases on one root: tests/test_journeys_lifecycle.py.)
+(A `sapd run` SIGKILLed on this machine is taken over at once by the next: tests/run/test_pipeline.py's
+kill-and-resume tests; two releases on one root: tests/cluster/test_journeys_lifecycle.py.)
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from sapd.run.local import run_pipeline
 from sapd.run.report import read_step_log
 from tests.pipeline_util import make_models, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUIET = dict(log=lambda s: None, show_progress=False)
 
 

@@ -27,7 +27,7 @@ from sapd.run.plan import InputNotCommitted, wait_for_input
 from sapd.stages.context import Engines, StageContext, Startup, Step, process_started_at, run_stage
 from tests.pipeline_util import make_models, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from sapd.run.local import run_pipeline
 from sapd.run.report import read_step_log, write_report
 from tests.pipeline_util import make_models, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUIET = dict(log=lambda s: None, show_progress=False)
 
 
@@ -413,7 +413,7 @@ def test_s3_server_dying_mid_checkpoint_leaves_nothing_committed(private_s3_serv
     """The S3 server is SIGKILLed just as checkpoint 1's commit marker is written and stays down past the
     retry deadline: the run stops with a clear storage error, nothing reads checkpoint 1 as committed, and
     after a restart the same command finishes the round. (An outage shorter than the deadline is ridden
-    out: tests/test_faults.py.)"""
+    out: tests/run/test_faults.py.)"""
     import dataclasses
 
     from sapd.storage import StorageError

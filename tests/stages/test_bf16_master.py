@@ -13,7 +13,7 @@ weights changed over 34 steps, against 14.9 % for float32 rounded to bf16).
   set from it; checkpoints written before (no master) resume with it rebuilt from their weights, logged.
 * Every round measures its update in the kept weights (``round_update_rel``, ``round_update_applied_ratio``)
   and warns when rounding swallowed most of it; float16 is refused with one line.
-(SIGKILL mid-save in bf16: tests/test_kill_mid_save.py and tests/test_pipeline.py.)"""
+(SIGKILL mid-save in bf16: tests/checkpoints/test_kill_mid_save.py and tests/run/test_pipeline.py.)"""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from sapd.stages import train
 from tests.bf16_worker import restore_and_compare, write_as_before_master
 from tests.pipeline_util import make_models, run_rank_worker, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LR = 1e-6
 # ~5 optimizer steps per round (minibatches of 2 prefixes) at the chart's learning rate
 TRAIN = {"rounds": 1, "trajectories_per_round": 3, "minibatch_prefixes": 2, "micro_batch_prefixes": 2, "lr": LR}

@@ -23,7 +23,7 @@ from sapd.run.report import read_step_log  # noqa: E402
 from tests.conftest import free_port
 from tests.pipeline_util import make_models, tiny_config  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUIET = dict(log=lambda s: None, show_progress=False)
 # 6 prefixes per minibatch in micro-batches of 3: one micro-batch per rank (the ranks check refuses a
 # split that idles a rank in every step); the round's last minibatch is shorter, so there a rank runs a
@@ -122,6 +122,6 @@ def test_deepspeed_zero_on_two_ranks_matches_one_process(tmp_path, reference, ze
             assert float(ob["state"][i]["step"]) == float(entry["step"])
             for key in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(ob["state"][i][key], entry[key], rtol=1e-4, atol=1e-8)
-    # the DeepSpeed checkpoint's optimizer state, gathered, is torch AdamW's (tests/test_sharded_optimizer.py
+    # the DeepSpeed checkpoint's optimizer state, gathered, is torch AdamW's (tests/checkpoints/test_sharded_optimizer.py
     # resumes such checkpoints on other world sizes and engines)
     torch.optim.AdamW(model_b.parameters()).load_state_dict(checkpoints.consolidated_optimizer_state(str(root_b), 2))

@@ -15,7 +15,7 @@ from tests.pipeline_util import make_models
 
 pytest.importorskip("deepspeed")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

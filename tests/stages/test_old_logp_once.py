@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import free_port
 from tests.pipeline_util import make_models
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ from sapd.run.local import run_pipeline
 from tests.conftest import free_port
 from tests.pipeline_util import make_models, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _env(s3) -> dict[str, str]:

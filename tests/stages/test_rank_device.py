@@ -19,7 +19,7 @@ from sapd.models.devices import rank_device
 from tests.conftest import free_port
 from tests.pipeline_util import make_models, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

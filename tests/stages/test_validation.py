@@ -22,7 +22,7 @@ from sapd.run import plan
 from sapd.run.local import run_pipeline
 from tests.pipeline_util import make_models, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUIET = dict(log=lambda s: None, show_progress=False)
 
 

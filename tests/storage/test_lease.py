@@ -2,7 +2,7 @@
 conditional PUTs): one owner writes a run root at a time; the others are refused with one line naming the
 holder, take it over once it expires or its process is gone, or force it; a holder that lost it writes
 nothing more there. (The doors that take it — `sapd run`, the stage jobs, the pipeline driver — are
-tested running: tests/test_faults.py, tests/test_journeys_lifecycle.py.)"""
+tested running: tests/run/test_faults.py, tests/cluster/test_journeys_lifecycle.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 from sapd import layout, lease, storage
 from sapd.lease import Claimant, LeaseHeld, LeaseLost, RunLease
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["local", "s3"])

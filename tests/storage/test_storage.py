@@ -26,7 +26,7 @@ from sapd import storage
 from sapd.storage import CorruptObject, PreconditionFailed, StorageError, StorageNotFound, StorageUnavailable
 
 MiB = 1024 * 1024
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # s3transfer never goes below 5 MiB parts (the S3 minimum), so this is as small as multipart gets.
 SMALL_PARTS = TransferConfig(
