@@ -1,4 +1,4 @@
-"""One rank of the sharded-optimizer resharding check (tests/test_sharded_optimizer.py runs it as one
+"""One rank of the sharded-optimizer resharding check (tests/checkpoints/test_sharded_optimizer.py runs it as one
 process or under ``torchrun``, gloo, CPU). For every job in the JSON list ``argv[1]``:
 
 * ``{"do": "save", "engine", "zero", "model", "root"}`` — train round 0 (3 optimizer steps) from the model

@@ -33,7 +33,7 @@ reproduces it exactly without a scheduler object. Each prefix's prompt runs once
 cache for the G responses (``train.shared_prompt``, :func:`shared_prompt_group`) for the student too —
 π_old, the reference and the trained forward — where it was measured faster (the torch engine on a CPU
 model, "auto"); elsewhere the G full prompt + response sequences run in one batch. Both give the same
-log-probs (tests/test_models.py).
+log-probs (tests/models/test_models.py).
 
 The engine that runs backward and the optimizer step (plain torch, or DeepSpeed ZeRO under torchrun) is
 :mod:`sapd.engines`' (``train.engine``, :func:`sapd.engines.base.engine_factory_for`); this module writes
