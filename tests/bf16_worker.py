@@ -1,5 +1,5 @@
 """One process (or one rank under ``torchrun``, gloo, CPU) of the bf16-master checks in
-tests/stages/test_bf16_master.py. For every job in the JSON list ``argv[1]``:
+tests/engines/test_bf16_master.py. For every job in the JSON list ``argv[1]``:
 
 * ``{"do": "train", "config": {...}}`` — the train stage of round 0 (:func:`sapd.stages.train.run_train_stage`,
   what ``sapd train-round`` runs) on a run root the test seeded with a scored round and checkpoint 0;

@@ -1,4 +1,4 @@
-"""One rank of the DeepSpeed head-only check (tests/stages/test_deepspeed_head_only.py runs it under
+"""One rank of the DeepSpeed head-only check (tests/engines/test_deepspeed_head_only.py runs it under
 ``torchrun``, 2 CPU ranks, gloo): for ZeRO stage ``argv[2]``, the head-only engine (DeepSpeed wrapped
 around :class:`sapd.models.scoring.HeadOnlyLM`, what ``train.engine: deepspeed`` builds) against
 DeepSpeed around the plain HF model (the full (B, S, V) logits): the same loss, the same global grad

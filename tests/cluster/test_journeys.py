@@ -528,7 +528,7 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
     from sapd import layout, storage
     from sapd.data import shards
     t0 = time.monotonic()
-    ext = REPO / ".cache" / "torch_extensions"  # a warm node: DeepSpeed's op already built (tests/stages/test_deepspeed.py)
+    ext = REPO / ".cache" / "torch_extensions"  # a warm node: DeepSpeed's op already built (tests/engines/test_deepspeed.py)
     if ext.is_dir() and not (cluster.host_path(NODE_CACHE) / "torch_extensions").exists():
         shutil.copytree(ext, cluster.host_path(NODE_CACHE) / "torch_extensions")
         cluster.host_path(NODE_CACHE, owner=(1000, 1000))

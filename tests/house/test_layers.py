@@ -459,7 +459,7 @@ def chain_problem() -> str | None:
 
 
 def test_no_import_chain_in_sapd_is_longer_than_ten():
-    """The sapd/ figure `python tests/test_layers.py` prints (which covers the product's and the jobs')."""
+    """The sapd/ figure `python tests/house/test_layers.py` prints (which covers the product's and the jobs')."""
     assert MAX_CHAIN == 10
     assert chain_problem() is None, chain_problem()
 
