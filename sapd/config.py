@@ -38,6 +38,9 @@ class DataConfig:
     reopd_kappa: float | None = None
 
 
+# how a value of `sapd init`'s starter config that is still to be filled in begins (`sapd check` names each)
+PLACEHOLDER = "PATH/TO/"
+
 FLOAT16_NOT_TRAINED = ("model.dtype: float16 is not trained: its gradients need dynamic loss scaling, which sapd "
                        "does not do; use bfloat16 (the same memory; an fp32 master of the weights is kept) or float32")
 

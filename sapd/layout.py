@@ -1,5 +1,5 @@
 """Where everything of one run lives under its root: the one listing of those files is
-docs/reference/run-root.md (checked against these functions by tests/test_generated_refs.py). One place, so
+docs/reference/run-root.md (checked against these functions by tests/house/test_generated_refs.py). One place, so
 the local pipeline, the Kubernetes jobs and the report agree on every path.
 
 Checkpoint k is the policy that samples round k (π_old of round k); training round k writes k+1.

@@ -1,14 +1,14 @@
 """The chart's rendered manifests, held fixed: a digest of every document Helm renders (by kind and name,
 whichever template file it comes from), for the chart's own values and each overlay in ``values/``, in
 both modes (pipeline and manual), and of NOTES.txt, kept in
-``tests/data/chart-snapshot.json``. A restructure of the templates (helpers moved, keys stated once) must
+``tests/assets/chart-snapshot.json``. A restructure of the templates (helpers moved, keys stated once) must
 leave every digest as it was; a fix that changes what is rendered updates the file on purpose.
 
     python scripts/chart_snapshot.py --check        # exit 1 naming each rendered document that changed
     python scripts/chart_snapshot.py --diff HEAD    # the unified diff against the chart at a git revision
     python scripts/chart_snapshot.py --write        # record the current rendering (a change meant)
 
-``tests/test_chart_snapshot.py`` runs the check."""
+``tests/cluster/test_chart_snapshot.py`` runs the check."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +27,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "sapd"
-SNAPSHOT = REPO / "tests" / "data" / "chart-snapshot.json"
+SNAPSHOT = REPO / "tests" / "assets" / "chart-snapshot.json"
 MODES = ("pipeline", "manual")
 RELEASE, NAMESPACE = "sapd-test", "sapd"
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     action = parser.add_mutually_exclusive_group(required=True)
-    action.add_argument("--check", action="store_true", help="compare with tests/data/chart-snapshot.json")
+    action.add_argument("--check", action="store_true", help="compare with tests/assets/chart-snapshot.json")
     action.add_argument("--write", action="store_true", help="record the current rendering")
     action.add_argument("--diff", metavar="REVISION", help="diff against the chart at a git revision")
     args = parser.parse_args(argv)

@@ -1,5 +1,5 @@
 """One process (or one rank under ``torchrun``, gloo, CPU) of the bf16-master checks in
-tests/test_bf16_master.py. For every job in the JSON list ``argv[1]``:
+tests/engines/test_bf16_master.py. For every job in the JSON list ``argv[1]``:
 
 * ``{"do": "train", "config": {...}}`` — the train stage of round 0 (:func:`sapd.stages.train.run_train_stage`,
   what ``sapd train-round`` runs) on a run root the test seeded with a scored round and checkpoint 0;
@@ -77,9 +77,9 @@ def _full_master_and_weights(engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def restore_and_compare(job: dict[str, Any], lines: list[str]) -> dict[str, Any]:
     from sapd.config import config_from_dict
+    from sapd.engines.base import engine_factory_for
+    from sapd.engines.deepspeed_engine import init_distributed, load_partitioned
     from sapd.models.loading import load_causal_lm
-    from sapd.stages.train import engine_factory_for
-    from sapd.stages.train_deepspeed import init_distributed, load_partitioned
 
     cfg = config_from_dict(job["config"])
     root = job["root"]

@@ -1,4 +1,4 @@
-"""A process of the one-download-per-pod checks (tests/test_pod_fetch.py).
+"""A process of the one-download-per-pod checks (tests/stages/test_pod_fetch.py).
 
 ``python tests/fetch_worker.py resolve URI CACHE OUT [--die-after-files N]``: resolve ``URI`` into the
 shared cache ``CACHE`` (what every rank of a pod does with checkpoint k), write this process's S3

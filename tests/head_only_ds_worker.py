@@ -1,4 +1,4 @@
-"""One rank of the DeepSpeed head-only check (tests/test_deepspeed_head_only.py runs it under
+"""One rank of the DeepSpeed head-only check (tests/engines/test_deepspeed_head_only.py runs it under
 ``torchrun``, 2 CPU ranks, gloo): for ZeRO stage ``argv[2]``, the head-only engine (DeepSpeed wrapped
 around :class:`sapd.models.scoring.HeadOnlyLM`, what ``train.engine: deepspeed`` builds) against
 DeepSpeed around the plain HF model (the full (B, S, V) logits): the same loss, the same global grad
@@ -13,8 +13,8 @@ import sys
 import torch
 
 from sapd.config import config_from_dict
+from sapd.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_config, load_partitioned, make_deepspeed_engine
 from sapd.models.scoring import HeadOnlyLM, response_logprobs
-from sapd.stages.train_deepspeed import DeepSpeedEngine, deepspeed_config, load_partitioned, make_deepspeed_engine
 from tests.pipeline_util import tiny_config
 
 
@@ -30,7 +30,7 @@ def main(model_dir: str, teacher_dir: str, stage: str, run_root: str, out: str) 
         from sapd.models.loading import load_causal_lm
         return load_causal_lm(model_dir, trainable=True)
 
-    from sapd.stages.train_deepspeed import init_distributed
+    from sapd.engines.deepspeed_engine import init_distributed
     init_distributed()
     world = torch.distributed.get_world_size()
     lm_a = build()

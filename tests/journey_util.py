@@ -1,4 +1,4 @@
-"""What the cluster journeys (tests/test_journeys*.py) share: the user's S3 session in the test process, the
+"""What the cluster journeys (tests/cluster/test_journeys*.py) share: the user's S3 session in the test process, the
 tiny student and teacher they upload, and a started harness cluster (tests/k8s_harness) holding the docs'
 S3 credentials Secret and, where asked, a node cache its admin prepared."""
 

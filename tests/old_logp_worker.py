@@ -1,4 +1,4 @@
-"""One rank of the π_old-once check (run by tests/test_old_logp_once.py under ``torchrun``, gloo, no
+"""One rank of the π_old-once check (run by tests/stages/test_old_logp_once.py under ``torchrun``, gloo, no
 DeepSpeed): π_old computed as a 1/W share per rank and exchanged, against today's path where every
 rank computes it for the whole round. Writes ``{out}.rank{r}.json``."""
 

@@ -1,4 +1,4 @@
-"""One rank of the device-placement check (tests/test_rank_device.py, under ``torchrun`` with 2 processes,
+"""One rank of the device-placement check (tests/stages/test_rank_device.py, under ``torchrun`` with 2 processes,
 no GPU): the train job's own door, ``sapd.jobs.train.main``, with ``model.device: cuda``. CUDA is stood in for
 by recording what this rank asks of it — ``torch.cuda.set_device`` — and the device the train stage passes
 to the loader (``sapd.checkpoints.load_checkpoint_model``), where the rank stops: everything up to the

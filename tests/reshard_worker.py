@@ -1,4 +1,4 @@
-"""One rank of the sharded-optimizer resharding check (tests/test_sharded_optimizer.py runs it as one
+"""One rank of the sharded-optimizer resharding check (tests/checkpoints/test_sharded_optimizer.py runs it as one
 process or under ``torchrun``, gloo, CPU). For every job in the JSON list ``argv[1]``:
 
 * ``{"do": "save", "engine", "zero", "model", "root"}`` — train round 0 (3 optimizer steps) from the model
@@ -23,11 +23,12 @@ import torch
 
 from sapd import checkpoints
 from sapd.config import config_from_dict
+from sapd.engines.deepspeed_engine import init_distributed, load_partitioned, make_deepspeed_engine
+from sapd.engines.torch_engine import TorchEngine, make_torch_engine
 from sapd.method.objective import sft_loss
 from sapd.models.loading import load_causal_lm, load_tokenizer
 from sapd.models.scoring import response_logprobs
 from sapd.stages import train
-from sapd.stages.train_deepspeed import init_distributed, load_partitioned, make_deepspeed_engine
 from tests.pipeline_util import tiny_config
 
 # 6 sequences per minibatch in micro-batches of 2 (3 micro-batches: uneven over 2 ranks), 18 per round
@@ -46,7 +47,7 @@ def _engine(job: dict[str, Any], model_dir: str, root: str):
                                        train={**TRAIN, "engine": job["engine"], "zero_stage": job.get("zero", 0)}))
     if job["engine"] == "torch":
         model = load_causal_lm(model_dir, trainable=True)
-        return cfg, train.make_torch_engine(model, cfg)
+        return cfg, make_torch_engine(model, cfg)
     init_distributed()
     model = load_partitioned(model_dir, cfg) if job["zero"] == 3 else load_causal_lm(model_dir, trainable=True)
     return cfg, make_deepspeed_engine(model, cfg)
@@ -68,7 +69,7 @@ def _round(cfg, engine, k: int, global_step: int) -> tuple[list[float], int]:
 
 def _full_state(engine) -> dict[int, dict[str, torch.Tensor]]:
     """Every parameter's whole state, gathered (test-side only: training never does this)."""
-    if isinstance(engine, train.TorchEngine):
+    if isinstance(engine, TorchEngine):
         return {i: {k: v.clone() for k, v in s.items() if k != "step"}
                 for i, s in engine.optimizer.state_dict()["state"].items()}
     from deepspeed.utils import safe_get_full_optimizer_state

@@ -14,11 +14,11 @@ def build_test_tokenizer(out_dir: Path):
     return build_sample_tokenizer(out_dir)
 
 
-QWEN_TOKENIZER = Path(__file__).resolve().parent / "data" / "qwen2.5-tokenizer"
+QWEN_TOKENIZER = Path(__file__).resolve().parent / "assets" / "qwen2.5-tokenizer"
 
 
 def qwen_tokenizer(out_dir: Path):
-    """The real Qwen2.5 tokenizer and chat template (tests/data/qwen2.5-tokenizer, Apache-2.0), unpacked
+    """The real Qwen2.5 tokenizer and chat template (tests/assets/qwen2.5-tokenizer, Apache-2.0), unpacked
     into ``out_dir`` and loaded the way sapd loads a model folder's tokenizer."""
     import lzma
     import shutil

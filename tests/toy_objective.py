@@ -1,7 +1,7 @@
 """A toy objective defined outside the sapd package, as a user's own module would be: the squared gap
 between the student's and the teacher's log-probs of the sampled tokens, with a second term it only logs.
 Runs name it ``tests.toy_objective:squared_gap`` (``loss.objective`` or the variant), or the entry point
-``toy_gap`` (tests/test_objective_plugin.py installs one); docs/guides/new-objective.md shows the same."""
+``toy_gap`` (tests/method/test_objective_plugin.py installs one); docs/guides/new-objective.md shows the same."""
 
 from __future__ import annotations
 

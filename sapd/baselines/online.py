@@ -45,6 +45,7 @@ from sapd.config import RunConfig, write_run_config
 from sapd.data import scored
 from sapd.data.prompts import PrefixOptions
 from sapd.data.schema import Trajectory
+from sapd.engines.base import EngineFactory
 from sapd.envs.base import EpisodeSpec
 from sapd.envs.loop import LoopOptions, run_episodes
 from sapd.method.benchmarks import get_benchmark, noop_action
@@ -54,7 +55,7 @@ from sapd.models.generation import Sample, SamplingParams, stops_for
 from sapd.models.loading import check_same_tokenizer, load_tokenizer
 from sapd.stages.build_prefixes import ensure_initial_checkpoint
 from sapd.stages.teacher_scores import TeacherScorer, release_student, student_generator, teacher_scorer
-from sapd.stages.train import EngineFactory, run_train_stage
+from sapd.stages.train import run_train_stage
 
 METHOD_VARIANT: dict[str, str] = {"online_opd": "opd", "grpo": "grpo"}
 Reward = Literal["won", "score"] | Callable[[Trajectory], float]

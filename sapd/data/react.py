@@ -24,8 +24,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from sapd.method.benchmarks import BenchmarkSpec
-
 
 class ResponseProblem(ValueError):
     """A recorded response that cannot be read as one decision; ``reason`` is the report key
@@ -163,21 +161,21 @@ def bracket_action(action: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2)) if m else None
 
 
-def decision_response(thought: str, action: str, spec: BenchmarkSpec) -> tuple[str, str]:
-    """A ReAct step as the benchmark's response and executable action (docs/FORMATS.md):
+def decision_response(thought: str, action: str, decision: str) -> tuple[str, str]:
+    """A ReAct step as the benchmark's response and executable action (docs/FORMATS.md); ``decision`` is the
+    benchmark's kind of decision block (the ``decision`` of its :class:`sapd.method.benchmarks.BenchmarkSpec`):
 
-    - ALFWorld, WebShop, ScienceWorld, TextWorld: ``<think>thought</think>\\n<action>action</action>``;
-    - search QA: ``search[q]`` → ``<think>thought</think>\\n<search>q</search>`` (action ``q``), ``finish[a]``
-      → ``<answer>a</answer>`` (action ``a``), the two tools of ReAct-style QA agents (FireAct); any other
-      action cannot be written as a search QA decision and is refused.
+    - "action" (ALFWorld, WebShop, ScienceWorld, TextWorld): ``<think>thought</think>\\n<action>action</action>``;
+    - "search" (search QA): ``search[q]`` → ``<think>thought</think>\\n<search>q</search>`` (action ``q``),
+      ``finish[a]`` → ``<answer>a</answer>`` (action ``a``), the two tools of ReAct-style QA agents (FireAct);
+      any other action cannot be written as a search QA decision and is refused.
 
-    >>> from sapd.method.benchmarks import get_benchmark
-    >>> decision_response("look first", "go to desk 1", get_benchmark("alfworld"))
+    >>> decision_response("look first", "go to desk 1", "action")
     ('<think>look first</think>\\n<action>go to desk 1</action>', 'go to desk 1')
-    >>> decision_response("done", "finish[Badr Hari]", get_benchmark("searchqa"))
+    >>> decision_response("done", "finish[Badr Hari]", "search")
     ('<think>done</think>\\n<answer>Badr Hari</answer>', 'Badr Hari')
     """
-    if spec.decision != "search":
+    if decision != "search":
         return f"<think>{thought}</think>\n<action>{action}</action>", action
     call = bracket_action(action)
     if call is None:

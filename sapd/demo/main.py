@@ -86,7 +86,7 @@ ARMS: dict[str, tuple[str, str, dict[str, Any]]] = {
 BASELINE = "opd_rule"
 BEFORE, TEACHER = "student before", "teacher"
 
-# docs/results/POWERED.md "In short" (tests/test_demo.py checks these numbers against it)
+# docs/results/POWERED.md "In short" (tests/demo/test_demo.py checks these numbers against it)
 POWERED_CONCLUSION = (
     "The powered study (docs/results/POWERED.md: the same setting with larger models, 4 training seeds, 150 "
     "held-out games, learning rates chosen per arm on a validation panel) found SAPD and OPD+Rule not "

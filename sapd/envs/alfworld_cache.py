@@ -30,7 +30,7 @@ folder is ``$SAPD_CACHE_DIR/alfworld-engine`` (``~/.cache/sapd/alfworld-engine``
 
 :func:`warm_engine` parses what every game shares (the grammar's rules, templates and conditions) in the
 calling process, so environment processes forked afterwards (``--env-timeout``, :mod:`sapd.envs.isolated`)
-start with it instead of importing ALFWorld and parsing it each. ``tests/test_alfworld_engine.py`` checks
+start with it instead of importing ALFWorld and parsing it each. ``tests/envs/test_alfworld_engine.py`` checks
 that episodes played through the caches (cold, warm, in forked workers) equal the stock engine's;
 ``bench/alfworld_startup.py`` measures what they save.
 """

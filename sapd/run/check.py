@@ -50,6 +50,7 @@ from typing import Any, Callable
 from sapd import layout, storage
 from sapd.config import (
     FLOAT16_NOT_TRAINED,
+    PLACEHOLDER,
     ConfigError,
     RunConfig,
     committed_config,
@@ -64,7 +65,6 @@ from sapd.method.objective import objective_of
 from sapd.models.devices import rank_device
 from sapd.models.loading import check_same_tokenizer, load_tokenizer, read_model_config
 from sapd.models.memory import GIB, HEADROOM, Shape, StageEstimate, estimate, shape_from_config
-from sapd.run.starter import PLACEHOLDER
 
 # the checks each stage's job runs at its start (``None``: all of them — ``sapd check``, ``sapd run``, the driver)
 STAGE_CHECKS: dict[str, tuple[str, ...]] = {

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from sapd import layout, lease
 from sapd.config import ConfigError, RunConfig, apply_storage_settings
+from sapd.engines.base import EngineFactory
 from sapd.method.objective import objective_of
 from sapd.metrics import Metrics
 from sapd.progress import Progress
@@ -27,7 +28,6 @@ from sapd.run import plan
 from sapd.run.job import push_metrics
 from sapd.stages import build_prefixes, teacher_scores, train
 from sapd.stages.context import Engines, Stage, StageContext, run_stage, write_config_once
-from sapd.stages.train import EngineFactory
 
 # the stage module of each step of a local run (the cluster's driver creates the Job of the same name instead).
 # The local plan has no evaluate step: `sapd evaluate` plays the episodes, so `sapd run` loads no environment.

@@ -4,10 +4,9 @@ it does not list keeps the paper's default; the ``PATH/TO/…`` values are the o
 
 from __future__ import annotations
 
+from sapd.config import PLACEHOLDER
 from sapd.data.loaders import AUTO, REGISTRY
 from sapd.method.benchmarks import get_benchmark
-
-PLACEHOLDER = "PATH/TO/"
 
 # benchmark → (the usual input format, an example input name, what such data usually is)
 _DATA = {

@@ -71,7 +71,7 @@ def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None
     — HF: copied into the live model; vLLM: its native weight-update session (``reload_weights`` where the
     installed vLLM lacks it), woken first if it slept through training, every call under
     ``sampling.weight_sync_timeout_s`` — instead of a model load (and, for vLLM, an engine start) per
-    round. Samples after the update equal a fresh engine's on the same weights and seed (tests/test_models.py,
+    round. Samples after the update equal a fresh engine's on the same weights and seed (tests/models/test_models.py,
     tests/vllm)."""
     path = checkpoints.checkpoint_model_path(cfg.run_root, k)
     if isinstance(reuse, (HFGenerator, VLLMGenerator)):

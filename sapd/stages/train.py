@@ -33,7 +33,11 @@ reproduces it exactly without a scheduler object. Each prefix's prompt runs once
 cache for the G responses (``train.shared_prompt``, :func:`shared_prompt_group`) for the student too —
 π_old, the reference and the trained forward — where it was measured faster (the torch engine on a CPU
 model, "auto"); elsewhere the G full prompt + response sequences run in one batch. Both give the same
-log-probs (tests/test_models.py).
+log-probs (tests/models/test_models.py).
+
+The engine that runs backward and the optimizer step (plain torch, or DeepSpeed ZeRO under torchrun) is
+:mod:`sapd.engines`' (``train.engine``, :func:`sapd.engines.base.engine_factory_for`); this module writes
+the round's loop against its protocol, :class:`sapd.engines.base.Engine`.
 
 Entry: :func:`run` (the stage interface of :mod:`sapd.stages.context`), on every process torchrun starts.
 """
@@ -45,182 +49,24 @@ import math
 import os
 import random
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from sapd import checkpoints, layout, storage
-from sapd.config import FLOAT16_NOT_TRAINED, ConfigError, RunConfig, micro_batch_problem, sampler_checkpoint
+from sapd.config import ConfigError, RunConfig, micro_batch_problem, sampler_checkpoint
 from sapd.data.batches import round_batch
 from sapd.data.scored import ScoredPrefix, read_scored, scored_prefixes
 from sapd.data.scored import committed_manifest as scored_manifest
+from sapd.engines.base import Engine, EngineFactory, engine_factory_for
+from sapd.engines.deepspeed_engine import load_partitioned
 from sapd.method.objective import LossInputs, loss_for, objective_of, required_inputs
 from sapd.models.devices import bind_rank_device, rank_device
 from sapd.models.loading import load_tokenizer
 from sapd.models.scoring import response_logprobs, response_logprobs_and_entropy
 from sapd.progress import QUIET, Progress
 from sapd.stages.context import Engines, Outcome, StageContext, Startup, Step
-from sapd.stages.train_deepspeed import load_partitioned, make_deepspeed_engine
-
-# ---------------------------------------------------------------------------------------------------
-# engines: plain torch here; DeepSpeed ZeRO in sapd.stages.train_deepspeed, behind the same protocol
-
-
-class Engine(Protocol):
-    """What the training loop asks of an engine (one process, or one rank of several)."""
-
-    model: Any
-
-    def backward(self, loss: torch.Tensor) -> None: ...
-
-    def step(self, lr: float) -> float:
-        """Finish the accumulated gradient, clip, apply the update at ``lr``; → the pre-clip grad norm."""
-        ...
-
-    def optimizer_shard(self) -> checkpoints.OptimizerShard:
-        """This rank's share of the optimizer state (checkpoint k+1 stores each rank's share)."""
-        ...
-
-    def prepare_optimizer_shard(self, step: float | None, hyper: dict[str, Any]) -> checkpoints.OptimizerShard:
-        """The optimizer state created empty, to be filled from checkpoint k (resharded to this layout)."""
-        ...
-
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        """A whole AdamW state dict (checkpoints written before the state was sharded)."""
-        ...
-
-    def weights_from_master(self) -> None:
-        """The model's half-precision weights set to the rounding of the fp32 master (after it was loaded)."""
-        ...
-
-    @property
-    def is_main(self) -> bool: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def rank(self) -> int: ...
-
-    def barrier(self) -> None: ...
-
-    def all_reduce_sum(self, values: list[float]) -> list[float]: ...
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order, on every rank (a collective)."""
-        ...
-
-    @property
-    def module(self) -> Any:
-        """The HF model inside (what gets saved)."""
-        ...
-
-    def gather(self, params: list[torch.Tensor]) -> ContextManager[Any]:
-        """Makes ``params`` whole on every rank for the block (ZeRO-3 gathers those partitions; a
-        collective), so a checkpoint is written a shard at a time."""
-        ...
-
-
-EngineFactory = Callable[[Any, RunConfig], Engine]
-
-
-@dataclass
-class TorchEngine:
-    """One process, plain ``torch.optim.AdamW``. A float32 model: the optimizer updates its weights. A
-    bfloat16 model: the optimizer updates ``masters``, an fp32 copy of every parameter kept for the whole
-    run (saved with the optimizer state); each micro-batch's forward and backward run on the bfloat16
-    weights, the accumulated bfloat16 gradients are cast to float32 at the step, and the bfloat16 weights
-    are set to the master's rounding after it. What DeepSpeed's bf16 mode does, on one process."""
-
-    model: Any
-    optimizer: torch.optim.Optimizer
-    max_grad_norm: float
-    masters: list[torch.Tensor] | None = None  # fp32, in model.parameters() order; None: float32 model
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def step(self, lr: float) -> float:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if self.masters is not None:
-            for p, m in zip(self.model.parameters(), self.masters, strict=True):
-                m.grad = None if p.grad is None else p.grad.to(torch.float32)
-                p.grad = None  # freed one parameter at a time: the fp32 gradients replace the bf16 ones
-        params = self.masters if self.masters is not None else list(self.model.parameters())
-        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.masters is not None:
-            self.weights_from_master()
-        return float(norm)
-
-    def weights_from_master(self) -> None:
-        if self.masters is not None:
-            with torch.no_grad():
-                for p, m in zip(self.model.parameters(), self.masters, strict=True):
-                    p.copy_(m)  # round to nearest even, as DeepSpeed's copy into its bf16 partitions
-
-    def optimizer_shard(self) -> checkpoints.OptimizerShard:
-        return checkpoints.torch_optimizer_shard(self.optimizer, master=self.masters is not None)
-
-    def prepare_optimizer_shard(self, step: float | None, hyper: dict[str, Any]) -> checkpoints.OptimizerShard:
-        return checkpoints.prepare_torch_optimizer_shard(self.optimizer, step, hyper, master=self.masters is not None)
-
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
-
-    @property
-    def is_main(self) -> bool:
-        return True
-
-    @property
-    def world_size(self) -> int:
-        return 1
-
-    @property
-    def rank(self) -> int:
-        return 0
-
-    def barrier(self) -> None:
-        pass
-
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        return list(values)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    @property
-    def module(self) -> Any:
-        return self.model
-
-    def gather(self, params: list[torch.Tensor]) -> ContextManager[Any]:
-        return nullcontext()
-
-
-def make_torch_engine(model, cfg: RunConfig) -> TorchEngine:
-    """AdamW over ``model``'s weights, or over an fp32 master of them when the model is in bfloat16."""
-    tc = cfg.train
-    params = list(model.parameters())
-    if any(p.dtype == torch.float16 for p in params):
-        raise ConfigError(FLOAT16_NOT_TRAINED, "model.dtype")
-    masters = None
-    if any(p.dtype == torch.bfloat16 for p in params):
-        masters = [p.detach().to(torch.float32, copy=True) for p in params]
-    opt = torch.optim.AdamW(masters or params, lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay)
-    return TorchEngine(model, opt, tc.max_grad_norm, masters)
-
-
-def engine_factory_for(cfg: RunConfig) -> EngineFactory:
-    """``train.engine``: plain torch (one process) or DeepSpeed ZeRO (one or more, under torchrun)."""
-    if cfg.train.engine == "deepspeed":
-        return make_deepspeed_engine
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("train.engine: torch trains on one process; set train.engine: deepspeed to use torchrun")
-    return make_torch_engine
 
 
 def learning_rate(cfg: RunConfig, k: int, global_step: int) -> float:

@@ -8,7 +8,7 @@ The same on every backend: the student's log-probs are its sampler's own tempera
 stage scores rounds with (:class:`~sapd.models.scoring.HFScorer` or
 :class:`~sapd.models.vllm_backend.VLLMScorer`), the recorded responses are scored by both models the same way,
 and the teacher samples through its own engine (:func:`engine_sampler`). So each backend computes
-Σ_k log π_S(y_k) − log π_T(y_k) from the numbers it already returns; tests/test_validation.py checks them
+Σ_k log π_S(y_k) − log π_T(y_k) from the numbers it already returns; tests/stages/test_validation.py checks them
 against a direct full-softmax computation, and tests/vllm the vLLM path against HF.
 """
 

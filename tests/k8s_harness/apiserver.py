@@ -22,7 +22,7 @@ What it enforces, like a real API server:
   otherwise 403 with the API's message. The chart's Role is what the driver runs under.
 * **Validation**: created and updated objects are checked with ``kubernetes-validate`` against the
   Kubernetes OpenAPI schema (unknown fields are errors when the request says ``fieldValidation=Strict``),
-  JobSets against the vendored CRD schema (tests/data/crds); names as the API checks them (a DNS label
+  JobSets against the vendored CRD schema (tests/assets/crds); names as the API checks them (a DNS label
   for Services, at most 63 characters for Jobs, 52 for CronJobs); immutable fields on update (Job
   spec except parallelism/suspend/deadlines/TTL/backoffLimit/maxFailedIndexes, Service clusterIP,
   PVC spec except the storage request) → 422 "field is immutable".
@@ -47,7 +47,7 @@ from .tables import table
 if TYPE_CHECKING:
     from .cluster import Cluster
 
-CRD_DIR = Path(__file__).resolve().parents[1] / "data" / "crds"
+CRD_DIR = Path(__file__).resolve().parents[1] / "assets" / "crds"
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _JOB_MUTABLE = {"parallelism", "suspend", "activeDeadlineSeconds", "ttlSecondsAfterFinished", "backoffLimit",
@@ -61,7 +61,7 @@ class ApiError(Exception):
 
 
 def crd_schema(kind: Kind) -> dict | None:
-    """The openAPIV3Schema of a vendored CRD (tests/data/crds/<group>_<plural>.yaml), for its version."""
+    """The openAPIV3Schema of a vendored CRD (tests/assets/crds/<group>_<plural>.yaml), for its version."""
     import yaml
     path = CRD_DIR / f"{kind.group}_{kind.plural}.yaml"
     if not path.exists():

@@ -164,7 +164,7 @@ def _decision(text: str, spec: BenchmarkSpec, opts: LoadOptions) -> tuple[str, s
         return reworded_response(response, d.span, action, d.content), action, d.content
     step = parse_react(text)
     action = reword_action(step.action, opts.action_wording) if spec.decision == "action" else step.action
-    response, action = decision_response(step.thought, action, spec)
+    response, action = decision_response(step.thought, action, spec.decision)
     return response, action, step.action
 
 
