@@ -86,7 +86,7 @@ class TrainConfig:
     minibatch_prefixes: int = 16  # prefixes (× G responses) per optimizer step
     # prefixes per forward/backward (× G rows; gradient accumulation inside a minibatch). One keeps a 1.5B
     # student's step within an 80 GB GPU at long prompts, and divides every minibatch evenly over the ranks
-    # (docs/SCALING.md); several ranks need minibatch_prefixes a multiple of this × the ranks
+    # (docs/guides/scaling.md); several ranks need minibatch_prefixes a multiple of this × the ranks
     micro_batch_prefixes: int = 1
     lr: float = 1e-6  # paper: 1e-6
     weight_decay: float = 0.0  # AdamW

@@ -2,7 +2,7 @@
 GPUs, and ``model.device: cuda`` alone means cuda:0 to each of them: 8 ranks would each put a copy of
 the student on GPU 0 before DeepSpeed moved it (and leave 7 CUDA contexts there). So the device comes
 from ``LOCAL_RANK`` before any model is loaded, and the process's current CUDA device is set to it, as
-DeepSpeed, the HF Trainer and verl do (docs/SCALING.md "Device placement").
+DeepSpeed, the HF Trainer and verl do (docs/guides/scaling.md "Device placement").
 """
 
 from __future__ import annotations
