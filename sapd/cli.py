@@ -146,7 +146,7 @@ def cmd_train_round(args: argparse.Namespace) -> int:
     from sapd.run.job import stage_main
     from sapd.stages import train
     from sapd.stages.context import Step
-    return stage_main("sapd train-round", train, args, Step("train", args.round))
+    return stage_main("sapd train-round", train, args, Step("train", args.round), command="sapd train-round")
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:

@@ -19,14 +19,12 @@ CACHE = REPO / ".cache" / "alfworld-games"
 
 @contextlib.contextmanager
 def _one_generator(root: Path) -> Iterator[None]:
-    """Hold ``root``'s lock file while generating into it (another test process waits, then finds it done)."""
+    """Hold ``root``'s lock file while generating into it (another test process waits, then finds it done);
+    closing the file releases the lock."""
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / f".{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        yield
 
 
 def generated_games(split: str = "valid_unseen", per_type: int = 1, seed: int = 0) -> Path:

@@ -98,11 +98,13 @@ def rounds_from_args(args: argparse.Namespace) -> Rounds | None:
 
 def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
                options: Callable[[RunConfig], dict[str, Any]] | None = None, checks: str | None = None,
-               rounds: Rounds | None = None) -> int:
+               rounds: Rounds | None = None, command: str | None = None) -> int:
     """Run ``step`` of ``stage`` as its Job does (see the module docstring) → the exit code. ``options``:
     the stage's options from the door's flags (``{stage name: Options}``, given the run config);
     ``checks``: which share of ``sapd check`` runs first (default: the step's stage's); ``rounds``: the
-    rounds a persistent worker serves (from ``step.round`` on; default: ``step`` alone)."""
+    rounds a persistent worker serves (from ``step.round`` on; default: ``step`` alone); ``command``: how
+    the lease names this process, the command a person sees in ``ps`` or the pod spec (default: the door
+    ``python -m sapd.jobs.<prog>``)."""
 
     def body() -> None:
         startup = Startup()
@@ -133,7 +135,8 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
             ctx.log(f"{step.stage} worker: rounds {steps[0].round}–{steps[-1].round} of {cfg.train.rounds}, "
                     "each once its input is committed" if steps else
                     f"{step.stage} worker: no round from {rounds.first} on (the run has {cfg.train.rounds})")
-        with stage_lease(cfg, step.stage, prog, main=main, log=log, force=getattr(args, "force_takeover", False)):
+        with stage_lease(cfg, step.stage, command or f"python -m sapd.jobs.{prog}", main=main, log=log,
+                         force=getattr(args, "force_takeover", False)):
             last: tuple[Step, bool] | None = None  # the last round's step, and whether it was skipped
             for s in steps:
                 if rounds is not None:  # a worker started ahead of its input: wait for it, skip what is done
@@ -184,7 +187,7 @@ def push_metrics(cfg: RunConfig, metrics: Metrics, step: str, *, skipped: bool,
 
 
 @contextlib.contextmanager
-def stage_lease(cfg: RunConfig, stage: str, prog: str, *, main: bool, log: Callable[[str], None],
+def stage_lease(cfg: RunConfig, stage: str, command: str, *, main: bool, log: Callable[[str], None],
                 force: bool = False) -> Iterator[None]:
     """How a stage door run alone takes part in the run root's lease (docs/FAULTS.md, "A second writer"):
 
@@ -200,8 +203,7 @@ def stage_lease(cfg: RunConfig, stage: str, prog: str, *, main: bool, log: Calla
     if not main:
         yield
         return
-    # the lease names the command a person would see in `ps` or the pod spec: `python -m sapd.jobs.train`
-    claimant = lease.Claimant.this_process(prog if " " in prog else f"python -m sapd.jobs.{prog}")
+    claimant = lease.Claimant.this_process(command)
     hint = "run it again with --force-takeover"
     if stage == "evaluate":
         if not claimant.local:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -112,7 +113,10 @@ def test_stage_jobs_share_their_releases_lease_and_refuse_anothers(tmp_path, mod
     monkeypatch.setenv(lease.OWNER_ENV, lease.release_owner("sapd-a", "team"))
     assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 0  # its own release's: shared
     assert checkpoints.is_committed(root, 0)
-    assert '"owner": "release sapd-a in namespace team"' in storage.read_text(layout.lease_uri(root))  # still theirs
+    held = json.loads(storage.read_text(layout.lease_uri(root)))
+    assert held["owner"] == "release sapd-a in namespace team"  # still theirs
+    # the pod that renewed it last is named by its command, as `ps` or the pod spec shows it
+    assert held["command"] == "python -m sapd.jobs.build_prefixes", held
     driver.release(for_owner=True)
     monkeypatch.delenv(lease.OWNER_ENV)
     assert build_prefixes.main(["--config", str(config), "--no-progress"]) == 0  # by hand: held, then given back
