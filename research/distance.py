@@ -241,6 +241,17 @@ class DistanceStudy:
                                                  "teacher": weights_hash(self.teacher_dir())},
             "config": asdict(self.cfg)})
 
+    def check_cache(self, setup: dict[str, Any]) -> None:
+        """A recorded set-up with a new cache (another machine, a cleaned checkout): the demo is built again
+        into the cache, and its models must be the recorded ones, bit for bit, or the new units would not be
+        comparable with the recorded ones (the set-up's figures are measured on those weights)."""
+        self.ensure_demo()
+        found = {"student": weights_hash(self.student_dir()), "teacher": weights_hash(self.teacher_dir())}
+        if found != setup["weights"]:
+            raise SystemExit(f"the demo rebuilt in {self.paths.out} has other weights than the recorded set-up "
+                             f"({found} against {setup['weights']}): its units would not be comparable; start "
+                             "the study again with a ledger of its own (--ledger)")
+
     # -- the runs -------------------------------------------------------------------------------------
 
     def units(self) -> list[tuple[str, str, str, int]]:
@@ -266,6 +277,7 @@ class DistanceStudy:
         if (done := self.ledger.get(unit)) is not None:
             return done
         setup = self.setup()
+        self.check_cache(setup)
         cfg = config_from_dict(self.run_config(method, setting, seed))
         self.log(f"{unit}: {cfg.train.rounds} rounds")
         t0 = time.perf_counter()

@@ -79,10 +79,10 @@ def _sets(prefix: str, endpoint: str, release: str, rounds: int, mode: str) -> l
     sets = [f"runRoot={prefix}/runs/{release}", f"config.data.input={prefix}/data/textworld.jsonl",
             f"config.model.student={prefix}/models/student", f"config.model.teacher={prefix}/models/teacher",
             "config.data.val_fraction=0", f"config.train.rounds={rounds}", f"s3.endpoint={endpoint}",
-            "pushgateway.url=", "evaluate.enabled=false", "pipeline.pollSeconds=0.5", "pipeline.inputPollSeconds=0.5",
+            "pushgateway.url=", "evaluate.enabled=false", "pipeline.inputPollSeconds=0.5",
             "pipeline.logEverySeconds=60", f"train.rendezvousPort={free_port()}", f"train.metricsPort={free_port()}"]
     if mode == "per-round":
-        sets.append("pipeline.stageJobs=perRound")
+        sets += ["pipeline.stageJobs=perRound", "pipeline.pollSeconds=0.5"]
     if mode == "overlap":
         sets.append("config.train.overlap=one_step")
     return sets
@@ -100,10 +100,13 @@ class CommitWatch:
 
     def _loop(self) -> None:
         from sapd import checkpoints
-        while not self._stop.is_set() and len(self.seen) <= self.n:
-            for k in range(self.n + 1):
-                if k not in self.seen and checkpoints.is_committed(self.root, k):
-                    self.seen[k] = time.monotonic() - self.t0
+        k = 0  # checkpoints commit in order: one small read every 0.1 s, for the next one only (the watch
+        # itself must not load the 2 cores that the run under measurement uses)
+        while not self._stop.is_set() and k <= self.n:
+            if checkpoints.is_committed(self.root, k):
+                self.seen[k] = time.monotonic() - self.t0
+                k += 1
+                continue
             self._stop.wait(0.1)
 
     def stop(self) -> dict[int, float]:
@@ -151,7 +154,7 @@ def run_sapd(prefix: str, s3: S3Server, tmp: Path, release: str, rounds: int, lo
 
 
 def run_cluster(cluster: Cluster, prefix: str, s3: S3Server, release: str, rounds: int, mode: str,
-                log) -> tuple[str, dict[int, float]]:
+                log, keep: Path | None = None) -> tuple[str, dict[int, float]]:
     """`helm install <release> charts/sapd -f smoke.yaml --set …` until its driver completes."""
     t0 = time.monotonic()
     rel = cluster.helm.install(release, CHART, values_files=[SMOKE],
@@ -167,6 +170,11 @@ def run_cluster(cluster: Cluster, prefix: str, s3: S3Server, release: str, round
     created = [ln.split()[1].rstrip(":") for p in cluster.pods(f"batch.kubernetes.io/job-name={release}-pipeline-1")
                for ln in cluster.logs(p["metadata"]["name"]).splitlines() if ": created (" in ln and ln.startswith("job ")]
     log(f"  {LABELS[mode]}: done; stage Jobs created: {len(created)}")
+    if keep is not None:  # every pod's log, before the uninstall removes them
+        (keep / release).mkdir(parents=True, exist_ok=True)
+        for p in cluster.pods():
+            if (name := p["metadata"]["name"]).startswith(f"{release}-"):
+                (keep / release / f"{name}.log").write_text(cluster.logs(name))
     cluster.helm.uninstall(release)
     cluster.wait_for(lambda: not [j for j in cluster.store.list("Job", NS)
                                   if j["metadata"]["name"].startswith(f"{release}-")], 300, f"{release}'s Jobs to go")
@@ -186,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs of every mode, alternated (default 1)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     ap.add_argument("--json", default=None, help="also write every run's figures here")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the working folder (every pod's log, the S3 server's data) and say where it is")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := sorted(set(modes) - set(MODES)):
@@ -209,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                         if mode == "sapd-run":
                             root, seen = run_sapd(prefix, s3, tmp, release, args.rounds, log)
                         else:
-                            root, seen = run_cluster(cluster, prefix, s3, release, args.rounds, mode, log)
+                            root, seen = run_cluster(cluster, prefix, s3, release, args.rounds, mode, log,
+                                                         keep=tmp / "logs" if args.keep else None)
                         if len(seen) != args.rounds + 1:
                             raise SystemExit(f"{release}: checkpoints seen {sorted(seen)}, not 0…{args.rounds}")
                         r = Result(mode, rep, seen[args.rounds] - seen[0], seen[args.rounds], seen,
@@ -217,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"  rounds {r.rounds_s:.1f}s (checkpoint 0 → {args.rounds}), total {r.total_s:.1f}s")
                         results.append(r)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if args.keep:
+            log(f"kept: {tmp} (every pod's log under {tmp / 'logs'})")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     best = {m: min((r for r in results if r.mode == m), key=lambda r: r.rounds_s) for m in modes}
     base = best["sapd-run"]
     print(f"\nround overhead on the harness: the smoke overlay, {args.rounds} rounds, best of {args.repeats} per mode; "

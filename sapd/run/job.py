@@ -14,16 +14,17 @@ Under torchrun only rank 0 logs, holds the lease and pushes. The process's start
 loaded, engines ready, first work: :class:`~sapd.stages.context.Startup`) is one ``startup:`` line and the
 gauge ``sapd_startup_seconds{phase}``.
 
-**A worker that stays up** (:class:`Rounds`, the doors' ``--rounds N``: the cluster's persistent
-teacher-scores and train workers): one process runs the stage for rounds K, K+1, … (N of them; 0: to the
-run's last round) with one context whose engines it keeps — the teacher and the student sampler (new
-weights in place each round), or the trainer with its optimizer state. Before each round it waits until
-the round's input is committed (:func:`sapd.run.plan.wait_for_input`: checkpoint k, or round k's scored
-manifest), polling every ``poll_seconds``, a line every 30 s, at most ``timeout_seconds`` (then exit 75:
-the pod is retried); a round whose output is committed already is skipped, and a worker's own part that
-is written is not redone, so a replacement of a killed worker picks up where it stopped and every round
-is committed once. The metrics are pushed (and recorded) after every round; the lease is held for all of
-its rounds.
+**A worker that stays up** (:class:`Rounds`, the doors' ``--rounds N``: the cluster's persistent teacher-scores
+and train workers): one process runs the stage for rounds K, K+1, … (N of them; 0: to the run's last round) with
+one context whose engines it keeps — the teacher and the student sampler (new weights in place each round), or
+the trainer with its optimizer state. Before its first round it loads what that round needs while the round's
+input is still being made (a stage's ``prepare``: the scoring worker's teacher; the trainer's checkpoint k,
+engine and optimizer state, once checkpoint k is committed). Before each round it waits until the round's input
+is committed (:func:`sapd.run.plan.wait_for_input`: checkpoint k, or round k's scored manifest), polling every
+``poll_seconds``, a line every 30 s, at most ``timeout_seconds`` (then exit 75: the pod is retried); a round
+whose output is committed already is skipped, and a worker's own part that is written is not redone, so a
+replacement of a killed worker picks up where it stopped and every round is committed once. The metrics are
+pushed (and recorded) after every round; the lease is held for all of its rounds.
 """
 
 from __future__ import annotations
@@ -138,16 +139,27 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
         with stage_lease(cfg, step.stage, command or f"python -m sapd.jobs.{prog}", main=main, log=log,
                          force=getattr(args, "force_takeover", False)):
             last: tuple[Step, bool] | None = None  # the last round's step, and whether it was skipped
+            prepared = False
             for s in steps:
                 if rounds is not None:  # a worker started ahead of its input: wait for it, skip what is done
                     if plan.missing(cfg, s) is None:
                         ctx.log(f"stage {s}: committed, skipping")
                         last = (s, True)
                         continue
-                    waited = plan.wait_for_input(cfg, s, poll_seconds=rounds.poll_seconds, log=ctx.log,
-                                                 timeout_seconds=rounds.timeout_seconds)
-                    if waited and "first_work" not in startup.seconds:
-                        startup.waited += waited  # the start-up line says how much of it was waiting
+
+                    def wait(need: Step | None, s: Step = s) -> float | None:
+                        assert rounds is not None
+                        waited = plan.wait_for_input(cfg, s, poll_seconds=rounds.poll_seconds, log=ctx.log,
+                                                     timeout_seconds=rounds.timeout_seconds, need=need)
+                        if waited and "first_work" not in startup.seconds:
+                            startup.waited += waited  # the start-up line says how much of it was waiting
+                        return waited
+
+                    if persistent and not prepared and (prepare := getattr(stage, "prepare", None)) is not None:
+                        # load what the first round needs while its input is being made
+                        prepare(ctx, s, lambda k: wait(plan.checkpoint_step(k)))
+                    prepared = True
+                    waited = wait(None)
                     if main and waited:
                         metrics.input_wait.labels(stage=s.stage.replace("-", "_")).observe(waited)
                 outcome = run_stage(stage, ctx, s)

@@ -35,8 +35,8 @@ from sapd.stages.context import STAGE_NAMES, StageName, Step
 
 Stage = StageName  # the plan's steps are the stages' (sapd.stages.context)
 STAGES = STAGE_NAMES
-__all__ = ["STAGES", "InputNotCommitted", "Stage", "Step", "eval_uri", "fmt_seconds", "input_step", "missing",
-           "next_step", "steps", "wait_for_input"]
+__all__ = ["STAGES", "InputNotCommitted", "Stage", "Step", "checkpoint_step", "eval_uri", "fmt_seconds", "input_step",
+           "missing", "next_step", "steps", "wait_for_input"]
 
 
 def steps(cfg: RunConfig, *, evaluate: bool = False) -> list[Step]:
@@ -110,7 +110,7 @@ def input_step(cfg: RunConfig, step: Step) -> Step | None:
         return Step("teacher-scores", k)
     if step.stage == "teacher-scores":
         k = sampler_checkpoint(cfg, k)
-    return Step("build-prefixes") if k == 0 else Step("train", k - 1)
+    return checkpoint_step(k)
 
 
 class InputNotCommitted(Exception):
@@ -124,16 +124,23 @@ def fmt_seconds(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def checkpoint_step(k: int) -> Step:
+    """The step that commits checkpoint k: the prefix build for checkpoint 0 (the initial student), else
+    train k−1."""
+    return Step("build-prefixes") if k == 0 else Step("train", k - 1)
+
+
 def wait_for_input(cfg: RunConfig, step: Step, *, poll_seconds: float, log: Callable[[str], None],
                    log_every_seconds: float = 30.0, timeout_seconds: float | None = None,
                    sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
-                   storage_attempts: int = 5) -> float | None:
-    """Wait until ``step``'s input (:func:`input_step`) is committed, polling every ``poll_seconds``: a line
-    when it has to wait, one every ``log_every_seconds`` while it does, one when it may go on (nothing when
-    the input is committed already). A storage error is retried a few times. Past ``timeout_seconds``:
-    :class:`InputNotCommitted`. → seconds waited (None: the step needs no input). The persistent stage
-    workers wait this way before each round, the chart's manual-mode gates before creating their Job."""
-    need = input_step(cfg, step)
+                   storage_attempts: int = 5, need: Step | None = None) -> float | None:
+    """Wait until ``step``'s input (:func:`input_step`, or ``need``'s output when given) is committed,
+    polling every ``poll_seconds``: a line when it has to wait, one every ``log_every_seconds`` while it
+    does, one when it may go on (nothing when the input is committed already). A storage error is retried a
+    few times. Past ``timeout_seconds``: :class:`InputNotCommitted`. → seconds waited (None: the step needs
+    no input). The persistent stage workers wait this way before each round, the chart's manual-mode gates
+    before creating their Job."""
+    need = need or input_step(cfg, step)
     if need is None:
         return None
     start = last = clock()

@@ -150,7 +150,9 @@ class StageContext:
 
 
 class Stage(Protocol):
-    """A stage module."""
+    """A stage module. It may also define ``prepare(ctx, step, wait_for_checkpoint)``: what a persistent
+    worker loads while it waits for its first round's input (:func:`sapd.run.job.stage_main`), given a
+    function that waits until checkpoint k is committed."""
 
     def run(self, ctx: StageContext, step: Step) -> Outcome: ...
 

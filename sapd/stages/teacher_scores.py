@@ -248,18 +248,7 @@ def _scoring_engines(ctx: StageContext, k: int) -> tuple[RunConfig, Generator, T
     checkpoint :func:`~sapd.config.sampler_checkpoint`). Each model load is a ``model load:`` line; a weight
     update in place a ``weights:`` line."""
     cfg, e = ctx.cfg, ctx.engines
-    if e.tokenizer is None:
-        e.tokenizer = load_tokenizer(cfg.model.student)
-    if e.teacher is None or e.teacher_path is None:
-        e.teacher_path = pin_model_path(cfg.model.teacher, "model.teacher", ctx.log)
-        check_same_tokenizer(e.tokenizer, load_tokenizer(e.teacher_path))
-    teacher_path: str = e.teacher_path
-    scoring_cfg = cfg if teacher_path == cfg.model.teacher else dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, teacher=teacher_path))
-    if e.teacher is None:
-        t0 = time.perf_counter()
-        e.teacher = teacher_scorer(scoring_cfg, e.tokenizer)
-        ctx.log(f"model load: teacher {teacher_path} ({cfg.sampling.backend}, {time.perf_counter() - t0:.1f}s)")
+    scoring_cfg = _load_teacher(ctx)
     s = sampler_checkpoint(cfg, k)
     if e.student is None or e.student_checkpoint != s:
         t0 = time.perf_counter()
@@ -273,6 +262,36 @@ def _scoring_engines(ctx: StageContext, k: int) -> tuple[RunConfig, Generator, T
     ctx.startup.mark("models_loaded")
     ctx.startup.mark("engines_ready")
     return scoring_cfg, e.student, e.teacher, e.tokenizer
+
+
+def _load_teacher(ctx: StageContext) -> RunConfig:
+    """The tokenizer and the frozen teacher, loaded once into ``ctx.engines`` → the config with the teacher
+    pinned (a run root as teacher: one of its checkpoints, for the whole run)."""
+    cfg, e = ctx.cfg, ctx.engines
+    if e.tokenizer is None:
+        e.tokenizer = load_tokenizer(cfg.model.student)
+    if e.teacher is None or e.teacher_path is None:
+        e.teacher_path = pin_model_path(cfg.model.teacher, "model.teacher", ctx.log)
+        check_same_tokenizer(e.tokenizer, load_tokenizer(e.teacher_path))
+    teacher_path: str = e.teacher_path
+    scoring_cfg = cfg if teacher_path == cfg.model.teacher else dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, teacher=teacher_path))
+    if e.teacher is None:
+        t0 = time.perf_counter()
+        e.teacher = teacher_scorer(scoring_cfg, e.tokenizer)
+        ctx.log(f"model load: teacher {teacher_path} ({cfg.sampling.backend}, {time.perf_counter() - t0:.1f}s)")
+    return scoring_cfg
+
+
+def prepare(ctx: StageContext, step: Step, wait_for_checkpoint: Callable[[int], None]) -> None:
+    """A persistent scoring worker's start-up while its first round's input is still being made (the
+    prefix build, or the trainer's checkpoint): the tokenizer and the teacher, which depend on nothing the
+    run commits, so that loading them overlaps the wait (:func:`sapd.run.job.stage_main`). The student's
+    sampler needs the round's checkpoint: it is loaded with the round. A door that only commits loads
+    nothing."""
+    opts: Options = ctx.options.get("teacher-scores") or Options()
+    if not opts.commit_only and ctx.engines.keep:
+        _load_teacher(ctx)
 
 
 def _forget_old_checkpoints(e: Engines, cfg: RunConfig, s: int, log: Callable[[str], None]) -> None:

@@ -526,6 +526,7 @@ class Trainer:
     tokenizer: Any
     state: dict[str, Any] | None
     reference: Any = None
+    prepared: bool = False  # loaded while its first round's scores were being made (:func:`prepare`)
 
 
 def load_trainer(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | None = None,
@@ -573,7 +574,10 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
         raise ConfigError(problem, "train.micro_batch_prefixes")
     keep = engines is not None and engines.keep_trainer
     trainer: Trainer | None = engines.trainer if keep and engines is not None else None
-    if trainer is not None and trainer.checkpoint == k:
+    if trainer is not None and trainer.checkpoint == k and trainer.prepared:
+        log(f"weights: checkpoint {k} loaded while round {k}'s scores were made")
+        trainer.prepared = False
+    elif trainer is not None and trainer.checkpoint == k:
         log(f"weights: checkpoint {k} kept in memory from round {k - 1} (model, optimizer state), not reloaded")
     else:
         if trainer is not None:
@@ -622,6 +626,26 @@ class Options:
     """What the train door chose (``ctx.options["train"]``)."""
 
     engine_factory: EngineFactory | None = None  # the engine to train with (default: ``train.engine``'s; tests)
+
+
+def prepare(ctx: StageContext, step: Step, wait_for_checkpoint: Callable[[int], None]) -> None:
+    """A persistent trainer's start-up while its first round's scores are being made: checkpoint k is
+    committed before them (by the prefix build, or by the trainer's previous round), so every rank waits
+    for it (``wait_for_checkpoint``: the same condition on every rank, so that they build the engine
+    together), loads it, builds the engine and restores the optimizer state, and keeps the trainer for the
+    round (:func:`run_train_stage`). The round then starts with its scores: the model load, the engine's
+    set-up and the optimizer state's read overlap the scoring instead of following it."""
+    cfg, k, e = ctx.cfg, step.round, ctx.engines
+    if k is None or k >= cfg.train.rounds or not e.keep_trainer or e.trainer is not None:
+        return
+    wait_for_checkpoint(k)
+    opts: Options = ctx.options.get("train") or Options()
+    log = ctx.log if ctx.main else (lambda line: None)
+    trainer = load_trainer(cfg, k, engine_factory=opts.engine_factory, log=log, startup=ctx.startup)
+    if cfg.loss_cfg.kl_coef > 0:
+        trainer.reference = load_reference(cfg, log)
+    trainer.prepared = True
+    e.trainer = trainer
 
 
 def run(ctx: StageContext, step: Step) -> Outcome:

@@ -311,9 +311,12 @@ def test_the_persistent_doors_side_by_side_end_where_sapd_run_does(tmp_path, mod
     for log in (scorer, trainer):
         assert len(re.findall(r"^startup: imports [\d.]+s, models loaded [\d.]+s, engines ready [\d.]+s, first work",
                               log, re.M)) == 1, log
-    # the trainer waited for round 0's scores; without the overlap for every round's (the scorer starts
-    # round k once checkpoint k is committed), with it the scorer works a round ahead
-    assert "stage train-r0: waiting for the output of teacher-scores-r0" in trainer
+    # the trainer loaded checkpoint 0 while round 0 was being scored (its prepare), not after its scores came
+    assert "weights: checkpoint 0 loaded while round 0's scores were made" in trainer, trainer
+    assert trainer.index("model load: student checkpoint 0 for training") < trainer.index(
+        "weights: checkpoint 0 loaded while round 0's scores were made") < trainer.index("round 0 step 1:")
+    # without the overlap the trainer waits for every round's scores (the scorer starts round k once
+    # checkpoint k is committed), with it the scorer works a round ahead
     if overlap == "off":
         assert "stage train-r2: its input (teacher-scores-r2) is committed after" in trainer
         assert "stage teacher-scores-r1: waiting for the output of train-r0" in scorer
