@@ -37,7 +37,7 @@ from sapd.entry import run_main
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = REPO / "experiments"
-DISTANCE_STEPS = ["setup", "run", "mismatch", "cost", "status", "report"]
+DISTANCE_STEPS = ["setup", "run", "mismatch", "cost", "older-teacher", "status", "report"]
 POWERED_STEPS = ["pilot", "gate", "regate", "probe", "smollm2", "sweep", "final", "status", "report"]
 
 
@@ -115,6 +115,8 @@ def cmd_distance(args: argparse.Namespace) -> int:
             study.mismatch()
         elif step == "cost":
             study.cost()
+        elif step == "older-teacher":
+            study.older_teacher()
         elif step == "status":
             print(json.dumps(study.status(), indent=1))
         elif step == "report":

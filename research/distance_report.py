@@ -354,10 +354,33 @@ def render_distance(study: DistanceStudy, results: str | Path) -> str:
                       f"| {_f(r['round_score_seconds'], 1)} | {_f(r['round_train_seconds'], 1)} |")
         md.append("")
         md += _notes(cfg, "cost")
+    # --- 6. the issue's starting distance
+    older = study.ledger.get("older-teacher")
+    md += ["## 6. Why the issue's starting distance was smaller", ""]
+    if older is None:
+        md += ["(not run yet: `python -m research distance older-teacher`)", ""]
+    else:
+        o, t = older["student"]["overall"], older["teacher"]
+        kl = o["reverse_kl_per_token"]
+        st_kl = setup["student"]["test"]["overall"]["reverse_kl_per_token"]
+        md += [f"The demo's teacher as it was built when the issue was measured ({older['epochs']:g} epochs at "
+               f"{older['lr']:g} over the clean play, {older['rounds']} rounds, instead of "
+               f"{study.demo_cfg.teacher_epochs:g} at {study.demo_cfg.teacher_lr:g}), SFT'd here from the same student "
+               f"with the same recipe otherwise (weights `{older['weights']}`); the student's distance to each teacher "
+               "on the 135 held-out decisions, measured the same way:", "",
+               "| teacher | student's reverse KL / token [95 % CI] | the teacher's own sampled action match |",
+               "|---|---|---|",
+               f"| the demo's ({study.demo_cfg.teacher_epochs:g} epochs at {study.demo_cfg.teacher_lr:g}) "
+               f"| {_f(st_kl['value'])} [{_f(st_kl['ci'][0])}, {_f(st_kl['ci'][1])}] "
+               f"| {_fig(setup['teacher']['test'].get('teacher_action_match'))} |",
+               f"| the older ({older['epochs']:g} epochs at {older['lr']:g}) | {_f(kl['value'])} [{_f(kl['ci'][0])}, "
+               f"{_f(kl['ci'][1])}] | {_fig(t.get('teacher_action_match'))} |", ""]
+        summary["older_teacher"] = {"reverse_kl_per_token": kl, "teacher_action_match": t.get("teacher_action_match")}
+        md += _notes(cfg, "older")
     md += ["## Cost of this study", "",
            f"{n_runs} runs recorded; {wall / 3600:.1f} h of recorded compute (training, measuring, set-up, the demo "
-           "it starts from), one process at a time under `nice -n 10` with one torch thread, on the project's 2 "
-           "shared cores.", ""]
+           "it starts from), each process with one torch thread under `nice`, one to four at a time, on the project's "
+           "2 cores.", ""]
     summary["runs"] = n_runs
     summary["recorded_hours"] = wall / 3600
     short_text = "\n".join(f"- {x}." for x in short) or "- (no run finished yet)"

@@ -90,3 +90,12 @@ def test_the_report_reads_seeds_and_noise_from_a_ledger(tmp_path):
     assert "OPD+Rule (the demo's setting, 3 seeds): held-out KL 0.140 →" in text
     assert (tmp_path / "results" / "distance_curves.png").is_file() and (tmp_path / "results" / "distance_knobs.png").is_file()
     assert _paired_seed_effect({}, {}, "test") is None
+    # the issue's starting distance: the section waits for its unit, then shows both teachers' rows
+    assert "(not run yet: `python -m research distance older-teacher`)" in text
+    older = _point(0, 0.2)["test"]
+    study.ledger.put("older-teacher", {"epochs": 3.0, "lr": 0.002, "rounds": 8, "weights": "o", "seconds": 1.0,
+                                       "student": {k: v for k, v in older.items() if k != "per_prefix"},
+                                       "teacher": {"teacher_action_match": {"value": 0.6, "ci": [0.5, 0.7]}}})
+    text = open(render_distance(study, tmp_path / "results")).read()
+    assert "| the older (3 epochs at 0.002) | 0.200 [" in text and "0.600 [0.500, 0.700]" in text
+    assert "| the demo's (8 epochs at 0.003) | 0.140 [" in text
