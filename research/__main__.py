@@ -10,7 +10,7 @@
     python -m research powered final --arms sapd,sapd_paper,opd_rule   # these arms first
     python -m research powered status
     python -m research powered report                #   docs/results/POWERED.md from the ledger
-    python -m research distance setup run mismatch report   # why the distance to the teacher stalls (issue 36)
+    python -m research distance setup run mismatch cost older-teacher report   # the distance to the teacher (issue 36)
     python -m research sequential seq.yaml           # train on A, then B, …: the forgetting matrix
     python -m research smollm2 --out smollm2-out --results docs/results   # SmolLM2-135M through the pipeline
 

@@ -24,6 +24,7 @@ Every finished unit is a JSON in the ledger (a rerun skips it); large artefacts 
     python -m research distance setup            # the demo's models (the demo itself when missing), panels
     python -m research distance run --max-units 4
     python -m research distance mismatch
+    python -m research distance older-teacher    # the teacher the issue was measured against, rebuilt
     python -m research distance status
     python -m research distance report           # docs/results/DISTANCE.md, distance.json, distance_*.png
 """
