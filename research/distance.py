@@ -48,7 +48,8 @@ from sapd.data.validation import read as validation_read
 from sapd.data.validation import sample_rows, summarize
 from sapd.demo.games import generate_games, panels
 from sapd.demo.main import ARMS, DemoConfig, Paths, arm_config, run_demo
-from sapd.demo.pools import expert_pool, read_pool
+from sapd.demo.models import sft_rounds
+from sapd.demo.pools import count_trajectories, expert_pool, read_pool
 from sapd.models.generation import HFGenerator, SamplingParams, stops_for
 from sapd.models.loading import load_causal_lm, load_tokenizer
 from sapd.models.scoring import HFScorer
@@ -116,6 +117,7 @@ class DistanceStudy:
         self.paths = Paths(self.cache / "demo")
         self.claims = Claims(self.cache / "claims")
         self._teacher: Any = None
+        self._cache_checked = False  # the cache's demo is the recorded set-up's (check_cache)
 
     # -- set-up ---------------------------------------------------------------------------------------
 
@@ -191,10 +193,12 @@ class DistanceStudy:
                               max_new_tokens=self.demo_cfg.max_new_tokens, stop=stops_for("action"),
                               seed=self.cfg.eval_seed)
 
-    def measure(self, model_dir: str, names: tuple[str, ...] = PANELS) -> dict[str, dict[str, Any]]:
-        """The distance of the model in ``model_dir`` to the teacher on each panel of ``names``: the summary
-        and the per-prefix figures ``[reverse_kl, tokens, action_match, samples, recorded_logratio,
-        recorded_tokens]`` (sums over the prefix's samples / recorded tokens)."""
+    def measure(self, model_dir: str, names: tuple[str, ...] = PANELS,
+                teacher: Any = None) -> dict[str, dict[str, Any]]:
+        """The distance of the model in ``model_dir`` to the teacher (the demo's, or ``teacher``) on each panel
+        of ``names``: the summary and the per-prefix figures ``[reverse_kl, tokens, action_match, samples,
+        recorded_logratio, recorded_tokens]`` (sums over the prefix's samples / recorded tokens)."""
+        teacher = teacher if teacher is not None else self.teacher()
         tok = self.tokenizer()
         student = load_causal_lm(model_dir)
         student.eval()
@@ -204,7 +208,7 @@ class DistanceStudy:
             rows = self.panel_rows(name)
             t0 = time.perf_counter()
             records, _ = distance_records(rows, HFGenerator(student, tok, prompts_per_batch=8),
-                                          HFScorer(self.teacher(), pad), HFScorer(student, pad), tok,
+                                          HFScorer(teacher, pad), HFScorer(student, pad), tok,
                                           "textworld", self.params())
             per = {r["prefix_id"]: [_round(r["reverse_kl"]), r["tokens"], r["action_match"], r["samples"],
                                     _round(r["recorded_teacher_logp"] - r["recorded_student_logp"]),
@@ -245,13 +249,17 @@ class DistanceStudy:
     def check_cache(self, setup: dict[str, Any]) -> None:
         """A recorded set-up with a new cache (another machine, a cleaned checkout): the demo is built again
         into the cache, and its models must be the recorded ones, bit for bit, or the new units would not be
-        comparable with the recorded ones (the set-up's figures are measured on those weights)."""
+        comparable with the recorded ones (the set-up's figures are measured on those weights). Checked once
+        per process."""
+        if self._cache_checked:
+            return
         self.ensure_demo()
         found = {"student": weights_hash(self.student_dir()), "teacher": weights_hash(self.teacher_dir())}
         if found != setup["weights"]:
             raise SystemExit(f"the demo rebuilt in {self.paths.out} has other weights than the recorded set-up "
                              f"({found} against {setup['weights']}): its units would not be comparable; start "
                              "the study again with a ledger of its own (--ledger)")
+        self._cache_checked = True
 
     # -- the runs -------------------------------------------------------------------------------------
 
@@ -418,24 +426,19 @@ class DistanceStudy:
         t0 = time.perf_counter()
         data = yamlio.load((self.paths.configs / "teacher.yaml").read_text())
         epochs, lr = self.OLDER_TEACHER["epochs"], self.OLDER_TEACHER["lr"]
-        root = self.cache / "older-teacher"
-        data["run_root"] = str(root)
-        data["train"]["rounds"] = max(1, round(data["train"]["rounds"] * epochs / self.demo_cfg.teacher_epochs))
-        data["train"]["lr"] = lr
+        root = str(self.cache / "older-teacher")
+        rounds = sft_rounds(epochs, count_trajectories(data["data"]["input"]), data["train"]["trajectories_per_round"])
+        data["run_root"] = root
+        data["train"].update(rounds=rounds, lr=lr)
         run_pipeline(config_from_dict(data), log=lambda s: None, show_progress=False)
-        newer, self._teacher = self._teacher, load_causal_lm(str(checkpoints.checkpoint_model_path(
-            str(root), data["train"]["rounds"])))
-        self._teacher.eval()
-        try:
-            student = self.measure(self.student_dir(), ("test",))["test"]
-            rows = self.panel_rows("test")
-            recs = teacher_records(rows, HFGenerator(self._teacher, self.tokenizer(), prompts_per_batch=8),
-                                   "textworld", self.params())
-            teacher = _compact(summarize([], recs))["overall"]
-        finally:
-            self._teacher = newer
-        out = {"epochs": epochs, "lr": lr, "rounds": data["train"]["rounds"],
-               "weights": weights_hash(str(checkpoints.checkpoint_model_path(str(root), data["train"]["rounds"]))),
+        folder = str(checkpoints.checkpoint_model_path(root, rounds))
+        older = load_causal_lm(folder)
+        older.eval()
+        student = self.measure(self.student_dir(), ("test",), teacher=older)["test"]
+        recs = teacher_records(self.panel_rows("test"), HFGenerator(older, self.tokenizer(), prompts_per_batch=8),
+                               "textworld", self.params())
+        teacher = _compact(summarize([], recs))["overall"]
+        out = {"epochs": epochs, "lr": lr, "rounds": rounds, "weights": weights_hash(folder),
                "student": {k: v for k, v in student.items() if k != "per_prefix"}, "teacher": teacher,
                "seconds": time.perf_counter() - t0}
         self.log(f"older teacher ({epochs:g} epochs at {lr:g}, {out['rounds']} rounds): the student's KL/token "
