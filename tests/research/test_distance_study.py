@@ -99,3 +99,23 @@ def test_the_report_reads_seeds_and_noise_from_a_ledger(tmp_path):
     text = open(render_distance(study, tmp_path / "results")).read()
     assert "| the older (3 epochs at 0.002) | 0.200 [" in text and "0.600 [0.500, 0.700]" in text
     assert "| the demo's (8 epochs at 0.003) | 0.140 [" in text
+
+
+def test_a_rebuilt_cache_with_other_weights_is_refused(tmp_path, monkeypatch):
+    """A recorded set-up and a cache built again (another machine, a cleaned checkout): new units are added only
+    when the rebuilt demo's models hash as the recorded ones; otherwise the study stops, naming both."""
+    import research.distance as distance
+    f = tmp_path / "d.yaml"
+    f.write_text("rounds: 4\ncurve: [0, 4]\n")
+    study = DistanceStudy(load_distance_config(f), tmp_path / "ledger", tmp_path / "cache", log=lambda s: None)
+    built: list[int] = []
+    monkeypatch.setattr(study, "ensure_demo", lambda: built.append(1) or 0.0)
+    monkeypatch.setattr(study, "student_dir", lambda: "S")
+    monkeypatch.setattr(study, "teacher_dir", lambda: "T")
+    hashes = {"S": "s1", "T": "t1"}
+    monkeypatch.setattr(distance, "weights_hash", lambda d: hashes[d])
+    with pytest.raises(SystemExit, match=r"other weights than the recorded set-up .*'student': 's1'.*'student': 's0'"):
+        study.check_cache({"weights": {"student": "s0", "teacher": "t1"}})
+    study.check_cache({"weights": {"student": "s1", "teacher": "t1"}})
+    study.check_cache({"weights": {"student": "s1", "teacher": "t1"}})  # once per process
+    assert len(built) == 2
