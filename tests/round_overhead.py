@@ -1,7 +1,10 @@
 """The round overhead of the cluster path, measured on the harness (issue 34): the smoke overlay's run for N
 rounds as `sapd run` (one process), as per-round stage Jobs (pipeline.stageJobs perRound) and as persistent
-stage Jobs (the default), and with train.overlap one_step on persistent Jobs; every mode's runs alternate in
-one invocation, so the machine's load hits them alike. The front door is ``bench/round_overhead.py`` (the
+stage Jobs (the default), with train.overlap one_step on persistent Jobs, and as the persistent pods' three
+commands run as plain processes on this machine (`processes`: the persistent design without the cluster,
+which splits the persistent Jobs' cost into the design's and the cluster's); every mode's runs alternate in
+one invocation, so the machine's load hits them alike. The logs of `sapd run` and of the processes have
+each line stamped with its seconds since the command (`--keep` keeps them, and every pod's log). The front door is ``bench/round_overhead.py`` (the
 layering keeps bench/ from importing tests/; this module is run as ``python -m tests.round_overhead``).
 
 What is measured, for each run, by a thread polling the run root every 0.1 s:
@@ -46,9 +49,10 @@ from tests.k8s_harness.image import image_env
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "sapd"
 SMOKE = CHART / "values" / "smoke.yaml"
-MODES = ("sapd-run", "per-round", "persistent", "overlap")
+MODES = ("sapd-run", "per-round", "persistent", "overlap", "processes")
 LABELS = {"sapd-run": "sapd run", "per-round": "per-round Jobs", "persistent": "persistent Jobs",
-          "overlap": "persistent Jobs, train.overlap one_step"}
+          "overlap": "persistent Jobs, train.overlap one_step",
+          "processes": "persistent workers as processes, no cluster"}
 
 
 @dataclass
@@ -119,6 +123,28 @@ class CommitWatch:
         return dict(self.seen)
 
 
+class Stamped:
+    """A process's output into ``path``, each line prefixed with the seconds since ``t0`` at which it was read
+    (``[  12.345] …``): the logs of `--keep` say when each phase of each round happened."""
+
+    def __init__(self, path: Path, t0: float) -> None:
+        self.path, self.t0 = path, t0
+        self._thread: threading.Thread | None = None
+
+    def start(self, proc: subprocess.Popen) -> None:
+        def copy() -> None:
+            assert proc.stdout is not None
+            with self.path.open("w") as f:
+                for line in proc.stdout:
+                    f.write(f"[{time.monotonic() - self.t0:8.3f}] {line}")
+        self._thread = threading.Thread(target=copy, daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
 def _weights_sha(root: str, k: int) -> str:
     import hashlib
 
@@ -129,31 +155,112 @@ def _weights_sha(root: str, k: int) -> str:
     return h.hexdigest()
 
 
-def run_sapd(prefix: str, s3: S3Server, tmp: Path, release: str, rounds: int, log) -> tuple[str, dict[int, float]]:
-    """`sapd run` on the config the chart gives the pipeline's stages (another run root) → (root, t0)."""
-    vals = user_values([SMOKE], _sets(prefix, s3.endpoint_url, release, rounds, "sapd-run"))
+def _render(prefix: str, s3: S3Server, release: str, rounds: int, mode: str) -> list[dict]:
+    vals = user_values([SMOKE], _sets(prefix, s3.endpoint_url, release, rounds, mode))
     docs, _, _ = render(CHART, vals, release, NS)
+    return docs
+
+
+def _openmp_env(docs: list[dict], release: str, stage: str) -> dict[str, str]:
+    """The OpenMP variables (OMP_*) that the chart's pod template of ``stage`` sets (e.g. the train pods'
+    OMP_WAIT_POLICY where their engine needs it), as a process here takes them."""
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{release}-pipeline-templates"]
+    job = yaml.safe_load(cm["data"][f"{stage}.yaml"])
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: str(e["value"]) for e in container.get("env", [])
+            if e["name"].startswith("OMP_") and "value" in e}
+
+
+def _local(prefix: str, s3: S3Server, tmp: Path, release: str, rounds: int, mode: str) -> tuple[dict, Path, dict]:
+    """The config the chart gives the pipeline's stages (its own run root), written to a file, and a pod's
+    environment (not this process's: no OMP_NUM_THREADS or the like, the pods' threads are torch's own)
+    → (config, its file, environment)."""
+    docs = _render(prefix, s3, release, rounds, mode)
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{release}-config"]
     cfg = yaml.safe_load(cm["data"]["pipeline.yaml"])
     config = tmp / f"{release}.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    # a pod's environment, not this process's (no OMP_NUM_THREADS or the like: the pods' threads are torch's own)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp), "PYTHONPATH": str(REPO),
            "SAPD_S3_ENDPOINT_URL": s3.endpoint_url, "AWS_ACCESS_KEY_ID": s3.access_key,
            "AWS_SECRET_ACCESS_KEY": s3.secret_key, "AWS_DEFAULT_REGION": "us-east-1",
            "SAPD_CACHE_DIR": str(tmp / f"{release}-cache"), "HF_HOME": str(tmp / f"{release}-hf"),
            "PYTHONUNBUFFERED": "1"}
+    return cfg, config, env
+
+
+def run_sapd(prefix: str, s3: S3Server, tmp: Path, release: str, rounds: int, log) -> tuple[str, dict[int, float]]:
+    """`sapd run` on the config the chart gives the pipeline's stages (another run root) → (root, commits)."""
+    cfg, config, env = _local(prefix, s3, tmp, release, rounds, "sapd-run")
     python = image_env("cpu") / "bin" / "python"  # the smoke overlay's image, as its pods run
     t0 = time.monotonic()
     watch = CommitWatch(cfg["run_root"], rounds, t0)
     out = tmp / f"{release}.log"
-    with out.open("w") as f:
-        proc = subprocess.run([str(python), "-m", "sapd.cli", "run", str(config), "--no-progress"], cwd=tmp, env=env,
-                              stdout=f, stderr=subprocess.STDOUT, timeout=3600)
-    seen = watch.stop()
+    stamped = Stamped(out, t0)
+    proc = subprocess.Popen([str(python), "-m", "sapd.cli", "run", str(config), "--no-progress"], cwd=tmp, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stamped.start(proc)
+    try:
+        proc.wait(timeout=3600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        stamped.join()
+        seen = watch.stop()
     if proc.returncode != 0:
         raise SystemExit(f"sapd run failed ({proc.returncode}):\n{out.read_text()[-3000:]}")
     log(f"  sapd run: done ({out})")
+    return cfg["run_root"], seen
+
+
+def run_processes(prefix: str, s3: S3Server, tmp: Path, release: str, rounds: int, log) -> tuple[str, dict[int, float]]:
+    """The persistent stage workers without the cluster: the three commands the chart's persistent pods run
+    (the prefix build; one teacher-scores worker and one torchrun trainer serving every round), started
+    together as plain processes on this machine, with the pods' environment (the OpenMP settings of each
+    pod template too) and the pods' input poll → (root, commits). What this mode adds to `sapd run`
+    is the persistent design's own cost (separate processes, the hand-off through S3, every checkpoint
+    written and read back); what the persistent Jobs add to it is the cluster's (scheduling, the harness's
+    processes on the same cores)."""
+    cfg, config, env = _local(prefix, s3, tmp, release, rounds, "persistent")
+    env = {**env, "SAPD_LEASE_OWNER": f"release {release} in namespace {NS}", "SAPD_TRAIN_PROCESSES": "1",
+           "SAPD_PUSHGATEWAY_URL": ""}
+    docs = _render(prefix, s3, release, rounds, "persistent")
+    bindir = image_env("cpu") / "bin"
+    base = ["--config", str(config)]
+    pool = ["--round", "0", "--rounds", str(rounds), "--poll-seconds", "0.5", "--input-timeout-seconds", "3600"]
+    commands = {
+        "build-prefixes": [str(bindir / "python"), "-m", "sapd.jobs.build_prefixes", *base],
+        "teacher-scores": [str(bindir / "python"), "-m", "sapd.jobs.teacher_scores", *base, *pool, "--worker", "0"],
+        "train": [str(bindir / "torchrun"), "--nnodes=1", "--nproc-per-node=1", "--node-rank=0",
+                  "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "sapd.jobs.train", *base, *pool],
+    }
+    envs = {name: {**env, "SAPD_JOB": name, **_openmp_env(docs, release, name)} for name in commands}
+    t0 = time.monotonic()
+    watch = CommitWatch(cfg["run_root"], rounds, t0)
+    outs = {name: Stamped(tmp / f"{release}-{name}.log", t0) for name in commands}
+    procs = {name: subprocess.Popen(cmd, cwd=tmp, env=envs[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True) for name, cmd in commands.items()}
+    for name, proc in procs.items():
+        outs[name].start(proc)
+    deadline = time.monotonic() + 3600
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            if any(p.returncode not in (None, 0) for p in procs.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for out in outs.values():
+            out.join()
+        seen = watch.stop()
+    for name, p in procs.items():
+        if p.returncode != 0:
+            raise SystemExit(f"{release}: {name} exited {p.returncode}:\n"
+                             f"{(tmp / f'{release}-{name}.log').read_text()[-3000:]}")
+    log(f"  {LABELS['processes']}: done ({tmp / release}-*.log)")
     return cfg["run_root"], seen
 
 
@@ -222,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"repeat {rep + 1}/{args.repeats}: {LABELS[mode]} ({args.rounds} rounds, load {load_average()})")
                         if mode == "sapd-run":
                             root, seen = run_sapd(prefix, s3, tmp, release, args.rounds, log)
+                        elif mode == "processes":
+                            root, seen = run_processes(prefix, s3, tmp, release, args.rounds, log)
                         else:
                             root, seen = run_cluster(cluster, prefix, s3, release, args.rounds, mode, log,
                                                          keep=tmp / "logs" if args.keep else None)
@@ -258,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     if "overlap" in best and "persistent" in best:
         print(f"train.overlap one_step on persistent Jobs: {best['overlap'].rounds_s / best['persistent'].rounds_s:.2f}× "
               "the persistent Jobs' rounds")
+    if "processes" in best and "persistent" in best:
+        print(f"persistent workers as processes, no cluster: {ratio['processes']} sapd run; the persistent Jobs "
+              f"{best['persistent'].rounds_s / best['processes'].rounds_s:.2f}× those processes' rounds")
     line = (f"round overhead: persistent {ratio['persistent']} sapd run, per-round Jobs {ratio['per-round']} "
             f"({args.rounds} rounds)")
     print(line)

@@ -82,7 +82,8 @@ def add_rounds_flags(p: argparse.ArgumentParser) -> None:
                         "from round to round (0: through the run's last round); without it: round K, whose input "
                         "must be committed already")
     p.add_argument("--poll-seconds", type=float, default=2.0,
-                   help="with --rounds: seconds between two checks of a round's input (default 2)")
+                   help="with --rounds: seconds between two checks of a round's input (default 2); around when "
+                        "the previous round's wait predicts it, every tenth of that")
     p.add_argument("--input-timeout-seconds", type=float, default=86400.0,
                    help="with --rounds: give up (exit 75, retried) when a round's input is not committed after "
                         "this long (default 86400)")
@@ -140,6 +141,8 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
                          force=getattr(args, "force_takeover", False)):
             last: tuple[Step, bool] | None = None  # the last round's step, and whether it was skipped
             prepared = False
+            started = False  # this worker ran a round before this one
+            expect: float | None = None  # how long the next input's wait is likely to take
             for s in steps:
                 if rounds is not None:  # a worker started ahead of its input: wait for it, skip what is done
                     if plan.missing(cfg, s) is None:
@@ -147,10 +150,11 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
                         last = (s, True)
                         continue
 
-                    def wait(need: Step | None, s: Step = s) -> float | None:
+                    def wait(need: Step | None, s: Step = s, expect: float | None = None) -> float | None:
                         assert rounds is not None
                         waited = plan.wait_for_input(cfg, s, poll_seconds=rounds.poll_seconds, log=ctx.log,
-                                                     timeout_seconds=rounds.timeout_seconds, need=need)
+                                                     timeout_seconds=rounds.timeout_seconds, need=need,
+                                                     expect_seconds=expect)
                         if waited and "first_work" not in startup.seconds:
                             startup.waited += waited  # the start-up line says how much of it was waiting
                         return waited
@@ -159,9 +163,14 @@ def stage_main(prog: str, stage: Stage, args: argparse.Namespace, step: Step, *,
                         # load what the first round needs while its input is being made
                         prepare(ctx, s, lambda k: wait(plan.checkpoint_step(k)))
                     prepared = True
-                    waited = wait(None)
+                    waited = wait(None, expect=expect)
                     if main and waited:
                         metrics.input_wait.labels(stage=s.stage.replace("-", "_")).observe(waited)
+                    if waited is not None and started:
+                        # the other stage's round, from this worker's commit to its input's: the next wait's
+                        # likely length (the first wait holds the start-up, so it predicts nothing)
+                        expect = waited
+                started = True
                 outcome = run_stage(stage, ctx, s)
                 ctx.log(outcome.summary)
                 last = (s, outcome.skipped)

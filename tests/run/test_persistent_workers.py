@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -188,6 +189,43 @@ def test_a_worker_waits_for_its_input_logs_it_and_gives_up_past_its_bound(tmp_pa
         wait_for_input(cfg, Step("train", 0), poll_seconds=1, log=lines.append, timeout_seconds=30,
                        sleep=lambda s: now.__setitem__(0, now[0] + 20.0), clock=lambda: now[0])
     assert e.value.exit_code == 75
+
+
+def test_a_wait_of_expected_length_checks_often_around_its_expected_end(tmp_path, models):
+    """A worker's next wait is likely as long as its last (the other stage's round): with that expectation
+    the checks come every poll/10 from shortly before it, so the input committed at t = 10.03 s is seen
+    ≤ 0.1 s later instead of up to a poll later, and past the window the checks slow down again."""
+    root = str(tmp_path / "run")
+    cfg = config_from_dict(tiny_config(root, *models))
+
+    def run(expect: float | None, lands: float, poll: float = 1.0) -> tuple[float, list[float]]:
+        now, polls, built = [0.0], [], [False]
+
+        def sleep(s: float) -> None:
+            polls.append(round(s, 6))
+            now[0] += s
+            if now[0] >= lands and not built[0]:  # round 0's build lands while the worker waits
+                built[0] = True
+                from sapd.stages import build_prefixes
+                run_stage(build_prefixes, StageContext(cfg, log=lambda s: None, progress=QUIET), Step("build-prefixes"))
+        waited = wait_for_input(cfg, Step("teacher-scores", 0), poll_seconds=poll, log=lambda line: None, sleep=sleep,
+                                clock=lambda: now[0], expect_seconds=expect)
+        shutil.rmtree(layout.prefixes_dir(root))
+        return waited, polls
+
+    waited, polls = run(None, 10.03)
+    assert waited == pytest.approx(11.0) and polls == [1.0] * 11  # a check a second: seen 0.97 s late
+    waited, polls = run(10.0, 10.03)
+    # every second up to 0.8 × 10 − 1 = 7 s, then every 0.1 s: seen within 0.1 s of the commit
+    assert polls[:7] == [1.0] * 7 and set(polls[7:]) == {0.1}
+    assert 10.03 <= waited <= 10.13 and len(polls) == 7 + 31
+    # an expectation of 2 s for a wait of 20 s: fast from 0.6 s to 1.5 × 2 + 1 = 4 s, then every second again
+    waited, polls = run(2.0, 20.0)
+    assert waited == pytest.approx(20.0, abs=1.0) and polls[-5:] == [1.0] * 5 and polls.count(0.1) <= 35
+    # a short poll (0.5 s: a tenth would be 0.05 s) keeps a floor of 0.1 s between two checks
+    waited, polls = run(3.0, 3.0, poll=0.5)
+    assert min(polls) == 0.1 and 3.0 <= waited <= 3.1
+    assert plan.FAST_POLL_MIN_SECONDS == 0.1
 
 
 def test_the_input_of_each_step_follows_the_overlap(tmp_path):
