@@ -145,8 +145,8 @@ def wait_for_input(cfg: RunConfig, step: Step, *, poll_seconds: float, log: Call
     ``expect_seconds``: how long the wait is likely to take (a persistent worker passes its previous round's
     wait: the other stage's round). Around then — from 0.8× it less one poll to 1.5× it plus one poll — the
     checks come every ``poll_seconds`` / 10 (at most ten a second), so a hand-off between two workers costs
-    a tenth of a poll on average instead of half of one; before and after that window, every
-    ``poll_seconds``."""
+    at most a tenth of a poll (a twentieth on average) instead of up to a whole one; before and after that
+    window, every ``poll_seconds``."""
     need = need or input_step(cfg, step)
     if need is None:
         return None
