@@ -1,0 +1,78 @@
+"""Is one training round reproducible? The same torch-engine round from identical inputs, run again and again in
+fresh processes with torch's default intra-op threads, under each OpenMP wait policy; prints how many distinct
+checkpoints each policy produced. Run it as ``python -m tests.train_reproducibility [RUNS]`` (default 25 per
+policy; ~8 s a run on 2 cores); the numbers in docs/results/EFFICIENCY.md came from it.
+
+The run: the tests' tiny student and teacher (tests/pipeline_util.py), 2 rounds of `sapd run` on a local run
+root; then RUNS times: a copy of that root without checkpoint 2, and `python -m sapd.jobs.train --round 1` on
+it, as a persistent or per-round train pod runs it (no OMP_NUM_THREADS: torch's default threads)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from tests.pipeline_util import make_models, tiny_config
+
+
+def _digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted((root / "checkpoints" / "000002").rglob("model.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.train_reproducibility", description=__doc__.splitlines()[0])
+    ap.add_argument("runs", type=int, nargs="?", default=25, help="runs per wait policy (default 25)")
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="sapd-train-repro-"))
+    try:
+        student, teacher = make_models(tmp / "models")
+        base = tmp / "base"
+        cfg = tiny_config(str(base), student, teacher, train={"rounds": 2})
+        (tmp / "config.yaml").write_text(yaml.safe_dump(cfg))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}  # torch's default threads
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+        subprocess.run([sys.executable, "-m", "sapd.cli", "run", str(tmp / "config.yaml"), "--no-progress"], env=env,
+                       check=True, capture_output=True)
+        ref = _digest(base)
+        print(f"sapd run's checkpoint 2: {ref}", flush=True)
+        for policy in ("", "PASSIVE"):
+            seen: dict[str, int] = {}
+            t0 = time.monotonic()
+            for i in range(args.runs):
+                root = tmp / f"run-{policy or 'default'}-{i}"
+                shutil.copytree(base, root)
+                shutil.rmtree(root / "checkpoints" / "000002")
+                stored = root / "config.yaml"  # the run root's record of its config names its own root
+                stored.write_text(stored.read_text().replace(str(base), str(root)))
+                config = tmp / f"config-{policy or 'default'}-{i}.yaml"
+                config.write_text(yaml.safe_dump({**cfg, "run_root": str(root)}))
+                proc = subprocess.run([sys.executable, "-m", "sapd.jobs.train", "--config", str(config), "--round", "1",
+                                       "--no-check", "--no-progress"],
+                                      env={**env, **({"OMP_WAIT_POLICY": policy} if policy else {})},
+                                      capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise SystemExit(f"train round 1 failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+                d = _digest(root)
+                seen[d] = seen.get(d, 0) + 1
+                shutil.rmtree(root)
+            print(f"OMP_WAIT_POLICY={policy or '(unset)'}: {args.runs} runs in {time.monotonic() - t0:.0f} s; "
+                  f"checkpoint 2 hashes {seen} (sapd run's: {ref})", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
