@@ -4,7 +4,9 @@ tokenizer), the shipped ALFWorld sample as data, and a config small enough for s
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,23 @@ def run_rank_worker(script: str, jobs: list[dict], out: Path, ranks: int, torchr
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_ranks_env(), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def wait_together(procs: dict[str, subprocess.Popen], timeout_s: float, poll_s: float = 0.2) -> None:
+    """Wait for processes started together that wait on each other's commits (the persistent stage doors): the
+    first to fail, or the timeout, stops the others, which would otherwise poll for their input until their own
+    bound. On return every one has exited; their exit codes are the caller's to check."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            if any(p.returncode not in (None, 0) for p in procs.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(poll_s)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def make_models(root: Path) -> tuple[str, str]:

@@ -4,8 +4,9 @@ stage Jobs (the default), with train.overlap one_step on persistent Jobs, and as
 commands run as plain processes on this machine (`processes`: the persistent design without the cluster,
 which splits the persistent Jobs' cost into the design's and the cluster's); every mode's runs alternate in
 one invocation, so the machine's load hits them alike. The logs of `sapd run` and of the processes have
-each line stamped with its seconds since the command (`--keep` keeps them, and every pod's log). The front door is ``bench/round_overhead.py`` (the
-layering keeps bench/ from importing tests/; this module is run as ``python -m tests.round_overhead``).
+each line stamped with its seconds since the command (`--keep` keeps them, and every pod's log). The front
+door is ``bench/round_overhead.py`` (the layering keeps bench/ from importing tests/; this module is run as
+``python -m tests.round_overhead``).
 
 What is measured, for each run, by a thread polling the run root every 0.1 s:
 - **rounds**: from checkpoint 0 committed (the prefix build done) to checkpoint N committed — the N rounds,
@@ -45,6 +46,7 @@ from tests.journey_util import NS, journey_cluster, upload_models, user_s3
 from tests.k8s_harness import Cluster
 from tests.k8s_harness.helm import render, user_values
 from tests.k8s_harness.image import image_env
+from tests.pipeline_util import wait_together
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "sapd"
@@ -171,11 +173,10 @@ def _openmp_env(docs: list[dict], release: str, stage: str) -> dict[str, str]:
             if e["name"].startswith("OMP_") and "value" in e}
 
 
-def _local(prefix: str, s3: S3Server, tmp: Path, release: str, rounds: int, mode: str) -> tuple[dict, Path, dict]:
-    """The config the chart gives the pipeline's stages (its own run root), written to a file, and a pod's
-    environment (not this process's: no OMP_NUM_THREADS or the like, the pods' threads are torch's own)
-    → (config, its file, environment)."""
-    docs = _render(prefix, s3, release, rounds, mode)
+def _local(docs: list[dict], s3: S3Server, tmp: Path, release: str) -> tuple[dict, Path, dict]:
+    """The config the chart (its rendered ``docs``) gives the pipeline's stages (its own run root), written to a
+    file, and a pod's environment (not this process's: no OMP_NUM_THREADS or the like, the pods' threads are
+    torch's own) → (config, its file, environment)."""
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{release}-config"]
     cfg = yaml.safe_load(cm["data"]["pipeline.yaml"])
     config = tmp / f"{release}.yaml"
@@ -190,7 +191,7 @@ def _local(prefix: str, s3: S3Server, tmp: Path, release: str, rounds: int, mode
 
 def run_sapd(prefix: str, s3: S3Server, tmp: Path, release: str, rounds: int, log) -> tuple[str, dict[int, float]]:
     """`sapd run` on the config the chart gives the pipeline's stages (another run root) → (root, commits)."""
-    cfg, config, env = _local(prefix, s3, tmp, release, rounds, "sapd-run")
+    cfg, config, env = _local(_render(prefix, s3, release, rounds, "sapd-run"), s3, tmp, release)
     python = image_env("cpu") / "bin" / "python"  # the smoke overlay's image, as its pods run
     t0 = time.monotonic()
     watch = CommitWatch(cfg["run_root"], rounds, t0)
@@ -221,10 +222,10 @@ def run_processes(prefix: str, s3: S3Server, tmp: Path, release: str, rounds: in
     is the persistent design's own cost (separate processes, the hand-off through S3, every checkpoint
     written and read back); what the persistent Jobs add to it is the cluster's (scheduling, the harness's
     processes on the same cores)."""
-    cfg, config, env = _local(prefix, s3, tmp, release, rounds, "persistent")
+    docs = _render(prefix, s3, release, rounds, "persistent")
+    cfg, config, env = _local(docs, s3, tmp, release)
     env = {**env, "SAPD_LEASE_OWNER": f"release {release} in namespace {NS}", "SAPD_TRAIN_PROCESSES": "1",
            "SAPD_PUSHGATEWAY_URL": ""}
-    docs = _render(prefix, s3, release, rounds, "persistent")
     bindir = image_env("cpu") / "bin"
     base = ["--config", str(config)]
     pool = ["--round", "0", "--rounds", str(rounds), "--poll-seconds", "0.5", "--input-timeout-seconds", "3600"]
@@ -242,17 +243,9 @@ def run_processes(prefix: str, s3: S3Server, tmp: Path, release: str, rounds: in
                                     text=True) for name, cmd in commands.items()}
     for name, proc in procs.items():
         outs[name].start(proc)
-    deadline = time.monotonic() + 3600
     try:
-        while any(p.poll() is None for p in procs.values()):
-            if any(p.returncode not in (None, 0) for p in procs.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        wait_together(procs, 3600, poll_s=0.5)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
         for out in outs.values():
             out.join()
         seen = watch.stop()

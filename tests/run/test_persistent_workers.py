@@ -26,7 +26,7 @@ from sapd.run import plan
 from sapd.run.local import STAGES, run_pipeline
 from sapd.run.plan import InputNotCommitted, wait_for_input
 from sapd.stages.context import Engines, StageContext, Startup, Step, process_started_at, run_stage
-from tests.pipeline_util import make_models, tiny_config
+from tests.pipeline_util import make_models, tiny_config, wait_together
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -288,17 +288,7 @@ def _run_side_by_side(tmp_path, commands: dict[str, list[str]], timeout_s: float
     outs = {name: open(tmp_path / f"{name}.log", "w+") for name in commands}
     procs = {name: subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=outs[name], stderr=subprocess.STDOUT)
              for name, cmd in commands.items()}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while any(p.poll() is None for p in procs.values()):
-            if any(p.returncode not in (None, 0) for p in procs.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    wait_together(procs, timeout_s)
     logs = {}
     for name, f in outs.items():
         f.seek(0)
