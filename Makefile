@@ -22,9 +22,7 @@ $(BIN)/.sapd-installed: pyproject.toml
 	# python first on PATH: fast-downward-textworld (ALFWorld's planner) builds by running `python build.py`.
 	# What sapd[test,docs] requires first, then sapd itself, editable, under the lock that the other test
 	# environments' editable installs take too (`make test` builds them side by side; each writes sapd.egg-info)
-	$(BIN)/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-	  print("\n".join(p["dependencies"] + p["optional-dependencies"]["test"] + p["optional-dependencies"]["docs"]))' \
-	  > $(VENV)/sapd-requirements.txt
+	$(BIN)/python scripts/sapd_requirements.py test,docs > $(VENV)/sapd-requirements.txt
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pip install --quiet -c docker/constraints-cpu.txt -r $(VENV)/sapd-requirements.txt
 	mkdir -p .cache && flock .cache/editable-install.lock $(BIN)/pip install --quiet --no-deps -e .
 	# DeepSpeed for multi-process training; DS_BUILD_OPS=0: no CUDA ops to build here (JIT-compiled if needed)

@@ -117,15 +117,10 @@ echo "install.sh: $target: sapd[$extras] ${more[*]} (pins: $(basename "$constrai
 if [[ "$editable" == 1 ]]; then
     # the test environments are built side by side (`make test`), and every editable install of this checkout
     # writes its sapd.egg-info: first what sapd[extras] requires (pyproject.toml's lists, the same set pip
-    # would resolve), then sapd alone (--no-deps, seconds), one environment at a time under a lock
-    mapfile -t deps < <("$python" - "$project/pyproject.toml" "$extras" <<'PY'
-import sys, tomllib
-with open(sys.argv[1], "rb") as f:
-    project = tomllib.load(f)["project"]
-print("\n".join([*project["dependencies"], *(r for e in sys.argv[2].split(",") if e
-                                            for r in project["optional-dependencies"][e])]))
-PY
-)
+    # would resolve; scripts/ is in every checkout, not in the image's build context, which never edits), then
+    # sapd alone (--no-deps, seconds), one environment at a time under a lock
+    mapfile -t deps < <("$python" "$project/scripts/sapd_requirements.py" "$extras")
+    [[ ${#deps[@]} -gt 0 ]] || { echo "install.sh: no requirements read for sapd[$extras]" >&2; exit 2; }
     "${pip[@]}" install -c "$constraints" "${links[@]}" "${deps[@]}" "${more[@]}"
     mkdir -p "$project/.cache"
     flock "$project/.cache/editable-install.lock" "${pip[@]}" install --no-deps -c "$constraints" "${sapd[@]}"
