@@ -46,6 +46,7 @@ from tests.journey_util import NS, journey_cluster, upload_models, user_s3
 from tests.k8s_harness import Cluster
 from tests.k8s_harness.helm import render, user_values
 from tests.k8s_harness.image import image_env
+from tests.k8s_harness.kubelet import resource_field
 from tests.pipeline_util import wait_together
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,13 +165,15 @@ def _render(prefix: str, s3: S3Server, release: str, rounds: int, mode: str) -> 
 
 
 def _openmp_env(docs: list[dict], release: str, stage: str) -> dict[str, str]:
-    """The OpenMP variables (OMP_*) that the chart's pod template of ``stage`` sets (e.g. the train pods'
-    OMP_WAIT_POLICY where their engine needs it), as a process here takes them."""
+    """The OpenMP variables (OMP_*) that the chart's pod template of ``stage`` sets (OMP_NUM_THREADS from the
+    container's CPU limit, the train pods' OMP_WAIT_POLICY where their engine needs it), as a process here
+    takes them (a resource reference resolved as the harness's kubelet resolves it)."""
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{release}-pipeline-templates"]
     job = yaml.safe_load(cm["data"][f"{stage}.yaml"])
     (container,) = job["spec"]["template"]["spec"]["containers"]
-    return {e["name"]: str(e["value"]) for e in container.get("env", [])
-            if e["name"].startswith("OMP_") and "value" in e}
+    return {e["name"]: (str(e["value"]) if "value" in e else resource_field(container, e["valueFrom"]["resourceFieldRef"]))
+            for e in container.get("env", [])
+            if e["name"].startswith("OMP_") and ("value" in e or "resourceFieldRef" in e.get("valueFrom", {}))}
 
 
 def _local(docs: list[dict], s3: S3Server, tmp: Path, release: str) -> tuple[dict, Path, dict]:

@@ -31,10 +31,26 @@ def _digest(root: Path) -> str:
     return h.hexdigest()[:12]
 
 
+def _variant(spec: str) -> tuple[str, dict[str, str]]:
+    if spec == "-":
+        return "(default environment)", {}
+    pairs = [kv.split("=", 1) for kv in spec.split(",")]
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        raise SystemExit(f"--variant {spec!r}: expected K=V[,K=V...]")
+    return spec, dict((k, v) for k, v in pairs)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.train_reproducibility", description=__doc__.splitlines()[0])
-    ap.add_argument("runs", type=int, nargs="?", default=25, help="runs per wait policy (default 25)")
+    ap.add_argument("runs", type=int, nargs="?", default=25, help="runs per variant (default 25)")
+    ap.add_argument("--variant", action="append", default=[], metavar="K=V[,K=V...]",
+                    help="an environment to run the round under, added to the default one (repeatable; default: "
+                         "OMP_WAIT_POLICY unset, then PASSIVE); '-' is the default environment")
+    ap.add_argument("--load", type=int, default=0, metavar="N",
+                    help="keep N busy-looping processes running meanwhile (timing noise makes a race show more often)")
     args = ap.parse_args(argv)
+    variants = [_variant(v) for v in (args.variant or ["-", "OMP_WAIT_POLICY=PASSIVE"])]
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     tmp = Path(tempfile.mkdtemp(prefix="sapd-train-repro-"))
     try:
         student, teacher = make_models(tmp / "models")
@@ -47,29 +63,31 @@ def main(argv: list[str] | None = None) -> int:
                        check=True, capture_output=True)
         ref = _digest(base)
         print(f"sapd run's checkpoint 2: {ref}", flush=True)
-        for policy in ("", "PASSIVE"):
+        for name, extra in variants:
             seen: dict[str, int] = {}
             t0 = time.monotonic()
             for i in range(args.runs):
-                root = tmp / f"run-{policy or 'default'}-{i}"
+                root = tmp / f"run-{i}"
                 shutil.copytree(base, root)
                 shutil.rmtree(root / "checkpoints" / "000002")
                 stored = root / "config.yaml"  # the run root's record of its config names its own root
                 stored.write_text(stored.read_text().replace(str(base), str(root)))
-                config = tmp / f"config-{policy or 'default'}-{i}.yaml"
+                config = tmp / f"config-{i}.yaml"
                 config.write_text(yaml.safe_dump({**cfg, "run_root": str(root)}))
                 proc = subprocess.run([sys.executable, "-m", "sapd.jobs.train", "--config", str(config), "--round", "1",
                                        "--no-check", "--no-progress"],
-                                      env={**env, **({"OMP_WAIT_POLICY": policy} if policy else {})},
+                                      env={**env, **extra},
                                       capture_output=True, text=True)
                 if proc.returncode != 0:
                     raise SystemExit(f"train round 1 failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
                 d = _digest(root)
                 seen[d] = seen.get(d, 0) + 1
                 shutil.rmtree(root)
-            print(f"OMP_WAIT_POLICY={policy or '(unset)'}: {args.runs} runs in {time.monotonic() - t0:.0f} s; "
+            print(f"{name}: {args.runs} runs in {time.monotonic() - t0:.0f} s; "
                   f"checkpoint 2 hashes {seen} (sapd run's: {ref})", flush=True)
     finally:
+        for h in hogs:
+            h.kill()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

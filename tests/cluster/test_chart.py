@@ -410,6 +410,42 @@ def test_train_rendezvous_goes_through_the_headless_service():
         render_files({"train": {"procsPerPod": 4}})
 
 
+def test_torch_threads_follow_the_cpu_limit_and_passive_waits_only_where_ranks_share_cores():
+    """OMP_NUM_THREADS is each container's CPU limit in whole cores (the downward API rounds up), except in a train
+    pod of several processes, where torchrun gives each one; OMP_WAIT_POLICY=PASSIVE only where DeepSpeed or
+    several ranks wait in OpenMP's company (one torch-engine process loses ~40 % of a CPU step to it)."""
+    def train_env(values: dict) -> dict[str, dict]:
+        t = job(render(values), "train")
+        spec = t["spec"] if t["kind"] == "Job" else t["spec"]["replicatedJobs"][0]["template"]["spec"]
+        return env_of(container(spec))
+
+    def merge(base: dict, over: dict) -> dict:
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = merge(out.get(k) or {}, v) if isinstance(v, dict) else v
+        return out
+
+    smoke = overlay_values("smoke")
+    assert smoke["config"]["train"].get("engine", "torch") == "torch" and smoke["train"]["parallelism"] == 1
+    docs = render(smoke)
+    for name, pod in pod_specs(docs):
+        for c in pod["containers"]:
+            if c["args"][0] in ("python", "torchrun"):
+                ref = env_of(c)["OMP_NUM_THREADS"]["valueFrom"]["resourceFieldRef"]
+                assert ref == {"resource": "limits.cpu", "divisor": "1"}, name
+    env = train_env(smoke)
+    assert "OMP_WAIT_POLICY" not in env and "resourceFieldRef" in env["OMP_NUM_THREADS"]["valueFrom"]
+    for over in ({"config": {"train": {"engine": "deepspeed"}}}, {"train": {"config": {"train": {"engine": "deepspeed"}}}},
+                 {"train": {"parallelism": 2}}):
+        assert train_env(merge(smoke, over))["OMP_WAIT_POLICY"]["value"] == "PASSIVE", over
+    # the chart's default (DeepSpeed, 8 processes a pod): passive waits, and torchrun's one thread per process
+    env = train_env({})
+    assert env["OMP_WAIT_POLICY"]["value"] == "PASSIVE" and "OMP_NUM_THREADS" not in env
+    # a user's extraEnv comes last, so it overrides the chart's
+    env = train_env(merge(smoke, {"train": {"extraEnv": [{"name": "OMP_NUM_THREADS", "value": "3"}]}}))
+    assert env["OMP_NUM_THREADS"] == {"name": "OMP_NUM_THREADS", "value": "3"}
+
+
 def test_train_as_a_jobset_restarts_the_group_and_the_driver_may_create_it():
     values = {"train": {"launcher": "jobset", "maxRestarts": 5, "parallelism": 4}, "kueue": {"queueName": "gpu-queue"}}
     docs = render(values)

@@ -129,7 +129,12 @@ def test_a_container_sees_rendered_env_volumes_and_rewritten_paths(cluster, tmp_
         "env": [{"name": "SECRET", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "KEY"}}},
                 {"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
                 {"name": "RANK", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['rank']"}}},
-                {"name": "HOME", "value": "/scratch/home"}, {"name": "GREETING", "value": "$(NS)-$$(NS)"}],
+                {"name": "HOME", "value": "/scratch/home"}, {"name": "GREETING", "value": "$(NS)-$$(NS)"},
+                # the downward API rounds up (500m is 1 core); an unset limit is the node's allocatable CPU
+                {"name": "CPUS", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu", "divisor": "1"}}},
+                {"name": "REQ_MILLI", "valueFrom": {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1m"}}},
+                {"name": "MEM_MI", "valueFrom": {"resourceFieldRef": {"resource": "limits.memory", "divisor": "1Mi"}}}],
+        "resources": {"requests": {"cpu": "250m"}, "limits": {"cpu": "500m", "memory": "1Gi"}},
         "volumeMounts": [{"name": "config", "mountPath": "/etc/sapd"}, {"name": "scratch", "mountPath": "/scratch"},
                          {"name": "tmp", "mountPath": "/tmp"}]},
         pod={"volumes": [{"name": "config", "configMap": {"name": "cfg", "items": [{"key": "job.yaml", "path": "config.yaml"}]}},
@@ -147,6 +152,7 @@ def test_a_container_sees_rendered_env_volumes_and_rewritten_paths(cluster, tmp_
     assert env["SECRET"] == "s3cr3t/&x" and env["NS"] == "sapd" and env["RANK"] == "7"
     assert env["HOME"] == f"{vols}/scratch/home" and env["TMPDIR"] == f"{vols}/tmp"
     assert env["GREETING"] == "sapd-$(NS)"
+    assert (env["CPUS"], env["REQ_MILLI"], env["MEM_MI"]) == ("1", "250", "1024")
     assert seen["cwd"].endswith("/rootfs/app")  # the Dockerfile's WORKDIR, on the root filesystem
     assert yaml.safe_load(Path(env["KUBECONFIG"]).read_text())["users"][0]["user"] == {"token": cluster.sa_tokens[("sapd", "default")]}
 

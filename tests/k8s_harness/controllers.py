@@ -101,10 +101,13 @@ def policy_action(policy: dict | None, pod: dict) -> tuple[str | None, str]:
 
 
 class JobController:
+    TIMER_SECONDS = 0.2  # how late a back-off's end, a deadline or a TTL may be noticed, at most
+
     def __init__(self, cluster: "Cluster") -> None:
         self.cluster = cluster
         self.state: dict[str, JobState] = {}
         self.cron_counter: dict[str, int] = {}
+        self._seen, self._synced_at = -1, 0.0
 
     def _delay(self, n: int) -> float:
         base = self.cluster.backoff_base_seconds
@@ -112,6 +115,12 @@ class JobController:
 
     def sync(self) -> None:
         store = self.cluster.store
+        # a tick in which no object changed can only matter for the clocks (back-off, deadlines, TTLs): those are
+        # checked every TIMER_SECONDS, the objects' changes at once
+        now = time.monotonic()
+        if store.version == self._seen and now - self._synced_at < self.TIMER_SECONDS:
+            return
+        self._seen, self._synced_at = store.version, now
         for job in store.list("Job"):
             if job["metadata"].get("deletionTimestamp"):
                 continue  # the garbage collector finishes it
@@ -443,9 +452,13 @@ class GarbageCollector:
 
     def __init__(self, cluster: "Cluster") -> None:
         self.cluster = cluster
+        self._seen = -1  # the store's version at the last sync: what it decides depends on the objects alone
 
     def sync(self) -> None:
         store = self.cluster.store
+        if store.version == self._seen:
+            return
+        self._seen = store.version
         objs = store.all()
         uids = {o["metadata"]["uid"] for o in objs if not (o["metadata"].get("deletionTimestamp")
                                                           and o["kind"] != "Pod" and not o["metadata"].get("finalizers"))}

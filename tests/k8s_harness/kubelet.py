@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import re
 import shutil
@@ -152,6 +153,20 @@ def _quantity(q: Any) -> float:
         if s.endswith(u):
             return float(s[: -len(u)]) * units[u]
     return float(s)
+
+
+def resource_field(c: dict, ref: dict) -> str:
+    """A container's resource as the downward API gives it: the quantity over the divisor, rounded up (500m of
+    CPU at divisor 1 is 1); an unset request is the limit; an unset limit is the node's allocatable amount
+    (here: this machine's cores; memory and ephemeral storage as 0, which no sapd template reads)."""
+    kind, _, res = ref["resource"].partition(".")
+    resources = c.get("resources") or {}
+    q = (resources.get(kind) or {}).get(res)
+    if q is None and kind == "requests":  # the API server defaults an unset request to the limit
+        q = (resources.get("limits") or {}).get(res, 0)
+    if q is None:
+        q = os.cpu_count() if res == "cpu" else 0
+    return str(math.ceil(_quantity(q) / _quantity(ref.get("divisor", 1))))
 
 
 @dataclass
@@ -384,9 +399,7 @@ class Kubelet:
                                       f'{"not found" if obj is None else "has no key " + ref["key"]}')
                 env[name] = data[ref["key"]]
             elif "resourceFieldRef" in vf:
-                r = vf["resourceFieldRef"]
-                q = ((c.get("resources") or {}).get(r["resource"].split(".")[0]) or {}).get(r["resource"].split(".", 1)[1])
-                env[name] = str(int(_quantity(q) / _quantity(r.get("divisor", 1)))) if q is not None else "0"
+                env[name] = resource_field(c, vf["resourceFieldRef"])
         return env
 
     def _identity(self, pod: dict, c: dict, image_user: str | None) -> tuple[int, int, list[int]]:

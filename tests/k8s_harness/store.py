@@ -134,6 +134,12 @@ class Store:
         self._rv = itertools.count(1000)
         self.changed = threading.Condition(self.lock)
         self.events: list[dict[str, Any]] = []
+        self.version = 0  # bumped by every change: a controller whose work depends only on the objects may skip
+        # a tick in which it did not move
+
+    def _changed(self) -> None:
+        self.version += 1
+        self.changed.notify_all()
 
     @staticmethod
     def key(kind: str, namespace: str | None, name: str) -> tuple[str, str, str]:
@@ -162,7 +168,7 @@ class Store:
             if kind in ("Job", "Pod", "CronJob", "JobSet", "Deployment"):
                 obj.setdefault("status", {})
             self.objects[key] = obj
-            self.changed.notify_all()
+            self._changed()
             return copy.deepcopy(obj)
 
     def get(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
@@ -206,18 +212,22 @@ class Store:
                     new["metadata"]["generation"] = cur["metadata"].get("generation", 1) + 1
             new["metadata"]["resourceVersion"] = str(next(self._rv))
             self.objects[key] = new
-            self.changed.notify_all()
+            self._changed()
             return copy.deepcopy(new)
 
     def mutate(self, kind: str, namespace: str | None, name: str, fn) -> dict[str, Any] | None:
-        """Apply ``fn(obj)`` in place under the lock (a controller's status write); None if gone."""
+        """Apply ``fn(obj)`` in place under the lock (a controller's status write); None if gone. A write that
+        changes nothing is no change: same resourceVersion, no ``version`` bump."""
         with self.lock:
             cur = self.objects.get(self.key(kind, namespace, name))
             if cur is None:
                 return None
+            before = copy.deepcopy(cur)
             fn(cur)
+            if cur == before:  # a write that changes nothing keeps its resourceVersion, as on an API server
+                return before
             cur["metadata"]["resourceVersion"] = str(next(self._rv))
-            self.changed.notify_all()
+            self._changed()
             return copy.deepcopy(cur)
 
     def delete(self, kind: str, namespace: str | None, name: str, propagation: str | None = None) -> dict[str, Any]:
@@ -249,14 +259,14 @@ class Store:
             if kind != "Pod" and not meta.get("finalizers"):
                 del self.objects[key]
             meta["resourceVersion"] = str(next(self._rv))
-            self.changed.notify_all()
+            self._changed()
             return copy.deepcopy(cur)
 
     def remove(self, kind: str, namespace: str | None, name: str) -> None:
         """Drop an object for good (the last finalizer done; a pod whose processes ended)."""
         with self.lock:
             self.objects.pop(self.key(kind, namespace, name), None)
-            self.changed.notify_all()
+            self._changed()
 
     def dependents(self, uid: str) -> list[dict[str, Any]]:
         with self.lock:

@@ -70,6 +70,16 @@
   value: {{ ternary (printf "%s/textworld" .root.Values.modelCache.mountPath) "/scratch/textworld" (ne .root.Values.modelCache.type "") | quote }}
 - name: PYTHONUNBUFFERED
   value: "1"
+{{- /* torch's CPU threads (OpenMP): one per core of the container's CPU limit (rounded up; the node's cores
+     without a limit), not torch's default of one per core of the node, which oversubscribes a pod limited
+     to fewer. Not with `.manyProcesses` (a train pod of several ranks): torchrun gives each one thread. */}}
+{{- if not .manyProcesses }}
+- name: OMP_NUM_THREADS
+  valueFrom:
+    resourceFieldRef:
+      resource: limits.cpu
+      divisor: "1"
+{{- end }}
 {{- if and .webshop .root.Values.evaluate.webshop.url }}
 - name: SAPD_WEBSHOP_URL
   value: {{ .root.Values.evaluate.webshop.url | quote }}

@@ -41,10 +41,16 @@ containers:
 {{- end -}}
 
 {{- define "sapd.trainEnv" -}}
+{{- $t := .root.Values.train }}
+{{- $cfg := mergeOverwrite (deepCopy .root.Values.config) (deepCopy ($t.config | default dict)) }}
+{{- $engine := (($cfg.train | default dict).engine | default "torch") }}
+{{- if or (eq $engine "deepspeed") (gt (int $t.procsPerPod) 1) (gt (int $t.parallelism) 1) }}
 # OpenMP threads that spin while waiting starve DeepSpeed's and gloo's own threads when a rank's
-# threads take every CPU core (a tiny model's steps ran 15-20x slower on CPU: docs/results/EFFICIENCY.md)
+# threads take every CPU core (a tiny model's steps ran 15-20x slower on CPU: docs/results/EFFICIENCY.md).
+# One torch-engine process alone has no such threads, and passive waits cost its CPU steps ~40 %.
 - name: OMP_WAIT_POLICY
   value: PASSIVE
+{{- end }}
 - name: NODE_RANK
   valueFrom:
     fieldRef:
@@ -62,7 +68,7 @@ containers:
 {{- include "sapd.trainJobSet" . }}
 {{- else }}
 {{- $nodes := int .root.Values.train.parallelism }}
-{{- $c := dict "root" .root "component" "train" "job" .root.Values.train "round" .round "gang" true "hostSuffix" (add 1 (len (toString (sub $nodes 1)))) }}
+{{- $c := dict "root" .root "component" "train" "job" .root.Values.train "round" .round "gang" true "manyProcesses" (gt (int .root.Values.train.procsPerPod) 1) "hostSuffix" (add 1 (len (toString (sub $nodes 1)))) }}
 {{- $_ := set $c "env" (include "sapd.trainEnv" $c | fromYamlArray) }}
 {{- $svc := include "sapd.name" (dict "root" .root "component" "train") }}
 {{- $name := include "sapd.stageName" $c }}
@@ -95,7 +101,7 @@ spec:
      restarts the group without counting against maxRestarts, exit code 2 fails the JobSet at once. */}}
 {{- define "sapd.trainJobSet" -}}
 {{- $nodes := int .root.Values.train.parallelism }}
-{{- $c := dict "root" .root "component" "train" "job" .root.Values.train "round" .round "gang" true "hostSuffix" (add 8 (len (toString (sub $nodes 1)))) }}
+{{- $c := dict "root" .root "component" "train" "job" .root.Values.train "round" .round "gang" true "manyProcesses" (gt (int .root.Values.train.procsPerPod) 1) "hostSuffix" (add 8 (len (toString (sub $nodes 1)))) }}
 {{- $_ := set $c "env" (include "sapd.trainEnv" $c | fromYamlArray) }}
 {{- $name := include "sapd.stageName" $c }}
 apiVersion: jobset.x-k8s.io/v1alpha2
