@@ -5,7 +5,11 @@ policy; ~8 s a run on 2 cores); the numbers in docs/results/EFFICIENCY.md came f
 
 The run: the tests' tiny student and teacher (tests/pipeline_util.py), 2 rounds of `sapd run` on a local run
 root; then RUNS times: a copy of that root without checkpoint 2, and `python -m sapd.jobs.train --round 1` on
-it, as a persistent or per-round train pod runs it (no OMP_NUM_THREADS: torch's default threads)."""
+it, as a persistent or per-round train pod runs it (no OMP_NUM_THREADS: torch's default threads).
+
+``--in-process N`` instead repeats two optimizer steps of the tiny student N times in one process (run it with
+the environment to test, e.g. ``OMP_WAIT_POLICY=PASSIVE python -m tests.train_reproducibility --in-process 400
+--load 1``)."""
 
 from __future__ import annotations
 
@@ -40,6 +44,45 @@ def _variant(spec: str) -> tuple[str, dict[str, str]]:
     return spec, dict((k, v) for k, v in pairs)
 
 
+def in_process(repeats: int, tmp: Path) -> int:
+    """The tiny student's two AdamW steps from one state on one padded batch of four lengths, ``repeats`` times
+    in this process (its environment's threads and wait policy): how many ended with other weights than the
+    first. A variation that shows here is in a kernel's timing; one that shows only across processes is not."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    student, _ = make_models(tmp / "models")
+    model = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32)
+    model.train()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    lengths = [700, 433, 610, 128]
+    ids = torch.randint(0, model.config.vocab_size, (len(lengths), max(lengths)), generator=gen)
+    mask = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long()
+    weight = torch.linspace(-1, 1, max(lengths) - 1)
+
+    def steps() -> dict[str, torch.Tensor]:
+        model.load_state_dict(start)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            m = mask[:, 1:].float()
+            (-(logp * weight * m).sum() / m.sum()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    first, differed, t0 = steps(), 0, time.monotonic()
+    for _ in range(repeats):
+        got = steps()
+        differed += any(not torch.equal(first[k], got[k]) for k in first)
+    print(f"in one process ({torch.get_num_threads()} threads, OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY', '(unset)')}): {repeats} repeats in {time.monotonic() - t0:.0f} s; "
+          f"{differed} ended with other weights than the first", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.train_reproducibility", description=__doc__.splitlines()[0])
     ap.add_argument("runs", type=int, nargs="?", default=25, help="runs per variant (default 25)")
@@ -48,7 +91,18 @@ def main(argv: list[str] | None = None) -> int:
                          "OMP_WAIT_POLICY unset, then PASSIVE); '-' is the default environment")
     ap.add_argument("--load", type=int, default=0, metavar="N",
                     help="keep N busy-looping processes running meanwhile (timing noise makes a race show more often)")
+    ap.add_argument("--in-process", type=int, default=0, metavar="N",
+                    help="instead: N repeats of two optimizer steps in this one process (its own environment)")
     args = ap.parse_args(argv)
+    if args.in_process:
+        tmp = Path(tempfile.mkdtemp(prefix="sapd-train-repro-"))
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+        try:
+            return in_process(args.in_process, tmp)
+        finally:
+            for h in hogs:
+                h.kill()
+            shutil.rmtree(tmp, ignore_errors=True)
     variants = [_variant(v) for v in (args.variant or ["-", "OMP_WAIT_POLICY=PASSIVE"])]
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     tmp = Path(tempfile.mkdtemp(prefix="sapd-train-repro-"))
