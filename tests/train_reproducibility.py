@@ -94,19 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-process", type=int, default=0, metavar="N",
                     help="instead: N repeats of two optimizer steps in this one process (its own environment)")
     args = ap.parse_args(argv)
-    if args.in_process:
-        tmp = Path(tempfile.mkdtemp(prefix="sapd-train-repro-"))
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
-        try:
-            return in_process(args.in_process, tmp)
-        finally:
-            for h in hogs:
-                h.kill()
-            shutil.rmtree(tmp, ignore_errors=True)
     variants = [_variant(v) for v in (args.variant or ["-", "OMP_WAIT_POLICY=PASSIVE"])]
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     tmp = Path(tempfile.mkdtemp(prefix="sapd-train-repro-"))
     try:
+        if args.in_process:
+            return in_process(args.in_process, tmp)
         student, teacher = make_models(tmp / "models")
         base = tmp / "base"
         cfg = tiny_config(str(base), student, teacher, train={"rounds": 2})

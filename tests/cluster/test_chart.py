@@ -22,6 +22,7 @@ import yaml
 
 from sapd.config import load_config
 from tests.k8s_harness.apiserver import ApiError, ApiServer, crd_schema, validate_crd
+from tests.k8s_harness.helm import deep_merge
 from tests.k8s_harness.store import BY_KIND
 
 REPO = Path(__file__).resolve().parents[2]
@@ -419,12 +420,6 @@ def test_torch_threads_follow_the_cpu_limit_and_passive_waits_only_where_ranks_s
         spec = t["spec"] if t["kind"] == "Job" else t["spec"]["replicatedJobs"][0]["template"]["spec"]
         return env_of(container(spec))
 
-    def merge(base: dict, over: dict) -> dict:
-        out = dict(base)
-        for k, v in over.items():
-            out[k] = merge(out.get(k) or {}, v) if isinstance(v, dict) else v
-        return out
-
     smoke = overlay_values("smoke")
     assert smoke["config"]["train"].get("engine", "torch") == "torch" and smoke["train"]["parallelism"] == 1
     docs = render(smoke)
@@ -437,12 +432,12 @@ def test_torch_threads_follow_the_cpu_limit_and_passive_waits_only_where_ranks_s
     assert "OMP_WAIT_POLICY" not in env and "resourceFieldRef" in env["OMP_NUM_THREADS"]["valueFrom"]
     for over in ({"config": {"train": {"engine": "deepspeed"}}}, {"train": {"config": {"train": {"engine": "deepspeed"}}}},
                  {"train": {"parallelism": 2}}):
-        assert train_env(merge(smoke, over))["OMP_WAIT_POLICY"]["value"] == "PASSIVE", over
+        assert train_env(deep_merge(smoke, over))["OMP_WAIT_POLICY"]["value"] == "PASSIVE", over
     # the chart's default (DeepSpeed, 8 processes a pod): passive waits, and torchrun's one thread per process
     env = train_env({})
     assert env["OMP_WAIT_POLICY"]["value"] == "PASSIVE" and "OMP_NUM_THREADS" not in env
     # a user's extraEnv comes last, so it overrides the chart's
-    env = train_env(merge(smoke, {"train": {"extraEnv": [{"name": "OMP_NUM_THREADS", "value": "3"}]}}))
+    env = train_env(deep_merge(smoke, {"train": {"extraEnv": [{"name": "OMP_NUM_THREADS", "value": "3"}]}}))
     assert env["OMP_NUM_THREADS"] == {"name": "OMP_NUM_THREADS", "value": "3"}
 
 

@@ -9,10 +9,21 @@
 {{- include "sapd.yaml" $cfg -}}
 {{- end -}}
 
+{{/* A job's own config over the shared one, as JSON (for the lookups below). */}}
+{{- define "sapd.ownConfig" -}}
+{{- mergeOverwrite (deepCopy .root.Values.config) (deepCopy (.job.config | default dict)) | toJson -}}
+{{- end -}}
+
 {{/* The benchmark a job's config names (its own config over the shared one). */}}
 {{- define "sapd.benchmark" -}}
-{{- $cfg := mergeOverwrite (deepCopy .root.Values.config) (deepCopy (.job.config | default dict)) -}}
+{{- $cfg := include "sapd.ownConfig" . | fromJson -}}
 {{- (($cfg.data | default dict).benchmark | default "alfworld") -}}
+{{- end -}}
+
+{{/* The training engine a job's config names (its own config over the shared one): torch or deepspeed. */}}
+{{- define "sapd.trainEngine" -}}
+{{- $cfg := include "sapd.ownConfig" . | fromJson -}}
+{{- (($cfg.train | default dict).engine | default "torch") -}}
 {{- end -}}
 
 {{/* toYaml, except that a decimal number `--set` passed as a string (Helm's --set types only integers,

@@ -42,9 +42,7 @@ containers:
 
 {{- define "sapd.trainEnv" -}}
 {{- $t := .root.Values.train }}
-{{- $cfg := mergeOverwrite (deepCopy .root.Values.config) (deepCopy ($t.config | default dict)) }}
-{{- $engine := (($cfg.train | default dict).engine | default "torch") }}
-{{- if or (eq $engine "deepspeed") (gt (int $t.procsPerPod) 1) (gt (int $t.parallelism) 1) }}
+{{- if or (eq (include "sapd.trainEngine" (dict "root" .root "job" $t)) "deepspeed") (gt (int $t.procsPerPod) 1) (gt (int $t.parallelism) 1) }}
 # OpenMP threads that spin while waiting starve DeepSpeed's and gloo's own threads when a rank's
 # threads take every CPU core (a tiny model's steps ran 15-20x slower on CPU: docs/results/EFFICIENCY.md).
 # One torch-engine process alone has no such threads, and passive waits cost its CPU steps ~40 %.
