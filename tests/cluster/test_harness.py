@@ -12,6 +12,7 @@ import re
 import signal
 import ssl
 import textwrap
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -531,3 +532,29 @@ def test_queue_admission_keeps_jobs_suspended_until_their_quota_frees(tmp_path):
         assert reasons.index("Suspended") < reasons.index("QuotaReserved") < reasons.index("Resumed")
     finally:
         c.stop()
+
+
+def test_a_write_that_changes_nothing_is_no_change_and_the_controllers_sleep_through_it(cluster):
+    """As on an API server, a status write equal to what is stored keeps its resourceVersion; the store's version
+    moves only on a change, and the garbage collector and the Job controller skip a tick in which it did not
+    (the Job controller still wakes for its clocks)."""
+    from tests.k8s_harness.store import Store
+    store = Store()
+    store.create({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j"}, "spec": {}}, "sapd")
+    rv, version = store.get("Job", "sapd", "j")["metadata"]["resourceVersion"], store.version
+    store.mutate("Job", "sapd", "j", lambda o: o["status"].update(active=0) if "active" in o["status"] else None)
+    assert (store.get("Job", "sapd", "j")["metadata"]["resourceVersion"], store.version) == (rv, version)
+    store.mutate("Job", "sapd", "j", lambda o: o["status"].update(active=1))
+    assert store.get("Job", "sapd", "j")["metadata"]["resourceVersion"] != rv and store.version == version + 1
+    # the running cluster's controllers: idle between changes, awake after one
+    listed = []
+    real_list = cluster.store.list
+    cluster.store.list = lambda *a, **k: (listed.append(a[0]), real_list(*a, **k))[1]  # type: ignore[method-assign]
+    try:
+        time.sleep(1.0)
+        quiet = listed.count("Job")
+        assert quiet <= 1.0 / cluster.jobs.TIMER_SECONDS + 2  # its clocks only, not every 0.05 s tick (20)
+        cluster.create(job("wake", "pass"))
+        assert cluster.wait_job("wake", 60) == "Complete"
+    finally:
+        cluster.store.list = real_list  # type: ignore[method-assign]
