@@ -13,7 +13,7 @@ XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfil
 
 .PHONY: setup system-deps envs demo test test-fast test-vllm lint docs refs clean image-venvs
 
-$(BIN)/.sapd-installed: pyproject.toml
+$(BIN)/.sapd-installed: pyproject.toml docker/constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: the CPU wheel on this machine; nothing below may pull another build

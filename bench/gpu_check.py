@@ -97,6 +97,12 @@ SHAPES: dict[str, dict[str, int]] = {
 # time per group), meant to fit one run of at most 10 minutes on one GPU
 PRESETS: dict[str, tuple[str, ...]] = {"scale": ("bf16_master", "rank_placement", "vllm_teacher_scoring")}
 
+# proofs of their own, each a script beside this one with its own results file (``--only NAME`` runs it alone):
+# one-gpu — `sapd run` of the alfworld starter on auto at Qwen2.5-1.5B/3B shapes, every phase on one GPU
+# (bench/one_gpu.py, ≤ 8 min); ranks — the multi-rank training path as far as one GPU shows it (bench/gpu_ranks.py,
+# ≤ 5 min)
+SCRIPTS: dict[str, str] = {"one-gpu": "one_gpu.py", "ranks": "gpu_ranks.py"}
+
 # the sections a section reads the results of (``--only`` runs them too)
 NEEDS: dict[str, tuple[str, ...]] = {
     "deepspeed_zero2": ("hf_torch",), "deepspeed_zero3": ("hf_torch",), "shared_prompt_ab": ("hf_torch",),
@@ -551,7 +557,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated sections to run, with the ones they need (e.g. sharded_checkpoint,"
                          "checkpoint_memory,vllm_engine_reuse: the checks of sharded checkpoints, checkpoint "
                          "memory and in-place weight sync), or a preset: scale = "
-                         + ",".join(PRESETS["scale"]) + " (the bf16, rank and vLLM-teacher proofs, ~10 min)")
+                         + ",".join(PRESETS["scale"]) + " (the bf16, rank and vLLM-teacher proofs, ~10 min); "
+                         "or alone: one-gpu (bench/one_gpu.py: sapd run on one GPU, ≤ 8 min), ranks "
+                         "(bench/gpu_ranks.py: the multi-rank path on one GPU, ≤ 5 min)")
     ap.add_argument("--checkpoint-memory-before", metavar="REV", default=None,
                     help="checkpoint_memory also measures the code at git revision REV (needs the git history)")
     ap.add_argument("--vllm-reuse-only", nargs=2, metavar=("WORK", "OUT"), help=argparse.SUPPRESS)
@@ -563,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
         return _vllm_reuse_only(*args.vllm_reuse_only)
     if args.rank_worker:
         return _rank_worker(*args.rank_worker)
+    if args.only in SCRIPTS:
+        return subprocess.call([sys.executable, str(REPO / "bench" / SCRIPTS[args.only]), "--out", args.out,
+                                *(["--dry-run"] if args.dry_run else [])], cwd=REPO)
 
     import torch
 

@@ -13,6 +13,9 @@
 # of sharded checkpoints, checkpoint memory and in-place weight sync (with the runs they need) in a few
 # minutes; --only scale runs the proof of the scale issue (#37: bf16 against float32 on the device, the
 # device and peak memory of 2 training ranks, the vLLM teacher's tokens per group) in about 10 minutes. vLLM is used when the image has it (its wheel is too large to carry).
+# Two proofs run alone, each first whenever a GPU is lent (their results: bench/results/<name>.{md,json}):
+#   bash bench/gpu_check.sh --only one-gpu   # sapd run of the alfworld starter on auto, 1.5B/3B shapes, one GPU, <= 8 min
+#   bash bench/gpu_check.sh --only ranks     # the multi-rank training path as far as one GPU shows it, <= 5 min
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -94,7 +94,7 @@ def check_plain_reload(root: str, k: int) -> dict[str, Any]:
     ids = enc["input_ids"]
     with torch.no_grad():
         a, b = plain(ids).logits, ours(ids).logits
-        out = plain.generate(ids, attention_mask=enc["attention_mask"], max_new_tokens=12, do_sample=False,
+        out = plain.generate(ids, attention_mask=enc["attention_mask"], max_new_tokens=12, do_sample=False,  # type: ignore[misc]
                              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     return {"folder": folder, "model_type": plain.config.model_type,
             "parameters": sum(p.numel() for p in plain.parameters()),

@@ -339,6 +339,11 @@ class OptimizerShard:
 class ShardedOptimizer(Protocol):
     """What :func:`restore_optimizer` asks of a training engine."""
 
+    @property
+    def module(self) -> Any:
+        """The HF model it trains (its ``named_parameters()`` in the optimizer's order)."""
+        ...
+
     def optimizer_shard(self) -> OptimizerShard:
         """This rank's share of the current state (views)."""
         ...
@@ -517,9 +522,14 @@ def restore_optimizer(root: str, k: int, engine: ShardedOptimizer, state: dict[s
     keeps_master = MASTER_KEY in engine.optimizer_shard().keys
 
     def rebuilt(why: str) -> None:
-        if keeps_master:
-            log(f"checkpoint {k}: {why}; the fp32 master is rebuilt from its half-precision weights (updates "
-                "lost to their rounding stay lost); checkpoints from now on store it")
+        if not keeps_master:
+            return
+        if master_from_float32_folder(root, k, engine):
+            log(f"checkpoint {k}: its model folder holds float32 weights (written by a float32 process, e.g. the "
+                "cluster's prefix build on a CPU): they are the fp32 master, exactly")
+            return
+        log(f"checkpoint {k}: {why}; the fp32 master is rebuilt from its half-precision weights (updates "
+            "lost to their rounding stay lost); checkpoints from now on store it")
 
     if not state:
         rebuilt("no optimizer state and no fp32 master stored (written before sapd kept one)")
@@ -557,6 +567,35 @@ def restore_optimizer(root: str, k: int, engine: ShardedOptimizer, state: dict[s
         log(f"checkpoint {k}: it holds an fp32 master, which this float32 run does not keep: its weights come "
             "from the model folder (their half-precision rounding)")
     return "sharded"
+
+
+def master_from_float32_folder(root: str, k: int, engine: ShardedOptimizer) -> bool:
+    """A half-precision trainer on a checkpoint whose model folder stores float32 weights and no master
+    (checkpoint 0 written where ``model.dtype: auto`` resolved to float32: the cluster's prefix build runs on a
+    CPU): its fp32 master set to those weights, each rank its own slices, and the half-precision weights to
+    their rounding — what the checkpoint's own master would have held. → False where the folder is not
+    float32 (the master stays the rounding the engine built)."""
+    from safetensors import safe_open
+
+    files = sorted(checkpoint_model_path(root, k).glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                tensors[name] = st.get_tensor(name)
+    if not tensors or any(t.dtype != torch.float32 for t in tensors.values()):
+        return False
+    dest = engine.prepare_optimizer_shard(None, {})
+    names = [name for name, _ in engine.module.named_parameters()]  # model.parameters() order, tied ones once
+    if len(names) != len(dest.fragments) or any(n not in tensors for n in names):
+        return False
+    for name, fragments in zip(names, dest.fragments):
+        flat = tensors[name].reshape(-1)
+        for start, views in fragments:
+            view = views[MASTER_KEY]
+            view.copy_(flat[start:start + view.numel()].to(view.device))
+    engine.weights_from_master()
+    return True
 
 
 def consolidated_optimizer_state(root: str, k: int) -> dict[str, Any] | None:

@@ -105,9 +105,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Everything about a run that can be known without training (sapd.run.check)."""
     from sapd.entry import config_from_args
     from sapd.run.check import check_command
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, announce=False)  # check_command says what "auto" resolved to (or is planned as)
     return check_command(cfg, sample_records=args.sample_records, device_memory_gib=args.device_memory_gib,
-                         log=lambda s: print(s, flush=True))
+                         gpu_memory_gib=args.gpu_memory, gpus=args.gpus, log=lambda s: print(s, flush=True))
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -337,6 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-records", type=int, default=20, help="records of the data input to parse (default 20)")
     p.add_argument("--device-memory-gib", type=float, default=None,
                    help="memory of the device the stages will run on, when it is not this machine's")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                   help="plan for GPUs of this many GiB that are not here (capacity planning before renting one): "
+                        "'auto' resolved as on such a machine with vLLM installed, then what each GPU holds in "
+                        "each phase, from the models' config.json alone")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="GPUs to plan for (default: 1, `sapd run` on one GPU, every phase on it; N > 1: the "
+                        "cluster, N training ranks sharding the trainer with ZeRO, each scoring pod on its own GPU)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("init", help="write a commented starter run config for a benchmark (then fill in its paths)")

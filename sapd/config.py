@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -19,6 +20,7 @@ from typing import Any, Callable, Literal
 from sapd import layout, storage, yamlio
 from sapd.method.benchmarks import BENCHMARKS
 from sapd.method.objective import VARIANTS, LossConfig, loss_config_for, objective_of
+from sapd.platform import Platform, detect
 
 
 @dataclass
@@ -45,19 +47,28 @@ FLOAT16_NOT_TRAINED = ("model.dtype: float16 is not trained: its gradients need 
                        "does not do; use bfloat16 (the same memory; an fp32 master of the weights is kept) or float32")
 
 
+AUTO: typing.Final = "auto"
+Precision = Literal["float32", "bfloat16", "float16"]
+#: the keys whose value may be ``auto``: each process resolves it from what it runs on (resolve_auto)
+AUTO_KEYS = ("model.device", "model.dtype", "sampling.backend")
+
+
 @dataclass
 class ModelConfig:
     student: str = ""  # HF folder or s3:// prefix: the initial student (checkpoint 0)
     teacher: str = ""  # HF folder or s3:// prefix: the frozen teacher (must share the student's tokenizer)
     # bfloat16: checkpoints, sampling and scoring in bf16, training on an fp32 master kept in the optimizer
-    # state (docs/DESIGN.md); float16 is refused by training (FLOAT16_NOT_TRAINED)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"  # cpu | cuda | cuda:N
+    # state (docs/DESIGN.md); float16 is refused by training (FLOAT16_NOT_TRAINED). auto: bfloat16 on a GPU
+    # that computes in it, float32 on a CPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = AUTO
+    device: str = AUTO  # auto (cuda:LOCAL_RANK where torch sees CUDA, else cpu) | cpu | cuda | cuda:N
 
 
 @dataclass
 class SamplingConfig:
-    backend: Literal["hf", "vllm"] = "hf"  # student sampling and teacher scoring: transformers, or vLLM (a GPU)
+    # student sampling and teacher scoring: transformers, or vLLM (a GPU). auto: vLLM where it is installed and
+    # model.device is a GPU, else hf
+    backend: Literal["auto", "hf", "vllm"] = AUTO
     group_size: int = 8  # G responses per prefix (paper: 8)
     temperature: float = 1.0  # of the student samples (paper: 1.0)
     top_p: float = 1.0  # nucleus sampling of the student samples; 1.0 = off
@@ -154,19 +165,123 @@ class RunConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)  # riding out outages; the run root's lease
     # the variant with its `loss` overrides, resolved (and typed) once: by construction and by validate()
     loss_cfg: LossConfig = field(init=False, repr=False, compare=False)
+    # the AUTO_KEYS this process resolved from "auto": key → (the value, why); written back as "auto"
+    # (to_dict), so the run root's config says what the user asked, and each process resolves it afresh
+    resolved_auto: dict[str, tuple[str, str]] = field(default_factory=dict, repr=False, compare=False,
+                                                      metadata={"derived": True})
 
     def __post_init__(self) -> None:
         self.loss_cfg = _resolve_loss(self.variant, self.loss)
+        self.resolved_auto = dict(self.resolved_auto)  # a copy's own (dataclasses.replace passes the mapping on)
+        resolve_auto(self)
 
     def checkpointing_on(self) -> bool:
         """``train.gradient_checkpointing`` resolved: "auto" is on for a CUDA ``model.device``."""
         ckpt = self.train.gradient_checkpointing
         return self.model.device.startswith("cuda") if ckpt == "auto" else bool(ckpt)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, as_written: bool = True) -> dict[str, Any]:
+        """The config as a mapping; ``as_written``: each key resolved from "auto" (and not changed since) is
+        "auto" again, as the user wrote it; else the values this process runs with."""
         d = asdict(self)
         del d["loss_cfg"]  # derived from variant + loss
+        del d["resolved_auto"]
+        if as_written:
+            for key, (value, _) in self.resolved_auto.items():
+                section, name = key.split(".")
+                if d[section][name] == value:
+                    d[section][name] = AUTO
         return d
+
+    def precision(self) -> Precision:
+        """``model.dtype`` as resolved (never "auto": every constructor resolves it)."""
+        if self.model.dtype == AUTO:
+            raise RuntimeError("model.dtype is still 'auto': the config was changed after it was resolved "
+                               "(sapd.config.resolve_auto)")
+        return typing.cast(Precision, self.model.dtype)
+
+    def auto_lines(self) -> list[str]:
+        """One line per key resolved from "auto": ``model.device: auto → cuda (1 CUDA device …)``."""
+        return [f"{key}: auto → {value} ({why})" for key, (value, why) in self.resolved_auto.items()]
+
+
+def resolved_for(cfg: RunConfig, platform: Platform) -> RunConfig:
+    """A copy of ``cfg`` whose "auto" values are resolved for ``platform`` instead of this process (a GPU
+    machine being planned for: ``sapd check --gpu-memory``)."""
+    copy = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model), sampling=dataclasses.replace(cfg.sampling))
+    _unresolve(copy)
+    resolve_auto(copy, platform)
+    return copy
+
+
+def _unresolve(cfg: RunConfig) -> None:
+    """Each key resolved from "auto" (and not changed since) set to "auto" again."""
+    for key, (value, _) in cfg.resolved_auto.items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) == value:
+            setattr(getattr(cfg, section), name, AUTO)
+    cfg.resolved_auto = {}
+
+
+def resolve_auto(cfg: RunConfig, platform: Platform | None = None) -> None:
+    """Each of :data:`AUTO_KEYS` set to "auto" resolved for this process (or for ``platform``, a GPU machine
+    being planned for), recorded in ``cfg.resolved_auto`` with the reason:
+
+    - ``model.device``: ``cuda:LOCAL_RANK`` under torchrun (``cuda`` in a plain process) where torch sees a
+      CUDA device, else ``cpu``;
+    - ``model.dtype``: ``bfloat16`` (trained on an fp32 master) on a GPU that computes in it — a configured
+      ``cuda`` device counts as one even where this process sees none (the cluster's driver) — else
+      ``float32``;
+    - ``sampling.backend``: ``vllm`` where vLLM is installed and the device is a GPU, else ``hf``.
+
+    >>> from sapd.platform import Platform
+    >>> c = RunConfig(); c.model.device = c.model.dtype = c.sampling.backend = "auto"
+    >>> resolve_auto(c, Platform(cuda=True, gpus=1, bf16=True, vllm=True, local_rank=3))
+    >>> c.model.device, c.model.dtype, c.sampling.backend
+    ('cuda:3', 'bfloat16', 'vllm')
+    """
+    m, s = cfg.model, cfg.sampling
+    if AUTO not in (m.device, m.dtype, s.backend):
+        return
+    p = platform or detect()
+    planned = "" if p.where == "this machine" else f" ({p.where})"
+    given = os.environ.get("SAPD_POD_GPUS", "") if platform is None else ""
+    if m.device == AUTO and not p.cuda and given.isdigit() and int(given) > 0:
+        raise ConfigError(f"model.device: auto: this pod was given {given} GPU{'s' if given != '1' else ''} "
+                          "(SAPD_POD_GPUS, set by the chart from its nvidia.com/gpu limit) but torch sees no CUDA "
+                          "device: check the node's NVIDIA driver and the pod's runtimeClassName, or set "
+                          "model.device: cpu", "model.device")
+    if m.device == AUTO:
+        if p.cuda:
+            m.device = "cuda" if p.local_rank is None else f"cuda:{p.local_rank}"
+            why = p.describe_gpus() + (f"; this rank's LOCAL_RANK is {p.local_rank}" if p.local_rank is not None
+                                       else "")
+        else:
+            m.device, why = "cpu", "torch sees no CUDA device"
+        cfg.resolved_auto["model.device"] = (m.device, why + planned)
+    gpu = m.device.startswith("cuda")
+    if m.dtype == AUTO:
+        if gpu and (p.bf16 or not p.cuda):
+            m.dtype = "bfloat16"
+            why = ("a GPU that computes in bfloat16" if p.cuda else f"model.device {m.device}: a GPU") + \
+                "; training keeps an fp32 master of the weights"
+        elif gpu:
+            m.dtype = "float32"
+            why = "the GPU does not compute in bfloat16 (compute capability below 8.0)"
+        else:
+            m.dtype, why = "float32", "a CPU"
+        cfg.resolved_auto["model.dtype"] = (m.dtype, why + planned)
+    if s.backend == AUTO:
+        if gpu and p.vllm:
+            s.backend = "vllm"
+            why = "vLLM is installed and the device is a GPU"
+        elif gpu:
+            s.backend = "hf"
+            why = "vLLM is not installed (pip install 'sapd[vllm]' to use it)"
+        else:
+            s.backend = "hf"
+            why = "a CPU: vLLM is for GPUs"
+        cfg.resolved_auto["sampling.backend"] = (s.backend, why + planned)
 
 
 def _resolve_loss(variant: str, loss: dict[str, Any]) -> LossConfig:
@@ -258,7 +373,9 @@ def apply_overlay(obj: Any, overlay: dict[str, Any], path: str = "") -> None:
     """Set the fields of dataclass ``obj`` from ``overlay`` (nested dataclasses recursively), checking
     each value's type; an unknown key is a :class:`ConfigError` naming its dotted path."""
     hints = typing.get_type_hints(type(obj))
-    names = [f.name for f in fields(obj) if f.init]  # derived fields are not settable
+    names = [f.name for f in fields(obj) if f.init and not f.metadata.get("derived")]  # derived: not settable
+    if isinstance(obj, RunConfig):  # "auto" is resolved again below, from the values the overlay leaves
+        _unresolve(obj)
     for key, value in overlay.items():
         where = f"{path}{key}"
         if key not in names:
@@ -276,6 +393,8 @@ def apply_overlay(obj: Any, overlay: dict[str, Any], path: str = "") -> None:
             setattr(obj, key, merged)
         else:
             setattr(obj, key, _check_type(value, hints[key], where))
+    if isinstance(obj, RunConfig):
+        resolve_auto(obj)
 
 
 VARIANT_PREFIX = "variants/"
@@ -368,6 +487,7 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
 
 def validate(cfg: RunConfig) -> None:
     cfg.loss_cfg = _resolve_loss(cfg.variant, cfg.loss)
+    resolve_auto(cfg)
     if cfg.data.benchmark not in BENCHMARKS:
         raise ConfigError(f"data.benchmark: {cfg.data.benchmark!r} is not one of {sorted(BENCHMARKS)}",
                           "data.benchmark")
@@ -461,20 +581,25 @@ of 16 / 16 ranks (1), or train.minibatch_prefixes to a multiple of 4 × 16 = 64
             f"{tc.micro_batch_prefixes} × {W} = {tc.micro_batch_prefixes * W}")
 
 
-def dump_config(cfg: RunConfig) -> str:
+def dump_config(cfg: RunConfig, as_written: bool = True) -> str:
+    """The config as YAML (:meth:`RunConfig.to_dict`: "auto" where the user wrote it, unless ``as_written`` is
+    False: then the values this process runs with)."""
     def plain(x: Any) -> Any:
         if isinstance(x, tuple):
             return list(x)
         if isinstance(x, dict):
             return {k: plain(v) for k, v in x.items()}
         return x
-    return yamlio.dump(plain(cfg.to_dict()))
+    return yamlio.dump(plain(cfg.to_dict(as_written)))
 
 
 #: may change between rounds of one run, or differ between the stages of one run (the scoring workers of a
 #: round record their own count; the chart gives only the scoring stage its engines' tensor-parallel sizes)
 MAY_CHANGE = ("workers", "sampling.tensor_parallel_size", "sampling.teacher_tensor_parallel_size",
-              "sampling.weight_sync_timeout_s", "storage.retry_deadline_s", "storage.lease_ttl_s")
+              "sampling.weight_sync_timeout_s", "storage.retry_deadline_s", "storage.lease_ttl_s",
+              # where a stage runs is not the experiment: the cluster's driver and prefix build run on a CPU, its
+              # scoring and training pods on GPUs, each resolving model.device: auto for itself
+              "model.device")
 #: may change between two invocations of one run (a `helm upgrade --set config.train.rounds=40`, a `sapd run`
 #: with more rounds): the run continues from its newest committed checkpoint. Only under a constant
 #: lr_schedule: a linear or cosine decay spans train.rounds, so another count would change the learning rate
@@ -491,8 +616,10 @@ def _flat(d: dict[str, Any], pre: str = "") -> dict[str, Any]:
 
 def config_differences(a: RunConfig, b: RunConfig) -> list[str]:
     """Dotted keys whose values differ between two resolved configs (ignoring :data:`MAY_CHANGE`, and
-    :data:`ROUNDS` when both run a constant learning rate)."""
-    fa, fb = _flat(yamlio.load(dump_config(a))), _flat(yamlio.load(dump_config(b)))
+    :data:`ROUNDS` when both run a constant learning rate). Compared as this process runs them: "auto"
+    resolved, so a run root written with ``model.dtype: float32`` resumes under ``auto`` on a CPU, not on a
+    GPU (where auto is bfloat16)."""
+    fa, fb = (_flat(yamlio.load(dump_config(c, as_written=False))) for c in (a, b))
     ignored = set(MAY_CHANGE)
     if a.train.lr_schedule == b.train.lr_schedule == "constant":
         ignored.add(ROUNDS)
@@ -524,7 +651,7 @@ def committed_config_problem(cfg: RunConfig) -> str | None:
     diffs = config_differences(stored, cfg)
     if not diffs:
         return None
-    old, new = _flat(yamlio.load(dump_config(stored))), _flat(yamlio.load(dump_config(cfg)))
+    old, new = (_flat(yamlio.load(dump_config(c, as_written=False))) for c in (stored, cfg))
     shown = ", ".join(f"{k} ({old.get(k)!r} there, {new.get(k)!r} here)" for k in diffs[:4])
     shown += f" and {len(diffs) - 4} more" if len(diffs) > 4 else ""
     hint = (f" ({ROUNDS} may change only with train.lr_schedule constant: a {cfg.train.lr_schedule} decay spans "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 from typing import Callable
 
@@ -100,10 +101,15 @@ def add_takeover_flag(p: argparse.ArgumentParser) -> None:
                         "or must stop: docs/FAULTS.md)")
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
+def config_from_args(args: argparse.Namespace, *, announce: bool = True) -> RunConfig:
     """The run config of :func:`add_config_flags`' flags; its storage settings (how long storage operations
-    retry) apply to this process from here on."""
+    retry) apply to this process from here on. ``announce``: the values this process resolved from "auto"
+    (``model.device``, ``model.dtype``, ``sampling.backend``) and why are the first lines it logs, on the
+    main rank (every stage pod's log opens with them)."""
     cfg = load_config(*args.config, overrides={"run_root": args.run_root} if args.run_root else None)
     apply_storage_settings(cfg)
+    if announce and int(os.environ.get("RANK", "0") or 0) == 0:
+        for line in cfg.auto_lines():
+            log_line(f"config: {line}")
     return cfg
 

@@ -105,7 +105,7 @@ def _field_rows(cls: type, prefix: str) -> tuple[list[str], list[tuple[str, type
     comments = field_comments(path, cls.__name__)
     rows, nested = [], []
     for f in dataclasses.fields(cls):
-        if not f.init:
+        if not f.init or f.metadata.get("derived"):  # derived from other keys: not settable
             continue
         key = prefix + f.name
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()

@@ -43,6 +43,17 @@ class Engine(Protocol):
         """The model's half-precision weights set to the rounding of the fp32 master (after it was loaded)."""
         ...
 
+    def offload(self) -> bool:
+        """Between rounds on a GPU shared with the samplers (``sapd run``): the weights, the optimizer state and
+        the fp32 master move to host memory and the allocator's cached blocks go back to the driver, so the
+        vLLM engines can wake. Exact (tensors are copied, not recomputed). → whether anything moved (nothing
+        does on a CPU)."""
+        ...
+
+    def onload(self) -> bool:
+        """Back onto the device after :meth:`offload`, before the round trains. → whether anything moved."""
+        ...
+
     @property
     def is_main(self) -> bool: ...
 

@@ -38,6 +38,33 @@ How it matches the single-process engine, step for step:
   the sharded optimizer state (each rank's slices of its fp32 partitions, beside the moments), and after
   it is loaded :meth:`DeepSpeedEngine.weights_from_master` sets the bf16 module weights from it the way
   DeepSpeed's own step does. The model folder of each checkpoint stays bf16, the master's rounding.
+* **Gradients in fp32** (bf16 runs). The ranks' gradients are summed, and a step's micro-batches
+  accumulated, in fp32, the master's precision. DeepSpeed's default for a bf16 model is bf16 for both
+  (DeepSpeed 0.19.8, ``runtime/engine.py``: ``communication_data_type`` falls back to bf16, l. 1719-1730;
+  ``grad_accum_dtype`` to the model's dtype, l. 1806-1807), so :func:`deepspeed_config` sets
+  ``"communication_data_type": "fp32"`` and ``"data_types": {"grad_accum_dtype": "fp32"}``. Measured on 2
+  CPU ranks (tests/engines/test_bf16_reduction.py records the dtype of every tensor handed to a reducing
+  collective, and of the buffers the gradients wait in for the step), before → after:
+
+  - ZeRO-1: a bf16 all-reduce at ``step`` of the bf16 ``.grad`` the micro-batches accumulated in →
+    DeepSpeed builds its bf16 optimizer instead (``engine.py`` l. 2305-2310: ZeRO-1, bf16 weights and fp32
+    accumulation), which adds each micro-batch's bf16 gradients into fp32 buffers of the whole model
+    (``bf16_optimizer.py`` l. 191, 523) and all-reduces those in fp32 (``engine.py`` l. 3800-3801);
+  - ZeRO-2: a bf16 all-reduce in each ``backward``, accumulated in bf16 (``stage_1_and_2.py``
+    l. 1038-1045) → cast to fp32 before the all-reduce (l. 1493-1494) and added into this rank's fp32
+    gradient partition (l. 1259-1262, the compact buffer);
+  - ZeRO-3: a bf16 reduce-scatter into a bf16 partition buffer → fp32 (``stage3.py`` l. 1919-1920, the cast
+    before the reduce-scatter; l. 790-792 and 2030, the fp32 partition buffer it accumulates in);
+  - no ZeRO (stage 0, outside the stages sapd documents): the all-reduce is fp32 (``engine.py``
+    l. 3800-3801), but micro-batches still accumulate in bf16: DeepSpeed refuses a ``grad_accum_dtype``
+    other than the model's without ZeRO (``engine.py`` l. 2313-2323, ``NotImplementedError``), so it is
+    not set there.
+
+  The cost: fp32 gradients — of the whole model on every ZeRO-1 rank, of its partition on a ZeRO-2/3
+  rank — and twice the bytes per reduction. The single-process torch engine accumulates in fp32 the same
+  way, so a 2-rank ZeRO-2 bf16 round trains the torch engine's weights bit for bit where clipping is
+  inactive (tests/engines/test_bf16_reduction.py; the gradient norm, summed over partitions in another
+  order, differs in its last bits).
 """
 
 from __future__ import annotations
@@ -62,6 +89,20 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
         raise ConfigError(f"train.zero_stage: {t.zero_stage} is not one of 0, 1, 2, 3")
     if cfg.model.dtype == "float16":
         raise ConfigError(FLOAT16_NOT_TRAINED, "model.dtype")
+    bf16 = cfg.model.dtype == "bfloat16"
+    # bf16: the ranks' gradients are summed and micro-batches accumulated in fp32, as the fp32 master they
+    # update (DeepSpeed's default for both is the model's dtype, bf16; see "Gradients in fp32" above).
+    # "communication_data_type": the dtype of the tensors handed to the reducing collective — every
+    # stage's reduction (ZeRO-1/2 all-reduce, ZeRO-3 reduce-scatter, the engine's own all-reduce) casts to
+    # it first. "data_types.grad_accum_dtype": the buffers the reduced gradients accumulate in between
+    # steps (ZeRO-2/3: this rank's fp32 gradient partition; ZeRO-1 becomes DeepSpeed's bf16 optimizer,
+    # which keeps fp32 gradients of the whole model). ZeRO-0 takes only the first: DeepSpeed refuses a
+    # grad_accum_dtype other than the model's without ZeRO.
+    reduce_fp32: dict[str, Any] = {}
+    if bf16:
+        reduce_fp32["communication_data_type"] = "fp32"
+        if t.zero_stage >= 1:
+            reduce_fp32["data_types"] = {"grad_accum_dtype": "fp32"}
     return {
         # the loop feeds micro-batches of `micro_batch_prefixes` prefixes and owns the accumulation
         "train_micro_batch_size_per_gpu": t.micro_batch_prefixes,
@@ -72,8 +113,9 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": list(t.betas), "eps": 1e-8,
                                                   "weight_decay": t.weight_decay, "torch_adam": True}},
         "zero_optimization": {"stage": t.zero_stage, "overlap_comm": False},
-        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "bf16": {"enabled": bf16},
         "fp16": {"enabled": False},
+        **reduce_fp32,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -104,6 +146,7 @@ class DeepSpeedEngine:
         self.model = ds_engine
         self.module = module
         self.cfg = cfg
+        self._offloaded = False
 
     # -- the TorchEngine interface
 
@@ -226,6 +269,26 @@ class DeepSpeedEngine:
                 zero._reassign_or_swap_out_partitioned_parameters(i)
             zero.checkpoint_event_epilogue()
 
+    def offload(self) -> bool:
+        """DeepSpeed's own ``offload_states`` (ZeRO's flat partitions, the fp32 master and the moments, its
+        gradient buffers) to pinned host memory, on a GPU; the allocator's cache emptied. DeepSpeed's bf16
+        optimizer (ZeRO-1 with bf16 weights and fp32 gradients) has no ``offload_states``: that trainer stays
+        on the GPU (→ False), which ``sapd check``'s one-GPU plan does not assume: train ZeRO-1 on a GPU of its
+        own (the cluster), or use the torch engine or ZeRO-2 with ``sapd run``."""
+        if self._device().type == "cpu" or self._offloaded or not hasattr(self.model.optimizer, "offload_states"):
+            return False
+        self.model.offload_states()
+        self._offloaded = True
+        torch.cuda.empty_cache()
+        return True
+
+    def onload(self) -> bool:
+        if not self._offloaded:
+            return False
+        self.model.reload_states()
+        self._offloaded = False
+        return True
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
@@ -277,7 +340,7 @@ def load_partitioned(path: str, cfg: RunConfig):
     init_distributed()
     hf_ds = HfDeepSpeedConfig(deepspeed_config(cfg, torch.distributed.get_world_size()))
     try:
-        return load_causal_lm(path, dtype=cfg.model.dtype, trainable=True)
+        return load_causal_lm(path, dtype=cfg.precision(), trainable=True)
     finally:
         unset_hf_deepspeed_config()
         del hf_ds

@@ -26,17 +26,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(p, progress=False, check=False, takeover=False)
     p.add_argument("--device-memory-gib", type=float, default=None,
                    help="compare the memory estimate against this much device memory (default: the device here)")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                   help="plan for the run's GPUs of this many GiB (the `helm test` pod has none of them)")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="training GPUs to plan for (default: $SAPD_TRAIN_PROCESSES, which the chart sets)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        cfg = config_from_args(args)
+        cfg = config_from_args(args, announce=False)
     except (ValueError, OSError) as e:
         log_line(f"check config: FAILED: {e}")
         return EXIT_USER_ERROR
-    return check_command(cfg, device_memory_gib=args.device_memory_gib, log=log_line)
+    return check_command(cfg, device_memory_gib=args.device_memory_gib, gpu_memory_gib=args.gpu_memory, gpus=args.gpus,
+                         log=log_line)
 
 
 if __name__ == "__main__":

@@ -120,20 +120,28 @@ class HFGenerator:
             raise ValueError(f"{model_dir}: the checkpoint lacks {missing[:5]} (of {len(missing)} missing)")
         self._return_to_device()
 
-    def release(self) -> None:
+    def release(self) -> bool:
         """Before training: on an accelerator the kept model moves to host memory, so the training stage
         has the device to itself (the weights are overwritten by the next :meth:`load_weights` anyway); on
-        a CPU nothing moves."""
-        if torch.device(self.device).type != "cpu" and not self._offloaded:
-            cast(Any, self.model).to("cpu")  # transformers types .to() narrowly
-            self._offloaded = True
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        a CPU nothing moves. → whether it moved."""
+        if torch.device(self.device).type == "cpu" or self._offloaded:
+            return False
+        cast(Any, self.model).to("cpu")  # transformers types .to() narrowly
+        self._offloaded = True
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return True
 
-    def _return_to_device(self) -> None:
-        if self._offloaded:
-            cast(Any, self.model).to(self.device)
-            self._offloaded = False
+    def wake(self) -> bool:
+        """The model back on its device after :meth:`release` (sampling does it too). → whether it moved."""
+        return self._return_to_device()
+
+    def _return_to_device(self) -> bool:
+        if not self._offloaded:
+            return False
+        cast(Any, self.model).to(self.device)
+        self._offloaded = False
+        return True
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[str], params: SamplingParams,

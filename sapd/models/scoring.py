@@ -12,6 +12,7 @@ longer than the model's context, or running out of memory — never a silent zer
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -317,6 +318,10 @@ class ScoringStats:
         self.per_response_tokens += sum(prompt + r for r in scored)
         self.shared_prompt_tokens += prompt + sum(scored) if scored else 0
 
+    def minus(self, earlier: ScoringStats) -> ScoringStats:
+        """What was computed since ``earlier`` (a copy of these stats taken then)."""
+        return ScoringStats(*(getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self)))
+
     def line(self) -> str:
         if not self.groups:
             return "no group scored"
@@ -346,16 +351,22 @@ class HFScorer:
             self.stats.computed_tokens += len(prompt) + sum(len(r) for r in responses)
         return out
 
-    def wake(self) -> None:
+    def wake(self) -> bool:
         """The model back on its device after :meth:`release` (each call does it; the validation, which
-        samples the teacher through ``model``, calls it first)."""
-        if self.offloaded:
-            self.model.to(self.device)
-            self.offloaded = False
+        samples the teacher through ``model``, calls it first). → whether it moved."""
+        if not self.offloaded:
+            return False
+        self.model.to(self.device)
+        self.offloaded = False
+        return True
 
-    def release(self) -> None:
-        if torch.device(self.device).type != "cpu" and not self.offloaded:
-            self.model.to("cpu")
-            self.offloaded = True
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+    def release(self) -> bool:
+        """Before training on the same device: the model to host memory, the allocator's cache emptied (on a
+        CPU nothing moves). → whether it moved."""
+        if torch.device(self.device).type == "cpu" or self.offloaded:
+            return False
+        self.model.to("cpu")
+        self.offloaded = True
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return True

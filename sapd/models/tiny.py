@@ -29,8 +29,32 @@ def build_tiny_model(tokenizer, out_dir: str | Path, *, arch: Literal["qwen2", "
                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                      bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(seed)
-    model = model_cls(config)  # type: ignore[arg-type]  # the class matches its config
+    model = model_cls(config)
     out = Path(out_dir)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     return model
+
+
+#: The shapes of the paper's models (Table 5: a Qwen2.5-1.5B-Instruct student, a Qwen2.5-3B-Instruct teacher),
+#: as their config.json states them: for memory plans (``sapd check --gpu-memory``) and for models of their
+#: size built locally with random weights (``bench/gpu_check.py --only one-gpu``), never downloaded.
+QWEN2_5: dict[str, dict[str, object]] = {
+    name: {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+           "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+           "num_attention_heads": heads, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+           "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True, "vocab_size": 151936,
+           "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16", "transformers_version": "4.43.1"}
+    for name, hidden, inter, layers, heads in (("1.5b", 1536, 8960, 28, 12), ("3b", 2048, 11008, 36, 16))}
+
+
+def write_shape_folder(tokenizer, out_dir: str | Path, config: dict[str, object]) -> Path:
+    """A model folder holding ``config`` (a config.json mapping, e.g. :data:`QWEN2_5`'s) and ``tokenizer``, no
+    weights: enough for ``sapd check`` to plan the memory of a model of that size."""
+    import json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    tokenizer.save_pretrained(str(out))
+    return out

@@ -38,8 +38,11 @@ vLLM features used, and why:
   engine NCCL transfer has nothing to connect to; the session is what the checkpoint path gains from
   the native API: chunked updates and the worker-side bookkeeping (LoRA, caches) vLLM does itself.
   Where it is missing (an older vLLM, or a worker already configured with another transfer engine)
-  the fallback is the previous path, one ``reload_weights`` call. **Every RPC of either path** (and
-  the wake-up, the CPU re-pack, the prefix-cache reset) runs under ``sync_timeout_s``
+  the fallback is the previous path, one ``reload_weights`` call. **Every call reaches the workers by
+  name** (vLLM's methods, and sapd's :class:`~sapd.models.vllm_worker.SapdWorkerExtension` that every
+  engine sapd starts carries as its ``worker_extension_cls``): the engine runs in its own process, as
+  vLLM runs it by default and as the pods run it, and that process accepts no pickled code. **Every RPC
+  of either path** (and the wake-up, the CPU re-pack, the prefix-cache reset) runs under ``sync_timeout_s``
   (``sampling.weight_sync_timeout_s``): passed to ``collective_rpc`` (the multi-process executors
   honour it) and enforced by sapd around the call as well (the in-process executor does not); past
   it :class:`WeightSyncTimeout` ends the stage with one line naming the call, and the engine refuses
@@ -67,7 +70,9 @@ from typing import TYPE_CHECKING, Any
 
 from sapd.models.generation import FinishReason, Sample, SamplingParams
 from sapd.models.loading import DType, load_tokenizer, resolve_model_dir
+from sapd.models.memory import SCORER_BATCHED_TOKENS, SCORER_MAX_SEQS
 from sapd.models.scoring import ScoringStats, TeacherScoringError
+from sapd.models.vllm_worker import EXTENSION
 
 if TYPE_CHECKING:  # only for annotations; never imported at run time here
     from vllm import LLM
@@ -92,7 +97,9 @@ def make_llm(model_dir: str | Path, *, dtype: DType = "float32", seed: int = 0,
         enforce_eager = bool(current_platform.is_cpu())
     path = resolve_model_dir(str(model_dir), cache_dir)
     kwargs: dict[str, Any] = {"model": str(path), "tokenizer": str(path), "dtype": dtype, "seed": seed,
-                              "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager}
+                              "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
+                              # sapd's worker methods, called by name (sapd.models.vllm_worker)
+                              "worker_extension_cls": EXTENSION}
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
     if kv_cache_memory_bytes is not None:
@@ -100,29 +107,6 @@ def make_llm(model_dir: str | Path, *, dtype: DType = "float32", seed: int = 0,
     kwargs.update(llm_kwargs)
     return LLM(**kwargs)
 
-
-def _repack_cpu_gemms(worker: Any) -> int:
-    """Run inside each vLLM worker after ``reload_weights`` on the CPU backend: rebuild the packed GEMM of
-    every linear layer whose weight is still materialised (a tied LM head, the embeddings), so that none
-    keeps a handle packed from the old weights. Layers whose weight vLLM removed after packing were
-    re-packed by the reload itself. Returns how many layers were re-packed."""
-    import torch
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    model = worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.get_model()
-    n = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (not hasattr(module, "cpu_linear") or getattr(module, "_cpu_skip_gemm_dispatch", False)
-                or not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.numel() == 0):
-            continue
-        dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-        n += 1
-    return n
-
-
-CHECKPOINT_BACKEND = "sapd_checkpoint"
-"""The name of sapd's weight-transfer engine (the data plane: a local checkpoint folder's shards)."""
 
 DEFAULT_SYNC_TIMEOUT_S = 600.0
 
@@ -148,100 +132,14 @@ def _with_deadline(fn: Callable[[], Any], seconds: float, what: str) -> Any:
     worker = threading.Thread(target=run, name=f"sapd-weight-sync: {what}", daemon=True)
     worker.start()
     worker.join(seconds)
-    if worker.is_alive():
+    timed_out = worker.is_alive() or isinstance(box.get("error"), TimeoutError)  # sapd's deadline, or vLLM's own
+    if timed_out:
         raise WeightSyncTimeout(f"vLLM weight sync: {what} did not finish within {seconds:g} s; the engine's weights "
                                 "are in an unknown state, so this stage stops (sampling.weight_sync_timeout_s sets "
-                                "the deadline)")
+                                "the deadline)") from box.get("error")
     if "error" in box:
-        if isinstance(box["error"], TimeoutError):  # vLLM's own collective_rpc timeout
-            raise WeightSyncTimeout(f"vLLM weight sync: {what} timed out in vLLM after {seconds:g} s "
-                                    f"({box['error']}); this stage stops (sampling.weight_sync_timeout_s)") \
-                from box["error"]
         raise box["error"]
     return box.get("value")
-
-
-def _checkpoint_engine_class() -> type:
-    """sapd's vLLM weight-transfer engine (defined on first use: vLLM is imported lazily). Its update
-    info names safetensors files of a local checkpoint folder; each ``update_weights`` loads one file
-    into the model under vLLM's layerwise reload, which ``start_weight_update`` opens and
-    ``finish_weight_update`` closes (weights processed into kernel format per layer)."""
-    global _ENGINE_CLASS
-    if _ENGINE_CLASS is not None:
-        return _ENGINE_CLASS
-    from dataclasses import dataclass as _dataclass
-    from dataclasses import field as _field
-
-    import torch
-    from vllm.distributed.weight_transfer.base import (
-        WeightTransferEngine,
-        WeightTransferInitInfo,
-        WeightTransferUpdateInfo,
-    )
-
-    @_dataclass
-    class CheckpointInitInfo(WeightTransferInitInfo):
-        pass
-
-    @_dataclass
-    class CheckpointUpdateInfo(WeightTransferUpdateInfo):
-        files: list[str] = _field(default_factory=list)
-
-    class CheckpointWeightTransferEngine(WeightTransferEngine):
-        init_info_cls = CheckpointInitInfo
-        update_info_cls = CheckpointUpdateInfo
-        supports_draft_weight_update = False
-
-        def init_transfer_engine(self, init_info: Any) -> None:
-            pass  # no rendezvous: the data plane is a folder on this machine
-
-        def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-            initialize_layerwise_reload(self.model)
-
-        def finish_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-            finalize_layerwise_reload(self.model, self.model_config)
-
-        def update_weights(self, update_info: dict[str, Any]) -> None:
-            self.receive_weights(self.parse_update_info(update_info))
-            accelerator = getattr(torch, "accelerator", None)
-            if accelerator is not None and accelerator.is_available():
-                accelerator.synchronize()
-
-        def receive_weights(self, update_info: Any) -> None:
-            from safetensors import safe_open
-            for path in update_info.files:
-                with safe_open(path, framework="pt", device="cpu") as st:
-                    self.model.load_weights((name, st.get_tensor(name)) for name in st.keys())
-
-        def shutdown(self) -> None:
-            pass
-
-    _ENGINE_CLASS = CheckpointWeightTransferEngine
-    return _ENGINE_CLASS
-
-
-_ENGINE_CLASS: type | None = None
-
-
-def _install_checkpoint_engine(worker: Any) -> bool:
-    """Run inside each vLLM worker: give it sapd's weight-transfer engine unless it has another one (the
-    engine was built with its own ``weight_transfer_config``). → whether the native session can be used."""
-    from vllm.v1.worker.worker_base import WorkerWrapperBase
-    if isinstance(worker, WorkerWrapperBase):  # what collective_rpc hands a callable: the worker is inside
-        worker = worker.worker
-    if not hasattr(worker, "start_weight_update"):
-        return False
-    engine_class = _checkpoint_engine_class()
-    current = getattr(worker, "weight_transfer_engine", None)
-    if current is None:
-        from vllm.config.weight_transfer import WeightTransferConfig
-        worker.weight_transfer_engine = engine_class(WeightTransferConfig(backend=CHECKPOINT_BACKEND),
-                                                     worker.vllm_config, worker.device,
-                                                     worker.model_runner.get_model())
-        return True
-    return isinstance(current, engine_class)
 
 
 def native_weight_sync_available() -> bool:
@@ -328,16 +226,32 @@ class VLLMGenerator:
         :meth:`from_path`)."""
         return bool(getattr(self.llm.llm_engine.vllm_config.model_config, "enable_sleep_mode", False))
 
-    def release(self) -> None:
+    def release(self) -> bool:
         """Before training: free the engine's weights and KV cache where vLLM's sleep mode is on
         (level 2: the weights are reloaded from the next checkpoint anyway). Elsewhere (the CPU backend)
-        the engine stays resident. :meth:`load_weights` wakes it."""
-        if self.sleeps and not self._asleep:
-            self.llm.sleep(level=2)
-            self._asleep = True
+        the engine stays resident. :meth:`wake` (or :meth:`load_weights`) wakes it. → whether it slept."""
+        if not self.sleeps or self._asleep:
+            return False
+        self.llm.sleep(level=2)
+        self._asleep = True
+        return True
 
-    def _rpc(self, what: str, method: Any, *, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """One ``collective_rpc`` of the weight sync under the deadline; a timeout marks the engine broken."""
+    def wake(self) -> bool:
+        """Awake after :meth:`release`, under ``sync_timeout_s`` (its weights are the freed ones' garbage until
+        :meth:`load_weights` gives it the next checkpoint's). → whether it was asleep."""
+        if not self._asleep:
+            return False
+        try:
+            _with_deadline(self.llm.wake_up, self.sync_timeout_s, "wake_up (the engine slept through training)")
+        except WeightSyncTimeout as e:
+            self._broken = str(e)
+            raise
+        self._asleep = False
+        return True
+
+    def _rpc(self, what: str, method: str, *, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """One ``collective_rpc`` of the weight sync under the deadline, calling a worker method by its name (vLLM's
+        own, or :class:`sapd.models.vllm_worker.SapdWorkerExtension`'s); a timeout marks the engine broken."""
         seconds = self.sync_timeout_s
         try:
             return _with_deadline(lambda: self.llm.collective_rpc(method, timeout=seconds, args=args, kwargs=kwargs),
@@ -366,16 +280,10 @@ class VLLMGenerator:
         if not files:
             raise FileNotFoundError(f"{model_dir}: no *.safetensors files to load weights from")
         seconds = self.sync_timeout_s
-        if self._asleep:
-            try:
-                _with_deadline(self.llm.wake_up, seconds, "wake_up (the engine slept through training)")
-            except WeightSyncTimeout as e:
-                self._broken = str(e)
-                raise
-            self._asleep = False
+        self.wake()
         if self._native is None:
             self._native = native_weight_sync_available() and all(
-                self._rpc("installing sapd's weight-transfer engine", _install_checkpoint_engine))
+                self._rpc("installing sapd's weight-transfer engine", "sapd_install_checkpoint_engine"))
         if self._native:
             self._rpc("start_weight_update", "start_weight_update")
             try:
@@ -391,7 +299,7 @@ class VLLMGenerator:
             self._rpc("reload_weights", "reload_weights", kwargs={"weights_path": str(path)})
             self.weight_sync = "reload_weights"
         if current_platform.is_cpu():
-            self._rpc("re-packing the CPU GEMMs", _repack_cpu_gemms)
+            self._rpc("re-packing the CPU GEMMs", "sapd_repack_cpu_gemms")
         try:
             _with_deadline(self.llm.reset_prefix_cache, seconds, "reset_prefix_cache")
         except WeightSyncTimeout as e:
@@ -513,6 +421,12 @@ class VLLMScorer:
         llm_kwargs.setdefault("enable_prefix_caching", True)  # each group's prompt is read from it G times
         if current_platform.is_sleep_mode_available():  # so that release() can free the GPU for training
             llm_kwargs.setdefault("enable_sleep_mode", True)
+        if not current_platform.is_cpu():
+            # the prompt log-probs of one step's chunk (tokens × vocabulary, in float32) come on top of the
+            # engine's memory share, outside vLLM's profile: a bounded chunk keeps that peak where sapd's GPU
+            # plan counts it (sapd.models.memory.SCORER_BATCHED_TOKENS)
+            llm_kwargs.setdefault("max_num_batched_tokens", SCORER_BATCHED_TOKENS)
+            llm_kwargs.setdefault("max_num_seqs", SCORER_MAX_SEQS)
         return cls(make_llm(model_dir, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                             max_model_len=max_model_len, enforce_eager=enforce_eager,
                             kv_cache_memory_bytes=kv_cache_memory_bytes, cache_dir=cache_dir, **llm_kwargs))
@@ -526,23 +440,25 @@ class VLLMScorer:
         """Whether :meth:`release` frees the engine's GPU memory (sleep mode on: CUDA/ROCm)."""
         return bool(getattr(self.llm.llm_engine.vllm_config.model_config, "enable_sleep_mode", False))
 
-    def release(self) -> None:
+    def release(self) -> bool:
         """Before training in the same process: sleep (level 1: the frozen weights offloaded to host memory,
-        the KV cache freed) where sleep mode is on; elsewhere (the CPU backend) the engine stays resident."""
-        if self.sleeps and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
+        the KV cache freed) where sleep mode is on; elsewhere (the CPU backend) the engine stays resident.
+        → whether it slept."""
+        if not self.sleeps or self._asleep:
+            return False
+        self.llm.sleep(level=1)
+        self._asleep = True
+        return True
 
-    def _wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self.llm.reset_prefix_cache()  # its blocks were dropped with the KV cache
-            self._asleep = False
-
-    def wake(self) -> None:
+    def wake(self) -> bool:
         """The engine awake after :meth:`release` (each scoring call does it; the validation, which samples
-        the teacher through ``llm``, calls it first)."""
-        self._wake()
+        the teacher through ``llm``, calls it first). → whether it was asleep."""
+        if not self._asleep:
+            return False
+        self.llm.wake_up()
+        self.llm.reset_prefix_cache()  # its blocks were dropped with the KV cache
+        self._asleep = False
+        return True
 
     def _check(self, prefix_id: str, prompt_ids: Sequence[int], responses: Sequence[Sequence[int]]) -> None:
         if not prompt_ids:
@@ -579,7 +495,7 @@ class VLLMScorer:
         import vllm
         from vllm.inputs import TokensPrompt
 
-        self._wake()
+        self.wake()
         shared = self._scoring_params(read_cache=True) if self.share_prompt else None
         whole = self._scoring_params(read_cache=False)
         warm_params = vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)

@@ -57,6 +57,7 @@ from sapd.config import (
     committed_config_problem,
     locate,
     micro_batch_problem,
+    resolved_for,
 )
 from sapd.data.loaders import LoadOptions, load_trajectories
 from sapd.data.prefix_table import longest_prompt
@@ -64,7 +65,8 @@ from sapd.entry import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USER_ERROR, 
 from sapd.method.objective import objective_of
 from sapd.models.devices import rank_device
 from sapd.models.loading import check_same_tokenizer, load_tokenizer, read_model_config
-from sapd.models.memory import GIB, HEADROOM, Shape, StageEstimate, estimate, shape_from_config
+from sapd.models.memory import GIB, HEADROOM, Shape, StageEstimate, estimate, gpu_plan, shape_from_config
+from sapd.platform import planned
 
 # the checks each stage's job runs at its start (``None``: all of them — ``sapd check``, ``sapd run``, the driver)
 STAGE_CHECKS: dict[str, tuple[str, ...]] = {
@@ -192,21 +194,7 @@ def _model(uri: str, key: str) -> tuple[Shape, Any]:
 
 
 def _device_memory(device: str) -> tuple[float | None, str]:
-    """(bytes, description) of the memory a stage on ``device`` has from here; None when it is not visible.
-    A GPU: its free memory now (what this process can still allocate), on this torchrun rank's own GPU."""
-    if device.startswith("cuda"):
-        device = rank_device(device)
-        try:
-            import torch
-            if torch.cuda.is_available():
-                index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
-                props = torch.cuda.get_device_properties(index)
-                free, size = torch.cuda.mem_get_info(index)
-                return float(free), (f"cuda:{index} ({props.name}) {free / GIB:.1f} GiB free of "
-                                     f"{size / GIB:.1f} GiB")
-        except (ImportError, RuntimeError, AssertionError):
-            pass
-        return None, f"{device}, not visible from here"
+    """(bytes, description) of this machine's memory, for a stage on the CPU; None when it is unknown."""
     total = available = None
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -234,8 +222,12 @@ def train_processes() -> int:
 
 
 class DoesNotFit(ConfigError):
-    """The train stage's estimate exceeds the GPU it would run on: a failure in every door (a warning
-    would let the stage load the model, run out of memory and be retried)."""
+    """A phase of the GPU plan exceeds the GPU it would run on: a failure in every door (a warning would let
+    the stage load the model, run out of memory and be retried). ``lines``: the plan, to show."""
+
+    def __init__(self, message: str, path: str | None = None, lines: list[str] | None = None) -> None:
+        super().__init__(message, path)
+        self.lines = lines or []
 
 
 def _remedies(cfg: RunConfig, student: Shape, teacher: Shape | None, prompt: int | None, limit: float) -> str:
@@ -262,13 +254,53 @@ def _remedies(cfg: RunConfig, student: Shape, teacher: Shape | None, prompt: int
                               "higher train.zero_stage), or use a larger device"])
 
 
+# the phases of the GPU plan a stage's own check covers (a stage pod on its own GPU)
+STAGE_PHASES = {"teacher-scores": ("sample + score",), "train": ("train",)}
+
+
+def _gpu_capacity(device: str) -> tuple[float | None, str]:
+    """(bytes, description) of the GPU a stage on ``device`` gets, seen from here (this rank's own GPU): its
+    free memory now; None where no GPU is visible."""
+    device = rank_device(device)
+    try:
+        import torch
+        if torch.cuda.is_available():
+            index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(index)
+            free, total = torch.cuda.mem_get_info(index)
+            return float(free), f"cuda:{index} ({props.name}) {free / GIB:.1f} GiB free of {total / GIB:.1f} GiB"
+    except (ImportError, RuntimeError, AssertionError):
+        pass
+    return None, f"{device}, not visible from here"
+
+
 def check_memory(cfg: RunConfig, student: Shape, teacher: Shape | None, stages: tuple[str, ...] | None,
-                 device_memory_gib: float | None = None, prompt_tokens: int | None = None) -> tuple[str, list[str]]:
-    """(summary, one line per stage); raises when a stage's estimate does not fit the device
-    (:class:`DoesNotFit` for the train stage on a visible GPU). ``prompt_tokens``: the longest prompt of
-    the committed prefix build (default: read from the run root; none yet: ``data.max_prompt_tokens``)."""
+                 device_memory_gib: float | None = None, prompt_tokens: int | None = None, *,
+                 gpus: int | None = None) -> tuple[str, list[str]]:
+    """(summary, the lines to show); raises when the run does not fit its device. ``prompt_tokens``: the longest
+    prompt of the committed prefix build (default: read from the run root; none yet: ``data.max_prompt_tokens``).
+
+    A GPU (``model.device`` cuda, visible here or of ``device_memory_gib``): the GPU plan
+    (:func:`sapd.models.memory.gpu_plan`), phase by phase, for ``gpus`` GPUs (default: the training processes,
+    :func:`train_processes`; 1 is ``sapd run`` on one GPU); a stage's own check covers its phase. A phase that
+    does not fit raises :class:`DoesNotFit`, one line naming what to change. A CPU: each stage's estimate
+    against the machine's memory (:class:`~sapd.config.ConfigError` when one does not fit)."""
     if prompt_tokens is None:
         prompt_tokens = longest_prompt(layout.prefixes_dir(cfg.run_root))
+    if cfg.model.device.startswith("cuda"):
+        if device_memory_gib:
+            capacity: float | None = device_memory_gib * GIB
+            where = f"GPUs of {device_memory_gib:g} GiB (as given)"
+        else:
+            capacity, where = _gpu_capacity(cfg.model.device)
+        if capacity is None:
+            return f"device {where}: not compared (give --gpu-memory GiB)", []
+        phases = None if stages is None else tuple(p for st in stages for p in STAGE_PHASES.get(st, ()))
+        plan = gpu_plan(cfg, student, teacher, capacity, gpus=gpus or train_processes(), prompt_tokens=prompt_tokens,
+                        phases=phases)
+        if plan.problems:
+            raise DoesNotFit(f"{plan.problems[0]} ({where})", "memory", plan.lines())
+        return f"every phase fits {where}: {plan.layout}", plan.lines()
     estimates = [e for e in estimate(cfg, student, teacher, train_processes(), prompt_tokens)
                  if stages is None or e.stage in stages]
     if device_memory_gib:
@@ -285,19 +317,19 @@ def check_memory(cfg: RunConfig, student: Shape, teacher: Shape | None, stages: 
     if too_big:
         e = too_big[0]
         if e.stage == "train":
-            error = DoesNotFit if cfg.model.device.startswith("cuda") else ConfigError
-            raise error(f"train needs about {e.total / GIB:.1f} GiB (+{HEADROOM - 1:.0%} headroom) at "
-                        f"{e.note.split(',')[0]} but the device has {total / GIB:.1f} GiB ({where}): "
-                        f"{_remedies(cfg, student, teacher, prompt_tokens, total)}", "memory")
+            raise ConfigError(f"train needs about {e.total / GIB:.1f} GiB (+{HEADROOM - 1:.0%} headroom) at "
+                              f"{e.note.split(',')[0]} but the device has {total / GIB:.1f} GiB ({where}): "
+                              f"{_remedies(cfg, student, teacher, prompt_tokens, total)}", "memory")
         raise ConfigError(f"{e.stage} needs about {e.total / GIB:.1f} GiB (+{HEADROOM - 1:.0%} headroom) but the "
                           f"device has {total / GIB:.1f} GiB ({where}): lower sampling.prompts_per_batch, "
                           "sampling.max_new_tokens or data.max_prompt_tokens, or use a larger device", "memory")
     return f"every stage fits {where}", lines
 
 
-def check_ranks(cfg: RunConfig) -> str:
-    """The training ranks share each minibatch's micro-batches evenly (:func:`sapd.config.micro_batch_problem`)."""
-    W = train_processes()
+def check_ranks(cfg: RunConfig, ranks: int | None = None) -> str:
+    """The training ranks (``ranks``, default :func:`train_processes`) share each minibatch's micro-batches
+    evenly (:func:`sapd.config.micro_batch_problem`)."""
+    W = ranks or train_processes()
     problem = micro_batch_problem(cfg, W)
     if problem:
         raise ConfigError(problem, "train.micro_batch_prefixes")
@@ -392,11 +424,13 @@ def check_webshop(url: str | None = None, timeout: float = WEBSHOP_PROBE_SECONDS
 
 def run_checks(cfg: RunConfig, *, stage: str | None = None, sample_records: int = SAMPLE_RECORDS,
                device_memory_gib: float | None = None, log: Callable[[str], None] = print,
-               verbose: bool = True, memory_fails: bool = True, pushgateway: bool = True) -> list[Outcome]:
+               verbose: bool = True, memory_fails: bool = True, pushgateway: bool = True,
+               gpus: int | None = None) -> list[Outcome]:
     """Every check of ``stage`` (all for None), each reported as it finishes (``verbose``: the ok lines
     and the memory table too; otherwise only failures). ``memory_fails`` False: a stage that may not
     fit is a warning line, not a failure (the estimate errs high; a running stage should not be stopped by
-    it). Returns the outcomes."""
+    it), except the GPU plan's refusal (:class:`DoesNotFit`). ``gpus``: the GPUs planned for (the training
+    ranks; default :func:`train_processes`). Returns the outcomes."""
     wanted = STAGE_CHECKS.get(stage or "", None) if stage else None
     outcomes: list[Outcome] = []
     models: dict[str, tuple[Shape, Any] | None] = {}
@@ -443,14 +477,18 @@ def run_checks(cfg: RunConfig, *, stage: str | None = None, sample_records: int 
         s, t = models.get("student"), models.get("teacher")
         if s is None:
             raise Skipped("the student model above failed")
-        summary, lines = check_memory(cfg, s[0], t[0] if t else None,
-                                      None if stage is None else (stage,), device_memory_gib)
+        try:
+            summary, lines = check_memory(cfg, s[0], t[0] if t else None,
+                                          None if stage is None else (stage,), device_memory_gib, gpus=gpus)
+        except DoesNotFit as e:
+            memory_lines.extend(e.lines)  # the plan, shown under its FAILED line
+            raise
         memory_lines.extend(lines)
         return summary
 
     run("storage", lambda: check_storage(cfg))
     run("run root", lambda: check_run_root(cfg))
-    run("ranks", lambda: check_ranks(cfg))
+    run("ranks", lambda: check_ranks(cfg, gpus))
     run("data", lambda: check_data(cfg, sample_records))
     run("student", lambda: model("student"))
     if sft:
@@ -486,13 +524,27 @@ CHECK_RETRY_S = 10.0  # how long `sapd check` (and `helm test`) lets a storage o
 
 
 def check_command(cfg: RunConfig, *, sample_records: int = SAMPLE_RECORDS, device_memory_gib: float | None = None,
+                  gpu_memory_gib: float | None = None, gpus: int | None = None,
                   log: Callable[[str], None] = print) -> int:
-    """``sapd check``: every check, every line; the exit code of :func:`summary_code`."""
+    """``sapd check``: every check, every line; the exit code of :func:`summary_code`. ``gpu_memory_gib``:
+    plan for GPUs of that size that are not here (the "auto" values resolved as on such a machine, with
+    vLLM installed), ``gpus`` of them (1: ``sapd run``; more: the cluster's training ranks)."""
     log(f"check config: ok (run root {cfg.run_root}, variant {cfg.variant}, benchmark {cfg.data.benchmark})")
+    if gpu_memory_gib is not None:
+        if not gpu_memory_gib > 0:
+            raise ConfigError(f"--gpu-memory: {gpu_memory_gib:g} is not a positive number of GiB")
+        cfg = resolved_for(cfg, planned(gpus or 1))
+        if not cfg.model.device.startswith("cuda"):
+            raise ConfigError(f"model.device: {cfg.model.device} runs nothing on a GPU; --gpu-memory plans a GPU run "
+                              "(set model.device: auto or cuda)", "model.device")
+        device_memory_gib = gpu_memory_gib
+    for line in cfg.auto_lines():
+        log(f"check config: {line}")
     # a diagnosis, not a run: storage that stays unreachable is reported within seconds, not after the
     # minutes a stage waits for it (storage.retry_deadline_s)
     with storage.retry_deadline(min(cfg.storage.retry_deadline_s, CHECK_RETRY_S)):
-        outcomes = run_checks(cfg, sample_records=sample_records, device_memory_gib=device_memory_gib, log=log)
+        outcomes = run_checks(cfg, sample_records=sample_records, device_memory_gib=device_memory_gib, log=log,
+                              gpus=gpus)
     failed = [o for o in outcomes if not o.ok]
     skipped = sum(o.skipped for o in outcomes)
     log(f"check: {len(outcomes) - len(failed) - skipped}/{len(outcomes)} passed"

@@ -3,10 +3,16 @@ this process, with a local folder or ``s3://`` as the run root.
 
 Each step is its stage's one entry, ``run(ctx, step)`` (:mod:`sapd.stages.context`), the function its
 Kubernetes Job runs, with one context for the whole run: its :class:`~sapd.stages.context.Engines` keep
-the frozen teacher loaded once and the student sampler up across rounds (taking each round's checkpoint
-weights in place). Every stage checks what is committed first, so killing the process at any point and
-starting it again resumes from the last committed piece and — since every stage reloads its inputs from
-the run root and is seeded by (seed, round, worker) — produces the same result as an uninterrupted run.
+the frozen teacher loaded once, the student sampler up across rounds (taking each round's checkpoint
+weights in place) and the trainer (model, fp32 master, optimizer state) from round to round, as the
+cluster's persistent workers do. On one GPU they hand it over by phase (``Engines.handoffs`` records each
+move): the engines sleep while the trainer trains (vLLM's sleep mode; HF models to host memory), and the
+trainer waits in host memory, the allocator's cache emptied, while they sample and score.
+
+Every stage checks what is committed first, so killing the process at any point and starting it again
+resumes from the last committed piece and — since every stage reloads its inputs from the run root and is
+seeded by (seed, round, worker), and the kept trainer holds exactly what its checkpoint holds — produces
+the same result as an uninterrupted run.
 
 The run holds the run root's lease (:mod:`sapd.lease`) from before its first write to its end: a second
 ``sapd run`` on the same root is refused with one line naming this one; a killed one is taken over at
@@ -54,7 +60,10 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
     stage_options = dict(options or {})
     if engine_factory is not None:
         stage_options["train"] = train.Options(engine_factory=engine_factory)
-    ctx = StageContext(cfg, log=progress.log, progress=progress, metrics=metrics, engines=Engines(keep=True),
+    # one process, one device: the teacher and the student sampler stay up across rounds and sleep while the
+    # trainer trains; the trainer (model, fp32 master, optimizer state) stays too, in host memory while they run
+    engines = Engines(keep=True, keep_trainer=True)
+    ctx = StageContext(cfg, log=progress.log, progress=progress, metrics=metrics, engines=engines,
                        options=stage_options, main=True)
     claimant = lease.Claimant.this_process("sapd run")
     with lease.holding(cfg.run_root, claimant, ttl_s=cfg.storage.lease_ttl_s, log=progress.log, force=force_takeover,
@@ -66,7 +75,11 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
         ran = 0
         with progress.task(f"run {cfg.run_root}", total=len(steps), unit="step", initial=done) as bar:
             while (step := plan.next_step(cfg)) is not None:
+                seen = len(engines.handoffs)
                 outcome = run_stage(STAGES[step.stage], ctx, step)
+                for h in engines.handoffs[seen:]:
+                    if h.moved:
+                        ctx.log(f"hand-off: {h.what} ({h.seconds:.1f}s)")
                 ctx.log(outcome.summary)
                 if (why := plan.missing(cfg, step)) is not None:  # a stage that returns must have committed
                     raise RuntimeError(f"{step}: finished without committing its output ({why})")
@@ -79,4 +92,5 @@ def run_pipeline(cfg: RunConfig, *, log: Callable[[str], None] = print, show_pro
         # a rerun over a finished run restates what the run pushed, rather than emptying its group (its record
         # is written while the lease is held)
         push_metrics(cfg, metrics, "run", skipped=ran == 0, log=ctx.log)
-    return {"run_root": cfg.run_root, "checkpoints": layout.committed_checkpoints(cfg.run_root)}
+    return {"run_root": cfg.run_root, "checkpoints": layout.committed_checkpoints(cfg.run_root),
+            "handoffs": engines.handoffs}

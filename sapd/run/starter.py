@@ -49,6 +49,7 @@ def starter_config(benchmark: str) -> str:
 # sapd run config: a starter for {benchmark} (written by `sapd init --benchmark {benchmark}`).
 # Fill in the three {PLACEHOLDER}… values, then
 #   sapd check THIS.yaml    checks it without training: data, models, tokenizers, storage, memory
+#                           (--gpu-memory 80: what each phase needs of an 80 GiB GPU you do not have yet)
 #   sapd run THIS.yaml      runs it (resumable: run it again after an interruption)
 # Keys not listed keep the paper's defaults (docs/SAPD.md §5). Numbers follow YAML 1.2 (1e-6 is a float).
 {_BEFORE.get(benchmark, "")}
@@ -75,13 +76,15 @@ model:
   # tokenizer with a chat template) or s3:// prefixes. They must share one tokenizer.
   student: {PLACEHOLDER}student-model
   teacher: {PLACEHOLDER}teacher-model
-  # dtype: bfloat16          # float32 (default) | bfloat16 | float16
-  # device: cuda             # cpu (default) | cuda | cuda:N
+  # device: auto             # auto (default: cuda where torch sees a GPU, else cpu) | cpu | cuda | cuda:N
+  # dtype: auto              # auto (default: bfloat16 on a GPU, trained on an fp32 master; float32 on a CPU)
+  #                          #   | float32 | bfloat16 | float16; `sapd check` says what auto chose and why
 
 sampling:
   group_size: 8              # G responses sampled per prefix
   max_new_tokens: 512        # each round logs the share of responses cut at it
-  # backend: vllm            # hf (default) | vllm (GPU)
+  # backend: auto            # auto (default: vllm where it is installed and the device is a GPU, else hf)
+  #                          #   | hf | vllm
 
 train:
   rounds: 100                # rollout batches, each followed by its optimizer steps

@@ -45,7 +45,7 @@ def ensure_initial_checkpoint(cfg: RunConfig, log: Callable[[str], None] = print
     log(f"checkpoint 0 ← initial student {cfg.model.student}")
     student = pin_model_path(cfg.model.student, "model.student", log)
     half = cfg.model.dtype != "float32"
-    model = load_causal_lm(student, dtype="float32" if half else cfg.model.dtype)
+    model = load_causal_lm(student, dtype="float32" if half else cfg.precision())
     master = checkpoints.master_shard(model) if half else None
     if half:  # the folder holds the master's rounding, for sampling and evaluation
         dtype = getattr(torch, cfg.model.dtype)

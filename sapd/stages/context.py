@@ -45,6 +45,19 @@ class Step:
         return self.stage if self.round is None else f"{self.stage}-r{self.round}"
 
 
+@dataclass(frozen=True)
+class HandOff:
+    """The device changing hands between phases on a GPU that sampling, scoring and training share (``sapd
+    run``): what moved (``student engine released``, ``trainer to host memory``, …), in which round, when it
+    started (wall clock) and how long it took, and whether anything moved (nothing does on a CPU)."""
+
+    round: int
+    what: str
+    started_at: float
+    seconds: float
+    moved: bool = True
+
+
 @dataclass
 class Engines:
     """What a stage may keep loaded for the next round. Empty in a one-round Job (the process ends with the
@@ -66,6 +79,16 @@ class Engines:
     trainer: Any = None  # sapd.stages.train.Trainer: the model, engine and state at one checkpoint
     # local copies of checkpoints this process downloaded, by index (a persistent worker removes the old ones)
     fetched: dict[int, Any] = field(default_factory=dict)
+    released: bool = False  # the kept student and teacher gave the device back (to the trainer) last round
+    handoffs: list[HandOff] = field(default_factory=list)  # every hand-off of the device, in order
+
+    def hand_off(self, k: int, what: str, fn: Callable[[], Any]) -> Any:
+        """Run one hand-off (``fn``, which returns whether anything moved; None counts as moved), timed and
+        recorded in :attr:`handoffs`."""
+        started, t0 = time.time(), time.perf_counter()
+        moved = fn()
+        self.handoffs.append(HandOff(k, what, started, time.perf_counter() - t0, moved is not False))
+        return moved
 
 
 def process_started_at() -> float:

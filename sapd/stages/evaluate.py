@@ -26,6 +26,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from sapd import checkpoints, layout, storage, yamlio
+from sapd.config import RunConfig, config_from_dict
 from sapd.data.prompts import PrefixOptions
 from sapd.data.validation import summarize as summarize_validation
 from sapd.envs.alfworld_env import split_source as alfworld_split_source
@@ -62,14 +63,13 @@ def run_prompt_options(root: str) -> PrefixOptions:
 
 
 def run_generation_options(root: str) -> dict[str, Any]:
-    """How the run generates (its resolved config): ``dtype``, ``backend`` and the vLLM engine settings;
-    the defaults (float32, HF) for a run root without a config."""
+    """How the run generates (its committed config, "auto" resolved for this process): ``dtype``, ``backend``
+    and the vLLM engine settings; the defaults for a run root without a config."""
     uri = layout.config_uri(root)
-    raw = (yamlio.load(storage.read_text(uri)) or {}) if storage.exists(uri) else {}
-    model, sampling = raw.get("model") or {}, raw.get("sampling") or {}
-    return {"dtype": model.get("dtype", "float32"), "backend": sampling.get("backend", "hf"),
-            "gpu_memory_utilization": sampling.get("gpu_memory_utilization", 0.4),
-            "tensor_parallel_size": sampling.get("tensor_parallel_size", 1)}
+    cfg = config_from_dict(yamlio.load(storage.read_text(uri)) or {}) if storage.exists(uri) else RunConfig()
+    return {"dtype": cfg.precision(), "backend": cfg.sampling.backend,
+            "gpu_memory_utilization": cfg.sampling.gpu_memory_utilization,
+            "tensor_parallel_size": cfg.sampling.tensor_parallel_size}
 
 
 def checkpoint_generator(root: str, k: int, tokenizer, *, backend: str, dtype: str, device: str = "cpu",

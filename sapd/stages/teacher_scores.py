@@ -38,7 +38,7 @@ from sapd.metrics import Metrics
 from sapd.models.devices import rank_device
 from sapd.models.generation import Generator, HFGenerator, SamplingParams, stops_for
 from sapd.models.loading import check_same_tokenizer, default_cache_dir, load_causal_lm, load_tokenizer, pin_model_path
-from sapd.models.scoring import HFScorer
+from sapd.models.scoring import HFScorer, ScoringStats
 from sapd.models.vllm_backend import VLLMGenerator, VLLMScorer
 from sapd.progress import Progress
 from sapd.stages.context import Engines, Outcome, StageContext, Step
@@ -56,13 +56,12 @@ class TeacherScorer(Protocol):
                  progress: Callable[[int], None] | None = None) -> list[list[list[float]]]: ...
 
 
-def release_teacher(teacher: Any) -> None:
+def release_teacher(teacher: Any) -> bool:
     """Before a training stage in the same process (``sapd run``): the kept teacher gives back the device
     (vLLM sleeps, its weights offloaded to host memory, where it can; an HF model on an accelerator moves
-    to host memory); it wakes at its next call."""
+    to host memory); it wakes at its next call. → whether anything moved."""
     release = getattr(teacher, "release", None)
-    if callable(release):
-        release()
+    return bool(release()) if callable(release) else False
 
 
 def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None = None) -> Generator:
@@ -78,7 +77,7 @@ def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None
         reuse.load_weights(path)
         return reuse
     if cfg.sampling.backend == "vllm":
-        return VLLMGenerator.from_path(path, dtype=cfg.model.dtype,
+        return VLLMGenerator.from_path(path, dtype=cfg.precision(),
                                        gpu_memory_utilization=cfg.sampling.gpu_memory_utilization,
                                        tensor_parallel_size=cfg.sampling.tensor_parallel_size,
                                        sync_timeout_s=cfg.sampling.weight_sync_timeout_s)
@@ -87,12 +86,13 @@ def student_generator(cfg: RunConfig, k: int, tokenizer, reuse: Generator | None
     return HFGenerator(student, tokenizer, prompts_per_batch=cfg.sampling.prompts_per_batch, device=device)
 
 
-def release_student(generator: Generator | None) -> None:
+def release_student(generator: Generator | None) -> bool:
     """Before a training stage: the kept student engine gives back the device (vLLM sleeps where it can,
     an HF model on an accelerator moves to host memory); the next :func:`student_generator` call wakes it
-    with the new weights."""
+    with the new weights. → whether anything moved."""
     if isinstance(generator, (HFGenerator, VLLMGenerator)):
-        generator.release()
+        return generator.release()
+    return False
 
 
 def teacher_scorer(cfg: RunConfig, tokenizer) -> TeacherScorer:
@@ -101,12 +101,12 @@ def teacher_scorer(cfg: RunConfig, tokenizer) -> TeacherScorer:
     (:class:`~sapd.models.scoring.HFScorer`).
     Both can :func:`release_teacher` the device for training."""
     if cfg.sampling.backend == "vllm":
-        return VLLMScorer.from_path(cfg.model.teacher, dtype=cfg.model.dtype,
+        return VLLMScorer.from_path(cfg.model.teacher, dtype=cfg.precision(),
                                     gpu_memory_utilization=cfg.sampling.gpu_memory_utilization,
                                     tensor_parallel_size=cfg.sampling.teacher_tensor_parallel_size)
     device = rank_device(cfg.model.device)
     # a scorer object (not a closure): the validation samples the teacher through the same engine
-    return HFScorer(load_causal_lm(cfg.model.teacher, dtype=cfg.model.dtype, device=device),
+    return HFScorer(load_causal_lm(cfg.model.teacher, dtype=cfg.precision(), device=device),
                     pad_id=tokenizer.pad_token_id, device=device)
 
 
@@ -177,10 +177,14 @@ def run_worker(cfg: RunConfig, k: int, worker: int, generator: Generator, teache
     prompt_ids_P = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     groups = [(r["prefix_id"], pids, [s.token_ids for s in group])
               for r, pids, group in zip(rows, prompt_ids_P, samples_P_G)]
+    stats: ScoringStats | None = getattr(teacher, "stats", None)
+    before = dataclasses.replace(stats) if stats is not None else None
     t0 = time.perf_counter()
     with progress.task(f"round {k} teacher scoring", total=len(groups), unit="prefix") as bar:
         teacher_logp_P_G_T = teacher(groups, progress=bar)
     timings["score_seconds"] = time.perf_counter() - t0
+    if stats is not None and before is not None:  # how much of each group the teacher computed: each prompt once?
+        log(f"round {k} worker {worker}: {stats.minus(before).line()}")
 
     t0 = time.perf_counter()
     weights = RuleWeights(cfg.rules.format_weight, cfg.rules.repetition_weight)
@@ -250,6 +254,12 @@ def _scoring_engines(ctx: StageContext, k: int) -> tuple[RunConfig, Generator, T
     cfg, e = ctx.cfg, ctx.engines
     scoring_cfg = _load_teacher(ctx)
     s = sampler_checkpoint(cfg, k)
+    if e.released:  # the trainer had the device: the engines take it back (sapd run on one GPU)
+        if isinstance(e.student, (HFGenerator, VLLMGenerator)):
+            e.hand_off(k, "student engine wakes", e.student.wake)
+        if callable(wake := getattr(e.teacher, "wake", None)):
+            e.hand_off(k, "teacher engine wakes", wake)
+        e.released = False
     if e.student is None or e.student_checkpoint != s:
         t0 = time.perf_counter()
         reused = e.student is not None
@@ -362,8 +372,10 @@ def run(ctx: StageContext, step: Step) -> Outcome:
     if not ctx.engines.keep:
         ctx.engines.student = ctx.engines.teacher = None
     elif ctx.engines.release:  # the engines stay up; training gets the device (sapd run)
-        release_student(ctx.engines.student)
-        release_teacher(ctx.engines.teacher)
+        e = ctx.engines
+        e.hand_off(k, "student engine releases the device", lambda: release_student(e.student))
+        e.hand_off(k, "teacher engine releases the device", lambda: release_teacher(e.teacher))
+        e.released = True
     round_manifest = scored.committed_manifest(cfg.run_root, k)
     if round_manifest is not None and round_manifest.get("responses"):  # the whole round's share, once committed
         ctx.metrics.truncated.set(round_manifest["truncated_responses"] / round_manifest["responses"])

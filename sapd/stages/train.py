@@ -147,8 +147,8 @@ def recompute_old_logprobs(model, prefixes: list[ScoredPrefix], pad_id: int, mic
             continue
         computed[index] = [[logp_PG_T[q * G + i, :len(r)].tolist() for i, r in enumerate(sp.responses_G_T)]
                            for q, sp in enumerate(chunk)]
-    if W > 1:
-        for part in engine.all_gather_object(computed):  # type: ignore[union-attr]
+    if engine is not None:  # a world of one runs the exchange too (on a GPU: the one NCCL collective it can prove)
+        for part in engine.all_gather_object(computed):
             computed.update(part)
     for index, chunk in enumerate(chunks):
         for sp, values in zip(chunk, computed[index]):
@@ -225,13 +225,23 @@ def _micro_loss(model, cfg: RunConfig, chunk: list[ScoredPrefix], pad_id: int,
 
 
 def _restore_rng(state: dict[str, Any] | None) -> None:
+    """The random state a checkpoint stores: Python's, torch's CPU generator's, and on a GPU this process's CUDA
+    generator's (dropout and any sampling on the device) where the checkpoint has one."""
     if state and "rng" in state:
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
+        cuda = state["rng"].get("cuda")
+        if cuda is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state(cuda)
 
 
 def _rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """This process's random state (see :func:`_restore_rng`): the CUDA generator's of its current device where
+    this process uses CUDA."""
+    out = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
 
 
 def micro_batches(minibatch: list, micro: int) -> list[list]:
@@ -579,6 +589,8 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
         trainer.prepared = False
     elif trainer is not None and trainer.checkpoint == k:
         log(f"weights: checkpoint {k} kept in memory from round {k - 1} (model, optimizer state), not reloaded")
+        if engines is not None and engines.release:  # back from host memory (sapd run on one GPU)
+            engines.hand_off(k, "trainer to the device", trainer.engine.onload)
     else:
         if trainer is not None:
             log(f"the kept trainer holds checkpoint {trainer.checkpoint}, round {k} starts from checkpoint {k}: "
@@ -618,6 +630,8 @@ def run_train_stage(cfg: RunConfig, k: int, *, engine_factory: EngineFactory | N
     trainer.checkpoint, trainer.state = k + 1, new_state
     if keep and engines is not None:
         engines.trainer = trainer
+        if engines.release:  # the samplers take the device next (sapd run on one GPU): wait in host memory
+            engines.hand_off(k, "trainer to host memory", engine.offload)
     return checkpoints.read_marker(root, k + 1)
 
 

@@ -192,3 +192,42 @@ def test_only_runs_named_sections_and_refuses_unknown_ones(tmp_path, capsys):
     assert set(gc.NEEDS["sharded_checkpoint"]) == {"hf_torch", "deepspeed_zero3"}
     assert gc.main(["--dry-run", "--out", str(tmp_path), "--only", "scale,zzz"]) == 2  # the preset expands: only zzz is unknown
     assert "--only: no section 'zzz'" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_one_gpu_proof_runs_on_a_cpu(tmp_path):
+    """``bash bench/gpu_check.sh --only one-gpu --dry-run``: the prepared one-GPU proof (bench/one_gpu.py), at
+    tiny shapes on this CPU: `sapd run` of the filled-in alfworld starter on auto for 2 rounds, its hand-offs
+    recorded in order, each round timed by phase, the update guard read, the teacher's tokens per group logged;
+    memory is not measured here (no GPU), which the results say."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--only", "one-gpu", "--dry-run", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "one_gpu.json").read_text())
+    assert res["auto"] == {"model.device": "cpu", "model.dtype": "float32", "sampling.backend": "hf"}
+    assert res["checkpoints"] == [0, 1, 2] and all(res["checks"].values()), res["checks"]
+    assert [r["round"] for r in res["rounds"]] == [0, 1]
+    assert [h["what"] for h in res["rounds"][1]["handoffs"]] == [
+        "student engine wakes", "teacher engine wakes", "student engine releases the device",
+        "teacher engine releases the device", "trainer to the device", "trainer to host memory"]
+    assert set(res["update_applied_ratio"]) == {"0", "1"}  # JSON keys: the rounds
+    assert len(res["teacher_scoring"]) == 2 and res["memory"].startswith("not measured: no GPU")
+    assert "checks:" in (tmp_path / "one_gpu.md").read_text() and not (tmp_path / "one-gpu-work").exists()
+
+
+@pytest.mark.slow
+def test_the_ranks_proof_runs_on_two_cpu_ranks(tmp_path):
+    """``bash bench/gpu_check.sh --only ranks --dry-run``: the prepared multi-rank proof (bench/gpu_ranks.py) on 2
+    CPU ranks over gloo — the code a world of one runs on the GPU over NCCL: DeepSpeed ZeRO-2 in bf16 through
+    the train stage, π_old exchanged by the engine, the step metrics all-reduced in float64, the optimizer
+    shards saved as rank:r/cpu and resumed bit for bit by a second engine."""
+    pytest.importorskip("deepspeed")
+    env = {**os.environ, "PYTHON": sys.executable,
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--only", "ranks", "--dry-run", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "ranks.json").read_text())
+    assert res["world_size"] == 2 and all(res["checks"].values()), res["checks"]
+    assert {p for r in res["ranks"] for p in r["shard_placements"]} == {"rank:0/cpu", "rank:1/cpu"}

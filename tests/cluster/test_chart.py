@@ -769,8 +769,9 @@ def test_config_map_content_per_overlay(tmp_path):
         cm = by_kind(render(values), "ConfigMap")["sapd-test-config"]
         (tmp_path / key).write_text(cm["data"][key])
         return load_config(tmp_path / key)
-    smoke = cfg("smoke")
+    smoke = cfg("smoke")  # "auto" on this CPU, as in the smoke overlay's CPU pods
     assert (smoke.model.device, smoke.sampling.backend, smoke.train.engine, smoke.workers) == ("cpu", "hf", "torch", 1)
+    assert [line.split(":")[0] for line in smoke.auto_lines()] == ["model.device", "model.dtype", "sampling.backend"]
     assert (smoke.data.benchmark, smoke.data.format) == ("textworld", "native")
     searchqa = cfg("searchqa", "teacher-scores.yaml")
     assert (searchqa.data.benchmark, searchqa.data.format, searchqa.train.trajectories_per_round) == \
@@ -939,10 +940,30 @@ def test_every_cache_goes_to_a_writable_volume(rendered):
             assert "/tmp" in writable  # TMPDIR's default
 
 
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_vllm_runs_as_vllm_runs_it_and_a_gpu_pod_that_sees_no_gpu_stops(name):
+    """Nothing sets vLLM's engine to run in-process or lets its engine unpickle code: the scoring and evaluation
+    pods run each engine in its own process (vLLM's default), which sapd's weight sync reaches by method name
+    (sapd.models.vllm_worker). Every container given GPUs carries their count (SAPD_POD_GPUS), so that
+    `model.device: auto` stops there instead of falling back to the CPU when torch sees none."""
+    docs = render(overlay_values(name))
+    for pod, spec in pod_specs(docs):
+        for c in spec["containers"] + spec.get("initContainers", []):
+            env = env_of(c)
+            assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION"} & env.keys(), pod
+            gpus = ((c.get("resources") or {}).get("limits") or {}).get(GPU)
+            assert env.get("SAPD_POD_GPUS", {}).get("value") == (str(gpus) if gpus else None), (pod, c["name"])
+    assert "VLLM_" not in (REPO / "Dockerfile").read_text() and "VLLM_" not in (REPO / "docker" / "install.sh").read_text()
+
+
 def test_helm_test_hook_is_a_preflight_pod():
     (pod,) = [d for d in render({}) if d["kind"] == "Pod"]
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
-    assert pod["spec"]["containers"][0]["args"] == ["python", "-m", "sapd.jobs.check", "--config", "/etc/sapd/config.yaml"]
+    # it has none of the run's GPUs: it plans for GPUs of tests.gpuMemoryGiB (the training ranks: SAPD_TRAIN_PROCESSES)
+    assert pod["spec"]["containers"][0]["args"] == ["python", "-m", "sapd.jobs.check", "--config", "/etc/sapd/config.yaml",
+                                                    "--gpu-memory", "80"]
+    (smoke,) = [d for d in render(overlay_values("smoke")) if d["kind"] == "Pod"]  # no GPUs: this machine's memory
+    assert smoke["spec"]["containers"][0]["args"][-1] == "/etc/sapd/config.yaml"
     assert pod["spec"]["volumes"][0]["configMap"]["items"][0]["key"] == "config.yaml"
     assert not [d for d in render({"tests": {"enabled": False}}) if d["kind"] == "Pod"]
 

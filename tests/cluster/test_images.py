@@ -100,6 +100,30 @@ def test_a_conflicting_pin_fails_the_check(resolved):
     assert "ResolutionImpossible" in out and "transformers" in out and "vllm 0.32.0 depends on" in out, out[-3000:]
 
 
+# packages both pin files name at different versions, each with its reason (empty: the images and the test
+# environments share every version: the tests run what the GPU pods run)
+PIN_DIFFERENCES: dict[str, str] = {}
+
+
+def pin_disagreements(a: dict[str, str], b: dict[str, str], allowed: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """The packages two pin sets share at different versions, those listed in ``allowed`` aside."""
+    return {p: (a[p], b[p]) for p in a.keys() & b.keys() if a[p] != b[p] and p not in allowed}
+
+
+def test_the_images_share_every_pinned_version_unless_a_difference_is_listed_with_its_reason():
+    """The cpu image (and .venv, the main test environment) and the gpu/eval images pin the same version of
+    every package they share: the training, scoring and checkpoint code the suite runs on CPU is the code
+    of the library versions the GPU pods run (transformers once differed: 5.24 in the tests, 5.19 in the
+    gpu image). A planted difference is found; one listed with its reason is allowed."""
+    cpu, gpu = pins("cpu"), pins("gpu")
+    assert {"torch", "transformers", "deepspeed", "accelerate", "numpy", "tokenizers"} <= cpu.keys() & gpu.keys()
+    assert pin_disagreements(cpu, gpu, PIN_DIFFERENCES) == {}
+    assert all(reason.strip() for reason in PIN_DIFFERENCES.values())  # every listed difference says why
+    planted = {**cpu, "transformers": "5.24.0"}
+    assert pin_disagreements(planted, gpu, PIN_DIFFERENCES) == {"transformers": ("5.24.0", gpu["transformers"])}
+    assert pin_disagreements(planted, gpu, {"transformers": "a reason"}) == {}
+
+
 def installed_versions(python: Path) -> dict[str, str]:
     code = "import importlib.metadata as m, json; print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))"
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout

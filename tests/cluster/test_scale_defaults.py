@@ -17,20 +17,19 @@ from pathlib import Path
 import pytest
 
 from sapd import layout
-from sapd.config import ConfigError, load_config
+from sapd.config import ConfigError, load_config, resolved_for
 from sapd.data.prefix_table import longest_prompt
 from sapd.entry import EXIT_USER_ERROR
 from sapd.models.memory import GIB, HEADROOM, estimate, shape_from_config
+from sapd.models.tiny import QWEN2_5, write_shape_folder
+from sapd.platform import planned
 from sapd.stages.train import round_passes
 from tests.cluster.test_chart import by_kind, container, job, overlay_values, render
 from tests.tokenizer_util import SAMPLE_DATA, qwen_tokenizer
 
 GPU_BYTES = 80e9  # an 80 GB GPU (H100 80GB: 79.1 GiB)
 # config.json of the released checkpoints (Qwen2.5-1.5B-Instruct, Qwen2.5-3B-Instruct)
-QWEN_1_5B = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=1536, intermediate_size=8960,
-                 num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                 tie_word_embeddings=True)
-QWEN_3B = dict(QWEN_1_5B, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16)
+QWEN_1_5B, QWEN_3B = QWEN2_5["1.5b"], QWEN2_5["3b"]
 # each GPU value set's shipped sample (its benchmark and format); textworld ships none: its cap only
 SAMPLES = {"base": ("alfworld_eto.json", "eto"), "alfworld": ("alfworld_eto.json", "eto"),
            "webshop": ("webshop_eto.json", "eto"), "searchqa": ("searchqa_searchr1.jsonl", "searchr1"),
@@ -58,6 +57,7 @@ def qwen(tmp_path_factory):
 def test_the_train_stage_fits_an_80gb_gpu_at_the_papers_shapes(name, qwen, tmp_path):
     from sapd.stages.build_prefixes import ensure_prefixes
     cfg, world = rendered_train(overlay_values(name), tmp_path)
+    cfg = resolved_for(cfg, planned(world))  # what "auto" is in the chart's GPU pods
     assert (cfg.model.device, cfg.model.dtype, cfg.train.engine) == ("cuda", "bfloat16", "deepspeed")
     assert (cfg.sampling.group_size, cfg.sampling.max_new_tokens) == (8, 512)
     assert cfg.train.micro_batch_prefixes == 1 and cfg.checkpointing_on()
@@ -77,6 +77,40 @@ def test_the_train_stage_fits_an_80gb_gpu_at_the_papers_shapes(name, qwen, tmp_p
     print(f"\n[{name}] train estimate at the build's longest prompt {prompts.get('build')}: "
           + (train.line() if "build" not in prompts else
              {e.stage: e for e in estimate(cfg, student, teacher, world, prompts['build'])}["train"].line()))
+
+
+def rendered_configs(values: dict, tmp_path: Path) -> dict[str, object]:
+    """Each stage's run config as the chart renders it (the ConfigMap's overlays), keyed by stage."""
+    docs = render(values)
+    data = by_kind(docs, "ConfigMap")["sapd-test-config"]["data"]
+    out = {}
+    for stage in ("teacher-scores", "train"):
+        (tmp_path / f"{stage}.yaml").write_text(data[f"{stage}.yaml"])
+        out[stage] = load_config(tmp_path / f"{stage}.yaml")
+    return out
+
+
+@pytest.mark.parametrize("name", ["alfworld", "webshop", "searchqa"])
+def test_every_phase_fits_the_gpus_the_chart_gives_it(name, tmp_path):
+    """The GPU plan (``sapd check --gpu-memory 80 --gpus 16``, what the `helm test` pod runs) of each paper
+    overlay: each scoring pod's GPU holds both vLLM engines and the teacher's prompt log-probs, each of the 16
+    training GPUs its ZeRO-2 share of the trainer, at Qwen2.5-1.5B/3B shapes and prompts at the overlay's cap."""
+    from sapd.models.memory import gpu_plan
+    docs = render(overlay_values(name))
+    pods = {c: container(job(docs, c)["spec"]) for c in ("teacher-scores", "train")}
+    scoring_gpus = int(pods["teacher-scores"]["resources"]["limits"]["nvidia.com/gpu"])
+    assert scoring_gpus == 1
+    _, world = rendered_train(overlay_values(name), tmp_path)
+    student, teacher = shape_from_config(QWEN_1_5B), shape_from_config(QWEN_3B)
+    for stage, cfg in rendered_configs(overlay_values(name), tmp_path).items():
+        cfg = resolved_for(cfg, planned(world))
+        assert cfg.sampling.backend == "vllm" and cfg.model.dtype == "bfloat16"
+        phase = {"teacher-scores": "sample + score", "train": "train"}[stage]
+        plan = gpu_plan(cfg, student, teacher, GPU_BYTES, gpus=world, phases=(phase,))
+        assert not plan.problems, (name, stage, plan.lines())
+        (p,) = plan.phases
+        assert p.gpu == ("each scoring pod's GPU" if stage == "teacher-scores" else "each of the 16 training GPUs")
+        assert p.total <= GPU_BYTES
 
 
 def test_the_old_defaults_would_not_fit():
@@ -123,14 +157,6 @@ def test_the_ranks_check_refuses_idle_ranks_in_one_line(tmp_path, monkeypatch):
     assert env["SAPD_TRAIN_PROCESSES"] == "16"
 
 
-def _paper_model(folder: Path, config: dict, qwen) -> str:
-    """A model folder as `sapd check` reads it: config.json and the tokenizer, no weights."""
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    qwen.save_pretrained(str(folder))
-    return str(folder)
-
-
 @pytest.mark.slow  # the real Qwen2.5 tokenizer
 @pytest.mark.parametrize("gib,fits", [(80, True), (24, False)])
 def test_a_train_pod_checks_its_own_gpu_before_loading(gib, fits, qwen, tmp_path, monkeypatch, capsys):
@@ -140,7 +166,7 @@ def test_a_train_pod_checks_its_own_gpu_before_loading(gib, fits, qwen, tmp_path
     import torch
 
     from sapd.jobs.train import main as train_main
-    student = _paper_model(tmp_path / "student", QWEN_1_5B, qwen)
+    student = str(write_shape_folder(qwen, tmp_path / "student", QWEN_1_5B))
     config = tmp_path / "run.yaml"
     config.write_text(f"run_root: {tmp_path / 'run'}\nmodel: {{student: {student}, teacher: {student}, device: cuda, "
                       "dtype: bfloat16}\nsampling: {backend: vllm}\ntrain: {engine: deepspeed}\n")
@@ -167,8 +193,8 @@ def test_a_train_pod_checks_its_own_gpu_before_loading(gib, fits, qwen, tmp_path
     else:
         assert code == EXIT_USER_ERROR
         (line,) = [x for x in out.splitlines() if x.startswith("check memory: FAILED")]
-        assert "train needs about" in line and "cuda:1 (NVIDIA H100 80GB HBM3)" in line
-        assert "lower sampling.max_new_tokens (now 512) or data.max_prompt_tokens" in line
+        assert line.startswith("check memory: FAILED: train: ") and "cuda:1 (NVIDIA H100 80GB HBM3)" in line
+        assert "lower sampling.max_new_tokens to 256 (now 512)" in line
 
 
 @pytest.mark.slow

@@ -293,3 +293,25 @@ def test_many_steps_with_own_sampling_move_bf16_checkpoints_as_far_as_float32(mo
         assert math.isclose(share, share32, rel_tol=0.1) and math.isclose(norm, norm32, rel_tol=0.1), arm
         updates = [r for r in read_step_log(str(tmp_path / arm)) if "round_update_rel" in r]
         assert len(updates) == 4 and all(r["round_update_applied_ratio"] > 0.99 for r in updates)
+
+
+def test_a_float32_checkpoint_0_gives_a_bf16_trainer_the_master_a_bf16_build_stores(tmp_path, models):
+    """``model.dtype: auto`` resolves per process: on the cluster the prefix build runs on a CPU (float32:
+    checkpoint 0 holds float32 weights, no master) and the trainer on a GPU (bfloat16). The trainer then takes
+    its fp32 master from those float32 weights, exactly, and starts where a bf16 build's checkpoint 0 (bf16
+    weights + the fp32 master beside them) starts it, as on one GPU: the same master, the same bf16 weights."""
+    from sapd.stages.build_prefixes import ensure_initial_checkpoint
+    starts = {}
+    lines: list[str] = []
+    for build in ("float32", "bfloat16"):
+        root = tmp_path / build
+        ensure_initial_checkpoint(config_from_dict(_config(root, models, build)), log=lambda s: None)
+        trainer = train.load_trainer(config_from_dict(_config(root, models, "bfloat16")), 0, log=lines.append)
+        engine = trainer.engine
+        starts[build] = ([m.clone() for m in engine.masters], [p.detach().clone() for p in engine.model.parameters()])
+    student = checkpoints.load_checkpoint_model(str(tmp_path / "float32"), 0, "float32")
+    assert all(torch.equal(m, p.detach()) for m, p in zip(starts["float32"][0], student.parameters()))  # exact
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in starts["float32"][0])  # not the rounding
+    for a, b in zip(starts["float32"][0] + starts["float32"][1], starts["bfloat16"][0] + starts["bfloat16"][1]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert any("float32 weights" in line and "they are the fp32 master, exactly" in line for line in lines), lines

@@ -46,7 +46,7 @@ PRODUCTION = ("sapd",)
 FLOORS: dict[str, int] = {
     "sapd": 0,
     "sapd.method": 1, "sapd.storage": 1, "sapd.metrics": 1, "sapd.yamlio": 1, "sapd.progress": 1,
-    "sapd.layout": 2,
+    "sapd.layout": 2, "sapd.platform": 2,
     "sapd.config": 3, "sapd.lease": 3,
     "sapd.data": 4, "sapd.models": 4,
     "sapd.checkpoints": 5,
@@ -82,6 +82,7 @@ THIRD_PARTY: dict[str, set[str] | None] = {
     "sapd.yamlio": {"yaml"},
     "sapd.progress": set(),
     "sapd.layout": set(),
+    "sapd.platform": {"torch"},
     "sapd.config": set(),
     "sapd.lease": set(),
     "sapd.data": {"pyarrow"},  # never a model library: data is contracts and transforms

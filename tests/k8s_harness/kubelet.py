@@ -46,7 +46,9 @@ What a container gets, and how it differs from a real node (each difference is d
   env values and workingDir, any absolute path at or below a mountPath becomes the same path below
   that volume's folder (``/etc/sapd/config.yaml`` → ``…/volumes/config/config.yaml``); nothing else is
   rewritten. A volume mounted at /tmp also sets ``TMPDIR`` to its folder (what /tmp is inside the
-  pod). ``/dev/shm`` is the host's.
+  pod), through a short link in the host's temporary folder (``/tmp/k8s-<8 hex>``): a pod's /tmp is a
+  short path, and a Unix socket's path may not exceed 107 bytes (vLLM's engine process binds its ZeroMQ
+  sockets under TMPDIR). ``/dev/shm`` is the host's.
 * **Read-only mounts.** Each container runs in a mount namespace of its own (:mod:`sandbox`): every
   volume is a mount of its own there, read-only where a real node mounts it read-only — a volumeMount's
   ``readOnly``, a claim mounted ``readOnly``, and always configMap, secret, downwardAPI and projected
@@ -79,6 +81,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -225,6 +228,7 @@ class Kubelet:
         self.cluster = cluster
         self.runs: dict[tuple[str, str], PodRun] = {}
         self.rootfs_writes: list[tuple[str, str]] = []  # (pod, path)
+        self.tmp_aliases: list[Path] = []  # the short links to the pods' /tmp folders, removed at stop_all
         # a real kubelet is root and starts containers as their user; run by anyone else, the harness
         # cannot, and every container runs as that user
         self.identity = os.geteuid() == 0
@@ -475,7 +479,10 @@ class Kubelet:
                 env.update(PATH=path, PYTHONPATH=str(REPO), HOSTNAME=hostname, KUBECONFIG=str(kubeconfig),
                            **{MARKER: marker})
                 if "/tmp" in mounts:
-                    env["TMPDIR"] = str(mounts["/tmp"])
+                    alias = Path(tempfile.gettempdir()) / f"k8s-{uuid.uuid4().hex[:8]}"
+                    alias.symlink_to(mounts["/tmp"], target_is_directory=True)
+                    self.tmp_aliases.append(alias)
+                    env["TMPDIR"] = str(alias)
                 read_only_root = bool((c.get("securityContext") or {}).get("readOnlyRootFilesystem"))
                 out.append(ContainerRun(c["name"], argv, cwd, env, pdir / "logs" / f"{c['name']}.log",
                                         uid, gid, groups, confined, read_only_root, marker=marker))
@@ -698,6 +705,9 @@ class Kubelet:
                     except subprocess.TimeoutExpired:
                         pass
         self.runs.clear()
+        for alias in self.tmp_aliases:
+            alias.unlink(missing_ok=True)
+        self.tmp_aliases.clear()
 
     def log_text(self, namespace: str, pod: str, container: str | None = None) -> str:
         d = self.cluster.node_root / "pods" / namespace / pod / "logs"

@@ -63,7 +63,7 @@ def test_overlays_stack_and_unknown_keys_are_errors(tmp_path):
     with pytest.raises(ConfigError, match="train.rounds: expected an integer"):
         load_config(bad)
     bad.write_text("sampling:\n  backend: tgi\n")
-    with pytest.raises(ConfigError, match=r"sampling.backend: 'tgi' is not one of \['hf', 'vllm'\]"):
+    with pytest.raises(ConfigError, match=r"sampling.backend: 'tgi' is not one of \['auto', 'hf', 'vllm'\]"):
         load_config(bad)
     bad.write_text("loss:\n  lambda_kl: 1\n")
     with pytest.raises(ConfigError, match="unknown loss option"):

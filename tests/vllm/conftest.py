@@ -6,8 +6,9 @@ The main suite ignores this folder (``--ignore=tests/vllm``). Nothing here skips
 missing: the test module imports it at the top, so the wrong environment fails at collection.
 
 The environment is set before vLLM is first imported (it reads these lazily, at engine start):
-the engine core runs in this process (no spawned engine process re-importing pytest's ``__main__``,
-and a second faster start), no usage reporting, nothing fetched from a hub.
+each engine core runs in its own process, vLLM's default and what the pods and ``sapd run`` run (an
+in-process engine once hid that every weight sync failed there: a function shipped to the workers,
+which the engine's process refuses to unpickle), no usage reporting, nothing fetched from a hub.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 
 import pytest
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default, as the pods and `sapd run` run it
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

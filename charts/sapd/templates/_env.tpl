@@ -27,6 +27,14 @@
   value: {{ .root.Values.pushgateway.url | quote }}
 - name: SAPD_JOB
   value: {{ .component }}
+{{- $limits := dict }}
+{{- if and .job .job.resources .job.resources.limits }}{{ $limits = .job.resources.limits }}{{ end }}
+{{- $gpus := index $limits "nvidia.com/gpu" | default 0 | int }}
+{{- if gt $gpus 0 }}
+# the GPUs this container was given: model.device auto stops rather than fall back to the CPU when torch sees none
+- name: SAPD_POD_GPUS
+  value: {{ $gpus | quote }}
+{{- end }}
 # the training ranks (train pods × processes per pod): what the checks size ZeRO's shards by and divide a
 # minibatch's micro-batches over, in the driver and the preflight pod too
 - name: SAPD_TRAIN_PROCESSES

@@ -1,0 +1,27 @@
+"""A vLLM worker extension whose weight updates hang: each shard takes 3 s to load. Named by its qualified
+name (``worker_extension_cls``), so that vLLM imports it in the engine's own process, where a monkeypatch of
+the test's process would not reach (tests/vllm/test_vllm_backend.py, the weight sync's deadline)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sapd.models.vllm_worker import SapdWorkerExtension, checkpoint_engine_class
+
+SHARD_SECONDS = 3.0
+
+
+class SlowShardExtension(SapdWorkerExtension):
+    def sapd_install_checkpoint_engine(self) -> bool:
+        base = checkpoint_engine_class()
+
+        class SlowEngine(base):  # type: ignore[misc, valid-type]
+            def receive_weights(self, update_info: Any) -> None:
+                time.sleep(SHARD_SECONDS)
+                super().receive_weights(update_info)
+
+        from vllm.config.weight_transfer import WeightTransferConfig
+        self.weight_transfer_engine = SlowEngine(WeightTransferConfig(backend="sapd_checkpoint"), self.vllm_config,
+                                                 self.device, self.model_runner.get_model())
+        return True
