@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             any(c["op"] == "all_reduce" and c["dtype"] == "torch.float64" and c["device"].startswith(device)
                 for c in r["collectives"]) for r in ranks),
         f"optimizer shards saved as rank:r/{device}": bool(ranks[0]["shard_placements"]) and all(
-            p.startswith("rank:") and p.split("/", 1)[1].startswith(device) for r in ranks for p in r["shard_placements"]),
+            p.startswith("rank:") and p.split("/", 1)[1].startswith(device)
+            for r in ranks for p in r["shard_placements"]),
         "resumed exactly: moments and master bit for bit": all(r["resumed_state_equal"] for r in ranks),
         "resumed exactly: bf16 weights bit for bit": all(r["resumed_weights_equal"] for r in ranks)}
     if not dry:
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                "world_size": world, "ranks": ranks, "torchrun_seconds": torchrun_seconds,
                "seconds": time.perf_counter() - t_all, "checks": checks,
                "needs_several_gpus": ["ZeRO's partitions split over ranks on CUDA (reduce-scatter over NCCL)",
-                                      "ranks waiting in a collective while rank 0 uploads a checkpoint (NCCL's timeout)",
+                                      "ranks waiting in a collective while rank 0 uploads a checkpoint "
+                                      "(NCCL's timeout)",
                                       "the two-pod torchrun rendezvous on GPUs"]}
     lines = [f"mode: {results['mode']}; device: {results['device']}; torch {results['torch']}; "
              f"{results['seconds']:.0f} s in all (torchrun {torchrun_seconds:.0f} s)", "",

@@ -57,7 +57,8 @@ def build_model(tok, out: Path, config: dict[str, Any], seed: int, device: str) 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("architectures", "transformers_version")})
+    skip = ("architectures", "transformers_version")
+    cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in skip})
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
     torch.manual_seed(seed)
     with torch.device(device):
@@ -283,8 +284,10 @@ def render(results: dict[str, Any]) -> str:
            + ", ".join(f"{k} {v}" for k, v in results["auto"].items())
            + f"; {results['seconds']:.0f} s in all ({results['model_build_seconds']:.0f} s building the models)", ""]
     if isinstance(results["memory"], list):
-        out += ["| round | phase | peak GiB (the GPU, every process) | plan GiB | peak / plan |", "|---|---|---|---|---|"]
-        out += [f"| {m['round']} | {m['phase']} | {m['peak_gib']:.2f} | {m['plan_gib']:.2f} | {m['peak_over_plan']:.2f} |"
+        out += ["| round | phase | peak GiB (the GPU, every process) | plan GiB | peak / plan |",
+                "|---|---|---|---|---|"]
+        out += [f"| {m['round']} | {m['phase']} | {m['peak_gib']:.2f} | {m['plan_gib']:.2f} "
+                f"| {m['peak_over_plan']:.2f} |"
                 for m in results["memory"] if m["peak_gib"] is not None]
         out.append("")
     else:
@@ -292,7 +295,8 @@ def render(results: dict[str, Any]) -> str:
     out += ["| round | seconds | sample + score s | train s | hand-offs s | hand-off share | applied / computed |",
             "|---|---|---|---|---|---|---|"]
     for r in results["rounds"]:
-        out.append(f"| {r['round']} | {r['seconds']:.1f} | {r['sample + score_seconds']:.1f} | {r['train_seconds']:.1f} "
+        out.append(f"| {r['round']} | {r['seconds']:.1f} | {r['sample + score_seconds']:.1f} "
+                   f"| {r['train_seconds']:.1f} "
                    f"| {r['handoff_seconds']:.2f} | {r['handoff_share']:.1%} "
                    f"| {results['update_applied_ratio'].get(r['round'], float('nan')):.3f} |")
     out += ["", f"teacher scoring ({results['backend']}):"] + [f"- {line}" for line in results["teacher_scoring"]]
