@@ -11,7 +11,7 @@ ALL_MARKERS := slow or integration or not (slow or integration)
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
-.PHONY: setup system-deps envs demo test test-fast test-vllm lint docs refs clean image-venvs
+.PHONY: setup system-deps envs demo test test-fast test-vllm test-durations lint docs refs clean image-venvs
 
 $(BIN)/.sapd-installed: pyproject.toml docker/constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +88,15 @@ $(IMAGES)/gpu: .venv-vllm/.sapd-vllm-installed
 
 test-vllm: .venv-vllm/.sapd-vllm-installed
 	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
+
+# every marker, as `make test` runs them, with each test file's wall and CPU seconds recorded (tests/conftest.py),
+# then the table of tests/README.md regenerated from them (scripts/test_durations.py)
+DURATIONS := $(CURDIR)/.cache/durations
+test-durations: envs
+	rm -rf $(DURATIONS)
+	SAPD_TEST_DURATIONS=$(DURATIONS) $(BIN)/python -m pytest $(XDIST) -m '$(ALL_MARKERS)' sapd tests -q
+	SAPD_TEST_DURATIONS=$(DURATIONS) .venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
+	$(BIN)/python scripts/test_durations.py $(DURATIONS)
 
 # the quick suite (pyproject's default markers: no slow or integration tests), the slowest 15 named at the end
 test-fast: setup

@@ -49,7 +49,7 @@ others. The sections:
   teacher's tokens computed per group with each prompt read from vLLM's prefix cache, against the
   prompt recomputed per response and the references G·(P + R) and P + G·R, the time per group, and the
   log-prob difference between the two paths.
-* ``bf16_master``: a bf16 run learns like a float32 run (the fp32 master, docs/DESIGN.md). One round of the
+* ``bf16_master``: a bf16 run learns like a float32 run (the fp32 master, docs/design/training.md). One round of the
   same scored data at lr 1e-6, trained in float32 and in bf16 (torch engine, and DeepSpeed ZeRO-2 where
   installed) on the device: the bf16 run's fp32 master must move as the float32 run's weights do
   (cosine ≥ 0.98, norm within 5 %), checkpoint 0's master be the student's weights, checkpoint 1's folder
@@ -387,7 +387,6 @@ def vllm_reuse_check(student: str, teacher: str, dtype: DType, *, gpu: bool) -> 
     equal the fresh engine's. Last, the deadline: a weight update whose shard takes longer than
     ``sync_timeout_s`` must fail with :class:`WeightSyncTimeout` within about that time."""
     import gc
-    import threading
 
     import torch
 
@@ -434,31 +433,28 @@ def vllm_reuse_check(student: str, teacher: str, dtype: DType, *, gpu: bool) -> 
     live.load_weights(teacher)  # wakes the engine, then reloads
     out["wake_reload_seconds"] = time.perf_counter() - t0
     woken = live.generate(prompts, params)
-    # the deadline: a shard that takes 3 s against a 0.5 s deadline (the last use of this engine)
-    engine_class = vllm_backend._checkpoint_engine_class()
-    slow_receive = engine_class.receive_weights
-
-    def hanging(self: Any, info: Any) -> None:
-        time.sleep(3)
-        slow_receive(self, info)
-
     out["deadline_error"], out["deadline_seconds"] = None, None
     if live.weight_sync == "native":  # the probe hangs sapd's transfer engine, which only that path uses
-        live.sync_timeout_s = 0.5
-        engine_class.receive_weights = hanging
+        # the deadline: an engine whose every shard takes 3 s to load (bench/slow_weight_sync.py, in the engine's
+        # own process) against a 0.5 s deadline
+        del live
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+        slow = VLLMGenerator.from_path(student, dtype=dtype, sync_timeout_s=0.5,
+                                       worker_extension_cls="bench.slow_weight_sync.SlowShardExtension", **kw)
         t0 = time.perf_counter()
         try:
-            live.load_weights(teacher)
+            slow.load_weights(teacher)
         except WeightSyncTimeout as e:
             out["deadline_error"] = str(e)
         out["deadline_seconds"] = time.perf_counter() - t0
-        for t in threading.enumerate():  # the hung call finishes before anything else uses the device
-            if t.name.startswith("sapd-weight-sync"):
-                t.join(60)
-        engine_class.receive_weights = slow_receive
-        # close the session the probe left open: vLLM shares some layers (rotary caches) between the
-        # engines of one process, and a half-done layerwise reload would leave them unusable
-        live.llm.collective_rpc("finish_weight_update")
+        try:
+            slow.generate(prompts, params)
+            out["refused_after_timeout"] = False
+        except RuntimeError:
+            out["refused_after_timeout"] = True
+        live = slow
     del live  # the fresh engine is built alone on the device, as a per-round rebuild would be
     gc.collect()
     if gpu:
@@ -472,7 +468,8 @@ def vllm_reuse_check(student: str, teacher: str, dtype: DType, *, gpu: bool) -> 
     out.update(differs_before_update=ids(before) != ids(after), tokens_match_fresh=ids(after) == ids(ref),
                tokens_match_after_release=ids(woken) == ids(ref),
                deadline_kept=None if out["deadline_seconds"] is None
-               else out["deadline_error"] is not None and out["deadline_seconds"] < 2.5,
+               else out["deadline_error"] is not None and out["deadline_seconds"] < 2.5
+               and out["refused_after_timeout"],
                max_logprob_diff=max(abs(x - y) for ga, gb in zip(after, ref) for sa, sb in zip(ga, gb)
                                     for x, y in zip(sa.logprobs, sb.logprobs)) if ids(after) == ids(ref) else None)
     bad = [k for k in ("differs_before_update", "tokens_match_fresh", "tokens_match_after_release",
@@ -941,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.vllm_python:
             raise _Skip("vLLM is not installed here" + ("" if not dry else " (pass --vllm-python for the CPU build)"))
         target = work / "vllm-reuse.json"
-        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        env = {**os.environ, "PYTHONPATH": str(REPO),
                "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
         proc = subprocess.run([args.vllm_python, str(Path(__file__).resolve()), "--vllm-reuse-only", str(work / "vllm"),
                                str(target)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -1023,7 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
         target = work / "vllm-teacher-scoring.json"
         shape = ["--prompt-tokens", "264", "--response-tokens", "77", "--group", "8",
                  "--groups", "4" if dry else "32", "--repeats", "2"]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        env = {**os.environ, "PYTHONPATH": str(REPO),
                "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
         proc = subprocess.run([python, str(REPO / "bench" / "teacher_scoring.py"), "--backend", "vllm", *model, *shape,
                                "--json", str(target)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -142,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the figures here as JSON")
     args = ap.parse_args(argv)
     if args.backend == "vllm":
-        for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_NO_USAGE_STATS", "1"),
-                           ("HF_HUB_OFFLINE", "1")):
+        for key, value in (("VLLM_NO_USAGE_STATS", "1"), ("HF_HUB_OFFLINE", "1")):
             os.environ.setdefault(key, value)
     with tempfile.TemporaryDirectory() as tmp:
         from sapd.models.loading import load_causal_lm, load_tokenizer

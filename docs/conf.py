@@ -80,19 +80,6 @@ def _place_new_pages(app, docname, source):  # noqa: ANN001 - Sphinx's event sig
         source[0] += "\n```{toctree}\n:caption: More pages\n:maxdepth: 1\n\n" + "\n".join(new) + "\n```\n"
 
 
-# The pre-registered analysis plan stays as it was committed; its links to the study's code name
-# `sapd/study/`, where that code lived then: on the site they point to where it is now (`research/`).
-# (tests/house/test_docs.py reads the pages through the same rewrites.)
-LINK_REWRITES: dict[str, list[tuple[str, str]]] = {
-    "results/ANALYSIS_PLAN": [("(../../sapd/study/", "(../../research/")],
-}
-
-
-def _moved_code_links(app, docname, source):  # noqa: ANN001 - Sphinx's event signature
-    for old, new in LINK_REWRITES.get(docname, []):
-        source[0] = source[0].replace(old, new)
-
-
 def _reread_home_when_pages_come_or_go(app, env, added, changed, removed):  # noqa: ANN001, ANN201
     """An incremental build re-reads the home page when a page was added or removed (its "More pages")."""
     return [root_doc] if added or removed else []
@@ -100,7 +87,6 @@ def _reread_home_when_pages_come_or_go(app, env, added, changed, removed):  # no
 
 def setup(app):  # noqa: ANN001, ANN201
     app.connect("autodoc-process-docstring", _runbook_as_text)
-    app.connect("source-read", _moved_code_links)
     app.connect("source-read", _place_new_pages)
     app.connect("env-get-outdated", _reread_home_when_pages_come_or_go)
 

@@ -58,7 +58,7 @@ class ModelConfig:
     student: str = ""  # HF folder or s3:// prefix: the initial student (checkpoint 0)
     teacher: str = ""  # HF folder or s3:// prefix: the frozen teacher (must share the student's tokenizer)
     # bfloat16: checkpoints, sampling and scoring in bf16, training on an fp32 master kept in the optimizer
-    # state (docs/DESIGN.md); float16 is refused by training (FLOAT16_NOT_TRAINED). auto: bfloat16 on a GPU
+    # state (docs/design/training.md); float16 is refused by training (FLOAT16_NOT_TRAINED). auto: bfloat16 on a GPU
     # that computes in it, float32 on a CPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = AUTO
     device: str = AUTO  # auto (cuda:LOCAL_RANK where torch sees CUDA, else cpu) | cpu | cuda | cuda:N
@@ -110,7 +110,7 @@ class TrainConfig:
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     # training and π_old run each prefix's prompt once over its repeated KV cache ("on"), or G full
     # prompt+response sequences in one batch ("off"). "auto": on for the torch engine on a CPU model —
-    # measured (docs/results/EFFICIENCY.md): 0.22× the time on 2 CPU cores; no clear gain on an H200 at 0.5B
+    # measured (docs/results/STAGES.md): 0.22× the time on 2 CPU cores; no clear gain on an H200 at 0.5B
     shared_prompt: Literal["auto", "on", "off"] = "auto"
     engine: Literal["torch", "deepspeed"] = "torch"  # one process, or DeepSpeed ZeRO under torchrun
     zero_stage: int = 2  # DeepSpeed ZeRO stage (engine: deepspeed)
@@ -126,7 +126,7 @@ class TrainConfig:
 @dataclass
 class ValidationConfig:
     """The student's distance to the teacher on held-out prefixes (``prefixes/val``), measured inside the
-    teacher-scores stage of round k on checkpoint k with the engines already up (docs/DESIGN.md
+    teacher-scores stage of round k on checkpoint k with the engines already up (docs/design/training.md
     "Validation"): the reverse KL(student ‖ teacher) per sampled token, the forward log-ratio on the
     recorded responses, the student's and the teacher's sampled action match."""
 

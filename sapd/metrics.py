@@ -1,4 +1,4 @@
-"""Every Prometheus metric sapd exports, declared in one place (docs/DESIGN.md "Metrics").
+"""Every Prometheus metric sapd exports, declared in one place (docs/design/training.md "Metrics").
 
 Names carry the ``sapd_`` prefix and base units; labels are low-cardinality only (stage, loss term,
 advantage statistic, benchmark, category) — never a prefix or trajectory id. Batch jobs push their

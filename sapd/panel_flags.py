@@ -2,7 +2,9 @@
 environment deadline. Only the front doors that play episodes use them (``sapd evaluate``,
 ``collect-expert``, ``online``, ``teacher-pool`` and ``python -m sapd.jobs.evaluate``), so the flags name the
 panel's fields and leave building it to the caller — ``PanelSpec(**panel_fields(args))`` — and this module
-imports no environment: a door that never plays an episode (the train job) never loads one.
+imports no environment: a door that never plays an episode (the train job) never loads one. The
+``--benchmark`` and ``--split`` choices are the registered benchmarks' (``sapd.method.benchmarks.BENCHMARKS``),
+read when the flags are added.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sapd.method.benchmarks import BENCHMARKS
+from sapd.method.benchmarks import BENCHMARKS, split_names
 
 
 def _names(value: str | None) -> tuple[str, ...] | None:
@@ -26,7 +28,7 @@ def add_panel_flags(p: argparse.ArgumentParser, *, benchmark_default: str | None
     p.add_argument("--cache", default=None, help="game cache folder (default .cache/textworld)")
     p.add_argument("--tasks", default=None, help="ScienceWorld: comma-separated task names (default: all 30)")
     p.add_argument("--variations-per-task", type=int, default=2, help="ScienceWorld: variations per task")
-    p.add_argument("--split", choices=["train", "dev", "test", "all", "valid_seen", "valid_unseen"], default="test",
+    p.add_argument("--split", choices=split_names(), default="test",
                    help="ScienceWorld: which variations to draw from; ALFWorld: train | valid_seen (= dev) | "
                         "valid_unseen (= test, the default)")
     p.add_argument("--rows", default=None, help="search QA: Search-R1 rows (JSONL/Parquet) to ask")

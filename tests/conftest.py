@@ -31,9 +31,15 @@ import pytest
 # environment says otherwise: the suite runs two test processes side by side on CI's two cores, and torch's
 # default of one thread per core in each oversubscribes them (threads spinning at every barrier while the
 # other process wants the core). Measured on 2 idle cores: the quick suite in two processes took 391 s with
-# torch's default and 267 s with this (tests/README.md). Set before any test module imports torch; the
+# torch's default and 267 s with this (docs/results/TEST_SUITE.md). Set before any test module imports torch; the
 # harness's pods and the processes given an environment of their own set their threads themselves.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# DeepSpeed's CPU accelerator JIT-compiles its communication op (deepspeed_shm_comm) the first time a process
+# group starts where the environment has no prebuilt one (.venv/ installs DeepSpeed with DS_BUILD_OPS=0): one
+# folder for every process the suite starts, so the op is compiled once per checkout, not once per default
+# folder a test happened to leave unset.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
 
 # --------------------------------------------------------------------------------------------------
 # S3 (SeaweedFS) server
@@ -385,3 +391,41 @@ def prometheus_stack(tmp_path):
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+# --------------------------------------------------------------------------------------------------
+# per-file durations: wall and CPU seconds, for the table of tests/README.md (`make test-durations`)
+
+_DURATIONS_OUT = os.environ.get("SAPD_TEST_DURATIONS")  # a folder: each test process writes its own JSON file there
+_durations: dict[str, dict[str, float]] = {}
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children that ended and were waited for (the
+    subprocesses a test starts, the cluster harness's pods)."""
+    import resource
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's wall and CPU seconds (setup, call and teardown; a module's fixtures are paid by the test that
+    first asks for them), summed per file, when ``SAPD_TEST_DURATIONS`` names a folder."""
+    if not _DURATIONS_OUT:
+        yield
+        return
+    wall, cpu = time.perf_counter(), _cpu_seconds()
+    yield
+    row = _durations.setdefault(item.nodeid.split("::")[0], {"wall": 0.0, "cpu": 0.0, "tests": 0})
+    row["wall"] += time.perf_counter() - wall
+    row["cpu"] += _cpu_seconds() - cpu
+    row["tests"] += 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _DURATIONS_OUT and _durations:
+        out = Path(_DURATIONS_OUT)
+        out.mkdir(parents=True, exist_ok=True)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        (out / f"{worker}-{os.getpid()}.json").write_text(json.dumps(_durations, indent=1, sort_keys=True))

@@ -29,6 +29,19 @@ def user_s3(s3_server) -> Iterator[None]:
         storage.configure_s3(**dataclasses.asdict(previous))
 
 
+def checkpoint_weights(root: str, k: int) -> dict[str, Any]:
+    """Checkpoint ``k``'s model weights, read from the run root (local or S3: under :func:`user_s3`), by name."""
+    from safetensors.torch import load
+
+    from sapd import layout, storage
+    out: dict[str, Any] = {}
+    for u in storage.list_files(layout.checkpoint_model_dir(root, k)):
+        if u.endswith(".safetensors"):
+            out.update(load(storage.read_bytes(u)))
+    assert out, f"no weights in checkpoint {k} of {root}"
+    return out
+
+
 def upload_models(tmp: Path, prefix: str) -> None:
     """The tiny student and teacher (built in ``tmp``) uploaded to ``prefix/models/{student,teacher}/``."""
     from sapd import storage

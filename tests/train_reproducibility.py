@@ -1,7 +1,7 @@
 """Is one training round reproducible? The same torch-engine round from identical inputs, run again and again in
 fresh processes with torch's default intra-op threads, under each OpenMP wait policy; prints how many distinct
 checkpoints each policy produced. Run it as ``python -m tests.train_reproducibility [RUNS]`` (default 25 per
-policy; ~8 s a run on 2 cores); the numbers in docs/results/EFFICIENCY.md came from it.
+policy; ~8 s a run on 2 cores); the numbers in docs/results/ROUND_OVERHEAD.md came from it.
 
 The run: the tests' tiny student and teacher (tests/pipeline_util.py), 2 rounds of `sapd run` on a local run
 root; then RUNS times: a copy of that root without checkpoint 2, and `python -m sapd.jobs.train --round 1` on

@@ -9,9 +9,13 @@ reject, must be refused rather than cut into prefixes. A turn fits when:
 2. its response parses under the benchmark's projection (:func:`sapd.method.benchmarks.parse_decision`, the
    one the format rule and the agent loop use: verl-agent's for ``<think>``/``<action>``, Search-R1's for
    ``<search>``/``<answer>``) and names the turn's recorded action;
-3. where the benchmark's command language is closed, the action is one of its commands: ALFWorld's
-   verbs, WebShop's ``search[…]`` / ``click[…]``. (ScienceWorld's and TextWorld's command sets are open
-   or game-specific, so only 1–2 apply to them.)
+3. where the benchmark's command language is closed (its spec's ``commands``), the action is one of its
+   commands: ALFWorld's verbs, WebShop's ``search[…]`` / ``click[…]``. (ScienceWorld's and TextWorld's
+   command sets are open or game-specific, so only 1–2 apply to them.)
+
+Data recorded for another benchmark is recognised by that benchmark's ``fingerprints`` (text only its
+environment or prompt template writes), even where the command languages overlap (ALFWorld's and
+ScienceWorld's "go to", "open", "look" …). Both are fields of :class:`sapd.method.benchmarks.BenchmarkSpec`.
 """
 
 from __future__ import annotations
@@ -19,45 +23,25 @@ from __future__ import annotations
 import re
 
 from sapd.data.react import special_token
-from sapd.method.benchmarks import BenchmarkSpec, parse_decision
-
-# ALFWorld's text commands (both wordings of placing: "put X in/on Y" before 0.4, "move X to Y" after)
-_ALFWORLD = re.compile(r"^(?:(?:go to|open|close|take|put|move|use|toggle|heat|cool|clean|slice|examine) \S.*"
-                       r"|look|inventory|help)$", re.S)
-_WEBSHOP = re.compile(r"^(?:search|click)\[.+\]$", re.S | re.I)
-COMMANDS: dict[str, tuple[re.Pattern, str]] = {
-    "alfworld": (_ALFWORLD, "an ALFWorld command (go to, open, close, take … from, put … in/on, move … to, use, "
-                            "heat/cool/clean/slice … with, examine, look, inventory)"),
-    "webshop": (_WEBSHOP, "a WebShop action (search[…] or click[…])"),
-}
-
-
-# text only one benchmark's environment or prompt template writes: data recorded elsewhere and read
-# with the wrong --benchmark is recognised by it even where the command languages overlap (ALFWorld's and
-# ScienceWorld's "go to", "open", "look" …)
-_FINGERPRINTS: dict[str, tuple[str, ...]] = {
-    "alfworld": ("ALFRED Embodied Environment", "Welcome to TextWorld, ALFRED!", "Looking quickly around you, you see"),
-    "webshop": ("WebShop e-commerce platform", "WebShop [SEP]"),
-    "scienceworld": ("ScienceWorld simulator", "This room is called the"),
-}
+from sapd.method.benchmarks import BENCHMARKS, BenchmarkSpec, parse_decision
 
 
 def foreign_benchmark(text: str, spec: BenchmarkSpec) -> tuple[str, str] | None:
     """(reason, detail) when ``text`` (a first observation or a rendered prompt) carries another
-    benchmark's fingerprint.
+    registered benchmark's fingerprint (:attr:`~sapd.method.benchmarks.BenchmarkSpec.fingerprints`).
 
     >>> from sapd.method.benchmarks import get_benchmark
     >>> foreign_benchmark("You are in the middle of a room. Looking quickly around you, you see a desk 1.",
     ...                   get_benchmark("scienceworld"))[0]
     'benchmark_mismatch'
     """
-    for name, marks in _FINGERPRINTS.items():
-        if name == spec.name:
+    for other in BENCHMARKS.values():
+        if other.name == spec.name:
             continue
-        for mark in marks:
+        for mark in other.fingerprints:
             if mark in text:
-                return "benchmark_mismatch", (f"the text reads like {name} data ({mark!r}), but --benchmark is "
-                                              f"{spec.name}: is --benchmark {name} meant?")
+                return "benchmark_mismatch", (f"the text reads like {other.name} data ({mark!r}), but --benchmark "
+                                              f"is {spec.name}: is --benchmark {other.name} meant?")
     return None
 
 
@@ -103,8 +87,7 @@ def turn_problem(response: str, action: str, spec: BenchmarkSpec) -> tuple[str, 
     if _norm(d.content) != _norm(action):
         return "action_mismatch", (f"the response's decision is {_snippet(d.content)} but the recorded action is "
                                    f"{_snippet(action)}")
-    command = COMMANDS.get(spec.name)
-    if command is not None and not command[0].match(d.content):
-        return "not_benchmark_action", (f"action {_snippet(action)} is not {command[1]}; is --benchmark "
+    if spec.commands is not None and not re.match(spec.commands, d.content):
+        return "not_benchmark_action", (f"action {_snippet(action)} is not {spec.commands_hint}; is --benchmark "
                                         f"{spec.name} right?")
     return None

@@ -1,4 +1,4 @@
-"""Parquet shards committed by a manifest written last (docs/DESIGN.md "Storage layout").
+"""Parquet shards committed by a manifest written last (docs/design/storage.md "Storage layout").
 
 An output folder (local or ``s3://``) holds ``part-NNNNN.parquet`` files and ``_MANIFEST.json``. The
 manifest lists every part with its row count and SHA-256 and is written only after all parts landed,

@@ -1,5 +1,9 @@
-"""What differs between benchmarks: the action tags, the prompt wording, horizons and history lengths,
-and how an executable decision is read out of a generated response (docs/FORMATS.md, verl-agent contract).
+"""What differs between benchmarks, in one registered spec each (``BenchmarkSpec``, in ``BENCHMARKS``):
+the decision format, the prompt wording, horizons and history lengths, how an executable decision is read
+out of a generated response (docs/FORMATS.md, verl-agent contract), the text that tells its recorded data
+from another benchmark's, the split names of its panel, the starter config ``sapd init`` writes for it and
+the values its chart overlay sets. Everything here is plain data: the environment adapter and the panel
+that plays it register against the spec's name in ``sapd.envs.panels`` (docs/guides/new-benchmark.md).
 
 Two kinds of decision blocks exist:
 
@@ -16,6 +20,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 DecisionKind = Literal["action", "search"]
+DECISION_KINDS: tuple[DecisionKind, ...] = ("action", "search")
+
+
+@dataclass(frozen=True)
+class Starter:
+    """What ``sapd init --benchmark NAME`` writes for the benchmark (``sapd.run.starter``); its chart overlay,
+    where it has one (``charts/sapd/values/NAME.yaml``), sets the same format and round size."""
+
+    format: str  # data.format of the data usually recorded for it: a format of sapd.data.loaders, or auto
+    example: str  # an example input file name, shown after the PATH/TO/ placeholder
+    what: str  # what such data usually is, one phrase ("ETO style expert conversations")
+    before: str = ""  # commented lines at the top of the starter: what to do before `sapd run`
+    trajectories_per_round: int = 16  # train.trajectories_per_round (the paper: 16; search QA 128)
 
 
 @dataclass(frozen=True)
@@ -26,29 +43,47 @@ class BenchmarkSpec:
     history_length: int  # default number of recent (observation, action) pairs shown in a prompt
     intro: str  # first sentence of the step prompt
     action_hint: str  # how the closing instruction names the decision
+    starter: Starter  # the starter config `sapd init` writes
+    noop: str = "look"  # what the environment is sent for a malformed response: a harmless action
+    # text only this benchmark's environment or prompt writes: data read with another --benchmark is
+    # refused when its first observation or prompt holds one of them (sapd.data.fit.foreign_benchmark)
+    fingerprints: tuple[str, ...] = ()
+    # its closed command language, a regular expression every recorded action must match (None: open or
+    # game-specific), and how a refusal names it (sapd.data.fit.turn_problem)
+    commands: str | None = None
+    commands_hint: str = ""
+    splits: tuple[str, ...] = ()  # the names its panel's --split takes (none: the panel has no splits)
+    extra: str | None = None  # the pyproject extra that installs its environment's simulator (None: none)
+    # what its chart overlay (charts/sapd/values/NAME.yaml) sets beyond the run root, the data, the models and
+    # the starter's format and round size: (dotted key, value) pairs
+    overlay: tuple[tuple[str, object], ...] = ()
 
 
-_ACTION_HINT = ("Once you've finished your reasoning, you should choose an admissible action for current step "
-                "and present it within <action> </action> tags.")
+BENCHMARKS: dict[str, BenchmarkSpec] = {}
 
-BENCHMARKS: dict[str, BenchmarkSpec] = {
-    "alfworld": BenchmarkSpec("alfworld", "action", 50, 2,
-                              "You are an expert agent operating in the ALFRED Embodied Environment.",
-                              _ACTION_HINT),
-    "webshop": BenchmarkSpec("webshop", "action", 15, 2,
-                             "You are an expert autonomous agent operating in the WebShop e-commerce platform.",
-                             _ACTION_HINT),
-    "textworld": BenchmarkSpec("textworld", "action", 50, 2,
-                               "You are an expert agent playing a text adventure game.", _ACTION_HINT),
-    "scienceworld": BenchmarkSpec("scienceworld", "action", 50, 2,
-                                  "You are an expert agent operating in the ScienceWorld simulator.",
-                                  _ACTION_HINT),
-    "searchqa": BenchmarkSpec("searchqa", "search", 4, 4,
-                              "You are an expert agent answering questions with the help of a search engine.",
-                              "If you lack knowledge, call the search engine with <search> query </search>; "
-                              "results come back between <information> and </information>. When you know "
-                              "the answer, give it inside <answer> </answer> tags without extra explanation."),
-}
+
+def register_benchmark(spec: BenchmarkSpec) -> BenchmarkSpec:
+    """Add ``spec`` to ``BENCHMARKS`` under its name: from then on every ``--benchmark`` flag,
+    ``data.benchmark`` and ``sapd init`` accept it. A name already taken, an unknown decision kind or a
+    command pattern that does not compile is refused (ValueError)."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", spec.name):
+        raise ValueError(f"benchmark name {spec.name!r}: lowercase letters, digits and _ only, a letter first")
+    if spec.name in BENCHMARKS:
+        raise ValueError(f"benchmark {spec.name!r} is registered already")
+    if spec.decision not in DECISION_KINDS:
+        raise ValueError(f"benchmark {spec.name!r}: decision {spec.decision!r} is not one of "
+                         f"{', '.join(DECISION_KINDS)}")
+    if spec.horizon < 1 or spec.history_length < 0 or spec.starter.trajectories_per_round < 1:
+        raise ValueError(f"benchmark {spec.name!r}: horizon and trajectories_per_round must be positive, "
+                         "history_length not negative")
+    if spec.commands is not None:
+        try:
+            re.compile(spec.commands)
+        except re.error as e:
+            raise ValueError(f"benchmark {spec.name!r}: commands {spec.commands!r} is not a regular expression: "
+                             f"{e}") from None
+    BENCHMARKS[spec.name] = spec
+    return spec
 
 
 def get_benchmark(name: str) -> BenchmarkSpec:
@@ -58,10 +93,85 @@ def get_benchmark(name: str) -> BenchmarkSpec:
         raise ValueError(f"unknown benchmark {name!r}; expected one of {sorted(BENCHMARKS)}") from None
 
 
+# the split names --split lists first (then each benchmark's own, in registration order)
+COMMON_SPLITS = ("train", "dev", "test", "all")
+
+
+def split_names() -> list[str]:
+    """Every split name a registered benchmark's panel takes, as the ``--split`` flag offers them."""
+    return list(dict.fromkeys([*COMMON_SPLITS, *(s for spec in BENCHMARKS.values() for s in spec.splits)]))
+
+
 def noop_action(benchmark: str) -> str:
     """What an environment is sent for a malformed response: a harmless look ("look" is ambiguous in
     ScienceWorld, whose no-op is "look around")."""
-    return "look around" if benchmark == "scienceworld" else "look"
+    spec = BENCHMARKS.get(benchmark)
+    return spec.noop if spec is not None else "look"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the five benchmarks of the paper and the embedded environments
+
+_ACTION_HINT = ("Once you've finished your reasoning, you should choose an admissible action for current step "
+                "and present it within <action> </action> tags.")
+
+# ALFWorld's text commands (both wordings of placing: "put X in/on Y" before 0.4, "move X to Y" after)
+_ALFWORLD_COMMANDS = (r"(?s)^(?:(?:go to|open|close|take|put|move|use|toggle|heat|cool|clean|slice|examine) \S.*"
+                      r"|look|inventory|help)$")
+
+_ALFWORLD_BEFORE = """\
+
+# ALFWorld in three commands (pip install 'sapd[alfworld]'; nothing is downloaded):
+#   sapd alfworld-games --out alfworld-data --split train --per-type 20        # or alfworld-download's data
+#   sapd alfworld-games --out alfworld-data --split valid_unseen --per-type 5
+#   ALFWORLD_DATA=alfworld-data sapd collect-expert --benchmark alfworld --split train \\
+#       --out alfworld_expert.jsonl                                            # ALFWorld's expert plays
+# then fill in data.input below with alfworld_expert.jsonl, and after `sapd run`:
+#   ALFWORLD_DATA=alfworld-data sapd evaluate --run runs/alfworld --benchmark alfworld --split valid_unseen
+"""
+
+for _spec in (
+    BenchmarkSpec(
+        "alfworld", "action", 50, 2, "You are an expert agent operating in the ALFRED Embodied Environment.",
+        _ACTION_HINT,
+        Starter("auto", "alfworld_expert.jsonl", "`sapd collect-expert` records (above) or ETO / SPA-RL conversations",
+                before=_ALFWORLD_BEFORE),
+        fingerprints=("ALFRED Embodied Environment", "Welcome to TextWorld, ALFRED!",
+                      "Looking quickly around you, you see"),
+        commands=_ALFWORLD_COMMANDS,
+        commands_hint=("an ALFWorld command (go to, open, close, take … from, put … in/on, move … to, use, "
+                       "heat/cool/clean/slice … with, examine, look, inventory)"),
+        splits=("train", "valid_seen", "valid_unseen", "dev", "test"), extra="alfworld",
+        # ALFWorld's engine is in the eval image only
+        overlay=(("evaluate.image.flavor", "eval"),)),
+    BenchmarkSpec(
+        "webshop", "action", 15, 2, "You are an expert autonomous agent operating in the WebShop e-commerce platform.",
+        _ACTION_HINT, Starter("eto", "webshop_sft.json", "ETO style expert conversations"),
+        fingerprints=("WebShop e-commerce platform", "WebShop [SEP]"),
+        commands=r"(?si)^(?:search|click)\[.+\]$", commands_hint="a WebShop action (search[…] or click[…])",
+        # a WebShop server of your own (WebShop's web_agent_site), no extra
+        overlay=(("evaluate.webshop.url", "http://webshop.sapd-system.svc.cluster.local:3000"),)),
+    BenchmarkSpec(
+        "textworld", "action", 50, 2, "You are an expert agent playing a text adventure game.", _ACTION_HINT,
+        Starter("native", "trajectories.jsonl", "sapd's own records (`sapd collect-expert`, `sapd convert`)"),
+        extra="textworld"),
+    BenchmarkSpec(
+        "scienceworld", "action", 50, 2, "You are an expert agent operating in the ScienceWorld simulator.",
+        _ACTION_HINT, Starter("eto", "sciworld_sft.json", "ETO style expert conversations"),
+        noop="look around", fingerprints=("ScienceWorld simulator", "This room is called the"),
+        splits=("train", "dev", "test", "all"), extra="scienceworld"),
+    BenchmarkSpec(
+        "searchqa", "search", 4, 4, "You are an expert agent answering questions with the help of a search engine.",
+        "If you lack knowledge, call the search engine with <search> query </search>; "
+        "results come back between <information> and </information>. When you know "
+        "the answer, give it inside <answer> </answer> tags without extra explanation.",
+        Starter("searchr1", "searchqa_train.parquet", "Search-R1 rollouts (rows with golden answers)",
+                trajectories_per_round=128),
+        extra="searchqa",  # the local BM25 retriever (sapd retriever); any Search-R1 /retrieve server works
+        overlay=(("teacherScores.parallelism", 8),)),
+):
+    register_benchmark(_spec)
+del _spec
 
 
 # ALFWorld task types as they appear in game file paths; pick_two must be tested before pick_and_place.

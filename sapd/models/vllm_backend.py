@@ -60,9 +60,11 @@ can be named) where vLLM is not installed, e.g. in the main environment.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import math
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,7 +107,26 @@ def make_llm(model_dir: str | Path, *, dtype: DType = "float32", seed: int = 0,
     if kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
     kwargs.update(llm_kwargs)
-    return LLM(**kwargs)
+    llm = LLM(**kwargs)
+    # Registered after multiprocessing's own exit hook, so it runs before it (atexit is last in, first out):
+    # that hook joins the engine's process, which only ends once told to. An engine still referenced at exit
+    # (a script's global, a cycle the collector has not reached) would otherwise hang the exit.
+    atexit.register(_shut_down_at_exit, weakref.ref(llm))
+    return llm
+
+
+def shut_down(llm: LLM) -> None:
+    """Stop ``llm``'s engine: its own process under vLLM's V1 multiprocessing (the default, as the pods run
+    it), its background threads in-process. Idempotent; the engine is not usable afterwards."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+def _shut_down_at_exit(ref: weakref.ref[LLM]) -> None:
+    llm = ref()
+    if llm is not None:
+        shut_down(llm)
 
 
 DEFAULT_SYNC_TIMEOUT_S = 600.0

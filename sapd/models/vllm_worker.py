@@ -1,10 +1,10 @@
-"""What sapd runs inside vLLM's workers: :class:`SapdWorkerExtension`, given to every engine sapd starts
-(``worker_extension_cls``, :func:`sapd.models.vllm_backend.make_llm`). vLLM mixes it into its worker class in
-the engine's own process, so the driver calls its methods **by name** through ``LLM.collective_rpc``, as
-verl and OpenRLHF do. Nothing sapd sends a worker is code: a function shipped through ``collective_rpc``
-would be pickled, which vLLM's engine process refuses unless ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (its
-default engine, in its own process, raised ``TypeError: Object of type <class 'function'> is not
-serializable`` at the first weight sync). The arguments are plain data: file paths.
+"""What sapd runs inside vLLM's workers: :class:`~sapd.models.vllm_worker.SapdWorkerExtension`, given to every
+engine sapd starts (``worker_extension_cls``, :func:`sapd.models.vllm_backend.make_llm`). vLLM mixes it into its
+worker class in the engine's own process, so the driver calls its methods **by name** through
+``LLM.collective_rpc``, as verl and OpenRLHF do. Nothing sapd sends a worker is code: a function shipped through
+``collective_rpc`` would be pickled, which vLLM's engine process refuses unless
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (its default engine, in its own process, raised ``TypeError: Object of type
+<class 'function'> is not serializable`` at the first weight sync). The arguments are plain data: file paths.
 
 The methods:
 

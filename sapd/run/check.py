@@ -11,11 +11,14 @@ Checks (each prints one line; every check runs even after one failed):
 - **student** / **teacher**: model folders with a config and a tokenizer with a chat template (no
   weights are read; from S3 only the small files are fetched);
 - **tokenizers**: the student's and the teacher's are identical (the token signal needs one vocabulary);
-- **memory**: an estimate per stage (parameters, gradients, optimizer, activations, KV cache) from the
-  models' shapes, the config's batch sizes and the longest prompt of the committed prefix build, against
-  the device the stage runs on (a torchrun rank's own GPU, its free memory); the train stage's estimate
-  above a visible GPU fails every door, its job's included (exit 2, before the model loads), with what
-  to change;
+- **memory**: on a GPU (visible, or planned with ``--gpu-memory GIB``), what each GPU holds in each phase
+  (:func:`sapd.models.memory.gpu_plan`: the vLLM engines' shares and the teacher's prompt log-probs while
+  sampling and scoring; the trainer's weights, gradients, fp32 master, Adam moments and activations while
+  training; on one GPU the sleeping engines and the trainer waiting in host memory) from the models'
+  shapes, the config's batch sizes and the longest prompt of the committed prefix build, against the GPU
+  (a torchrun rank's own, its free memory); a phase that does not fit fails every door, a stage's job
+  included (exit 2, before a model loads), with one line naming what to change. On a CPU, an estimate per
+  stage against the machine's memory;
 - **ranks**: the training ranks (``WORLD_SIZE``, or ``SAPD_TRAIN_PROCESSES`` that the chart sets) divide
   each minibatch's micro-batches evenly, so none runs weightless passes;
 - **precision**: ``train.lr`` against the weights' floating-point spacing (:func:`check_precision`): a

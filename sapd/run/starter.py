@@ -1,50 +1,30 @@
 """``sapd init --benchmark NAME``: a commented starter run config for bringing your own data. Every key
 it does not list keeps the paper's default; the ``PATH/TO/…`` values are the ones to fill in, and
-``sapd check`` names each one still left (then checks the rest without training)."""
+``sapd check`` names each one still left (then checks the rest without training). What differs per benchmark
+(the usual input format, an example file, what to do first, the round size) is its spec's ``starter``
+(:class:`sapd.method.benchmarks.Starter`)."""
 
 from __future__ import annotations
 
 from sapd.config import PLACEHOLDER
 from sapd.data.loaders import AUTO, REGISTRY
-from sapd.method.benchmarks import get_benchmark
-
-# benchmark → (the usual input format, an example input name, what such data usually is)
-_DATA = {
-    "alfworld": ("auto", "alfworld_expert.jsonl",
-                 "`sapd collect-expert` records (above) or ETO / SPA-RL conversations"),
-    "webshop": ("eto", "webshop_sft.json", "ETO style expert conversations"),
-    "searchqa": ("searchr1", "searchqa_train.parquet", "Search-R1 rollouts (rows with golden answers)"),
-    "textworld": ("native", "trajectories.jsonl", "sapd's own records (`sapd collect-expert`, `sapd convert`)"),
-    "scienceworld": ("eto", "sciworld_sft.json", "ETO style expert conversations"),
-}
-
-
-# benchmark → what to do before `sapd run` (commented lines at the top of its starter)
-_BEFORE = {
-    "alfworld": """\
-
-# ALFWorld in three commands (pip install 'sapd[alfworld]'; nothing is downloaded):
-#   sapd alfworld-games --out alfworld-data --split train --per-type 20        # or alfworld-download's data
-#   sapd alfworld-games --out alfworld-data --split valid_unseen --per-type 5
-#   ALFWORLD_DATA=alfworld-data sapd collect-expert --benchmark alfworld --split train \\
-#       --out alfworld_expert.jsonl                                            # ALFWorld's expert plays
-# then fill in data.input below with alfworld_expert.jsonl, and after `sapd run`:
-#   ALFWORLD_DATA=alfworld-data sapd evaluate --run runs/alfworld --benchmark alfworld --split valid_unseen
-""",
-}
+from sapd.method.benchmarks import BENCHMARKS, get_benchmark
 
 
 def benchmarks() -> list[str]:
-    return sorted(_DATA)
+    return sorted(BENCHMARKS)
 
 
 def starter_config(benchmark: str) -> str:
-    """The text of the starter config for ``benchmark``."""
-    if benchmark not in _DATA:
+    """The text of the starter config for ``benchmark`` (its spec's :class:`~sapd.method.benchmarks.Starter`)."""
+    if benchmark not in BENCHMARKS:
         raise ValueError(f"--benchmark {benchmark!r}: expected one of {', '.join(benchmarks())}")
     spec = get_benchmark(benchmark)
-    fmt, example, what = _DATA[benchmark]
-    per_round = 128 if benchmark == "searchqa" else 16
+    fmt, example, what = spec.starter.format, spec.starter.example, spec.starter.what
+    if fmt not in REGISTRY and fmt != AUTO:
+        raise ValueError(f"benchmark {benchmark!r}: its starter's format {fmt!r} is not one of "
+                         f"{' | '.join([*sorted(REGISTRY), AUTO])}")
+    per_round = spec.starter.trajectories_per_round
     return f"""\
 # sapd run config: a starter for {benchmark} (written by `sapd init --benchmark {benchmark}`).
 # Fill in the three {PLACEHOLDER}… values, then
@@ -52,7 +32,7 @@ def starter_config(benchmark: str) -> str:
 #                           (--gpu-memory 80: what each phase needs of an 80 GiB GPU you do not have yet)
 #   sapd run THIS.yaml      runs it (resumable: run it again after an interruption)
 # Keys not listed keep the paper's defaults (docs/SAPD.md §5). Numbers follow YAML 1.2 (1e-6 is a float).
-{_BEFORE.get(benchmark, "")}
+{spec.starter.before}
 # everything of the run is written here: a local folder or s3://bucket/prefix
 run_root: runs/{benchmark}
 

@@ -2,7 +2,7 @@
 (2 rounds, the three modes its last line compares and the persistent workers as plain processes) that must
 end with its line and with every mode's weights equal to `sapd run`'s, bit for bit; the processes' logs
 are kept, each line stamped with its time. The timings themselves are the bench's report, not asserted:
-they depend on the machine's load (docs/results/EFFICIENCY.md has the measured figures)."""
+they depend on the machine's load (docs/results/ROUND_OVERHEAD.md has the measured figures)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,9 @@ How the chart behaves on a cluster is tests/cluster/test_journeys.py's subject.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import helm_python as helm
@@ -534,7 +536,7 @@ def test_evaluation_cronjob():
     (cron,) = by_kind(render(overlay_values("smoke")), "CronJob").values()
     assert cron["spec"]["schedule"] == "*/30 * * * *"
     assert not by_kind(render({"evaluate": {"schedule": ""}}), "CronJob")
-    assert by_kind(render({"evaluate": {"enabled": False}}), "CronJob")  # the CronJob alone may evaluate
+    assert not by_kind(render({"evaluate": {"enabled": False}}), "CronJob")  # disabled: no evaluation at all
 
 
 def test_evaluation_gets_each_benchmark_what_it_needs():
@@ -972,7 +974,7 @@ def test_helm_test_hook_is_a_preflight_pod():
 
 
 MANIFEST_FILES = ["namespace.yaml", "pushgateway.yaml", "prometheus-scrape-config.yaml",
-                  "s3-credentials-secret.template.yaml", "seaweedfs.yaml"]
+                  "s3-credentials-secret.template.yaml", "seaweedfs/seaweedfs.yaml"]
 
 
 @pytest.mark.parametrize("file", MANIFEST_FILES)
@@ -986,20 +988,23 @@ def test_manifests_pass_the_strict_schema(file):
 def test_manifest_pieces():
     kinds = {f: sorted(d["kind"] for d in yaml.safe_load_all((MANIFESTS / f).read_text()) if d) for f in MANIFEST_FILES}
     assert kinds["pushgateway.yaml"] == ["Deployment", "Service"]
-    assert kinds["seaweedfs.yaml"] == ["Deployment", "PersistentVolumeClaim", "Service"]
+    assert kinds["seaweedfs/seaweedfs.yaml"] == ["Deployment", "PersistentVolumeClaim", "Service"]
     values = yaml.safe_load((CHART / "values.yaml").read_text())["s3"]
-    (svc,) = [d for d in yaml.safe_load_all((MANIFESTS / "seaweedfs.yaml").read_text()) if d and d["kind"] == "Service"]
+    (svc,) = [d for d in yaml.safe_load_all((MANIFESTS / "seaweedfs" / "seaweedfs.yaml").read_text())
+              if d and d["kind"] == "Service"]
     assert values["endpoint"] == f"http://{svc['metadata']['name']}.sapd-system.svc.cluster.local:{svc['spec']['ports'][0]['port']}"
-    text = (MANIFESTS / "seaweedfs.yaml").read_text()
+    text = (MANIFESTS / "seaweedfs" / "seaweedfs.yaml").read_text()
     assert '"actions": ["Read:sapd", "Write:sapd", "List:sapd"]' in text  # the jobs' user is scoped to the bucket
     (secret,) = yaml.safe_load_all((MANIFESTS / "s3-credentials-secret.template.yaml").read_text())
     assert secret["metadata"]["name"] == values["secretName"]
     assert set(secret["stringData"]) == {values["accessKeyIdKey"], values["secretAccessKeyKey"]}
     recipe = (MANIFESTS / "s3-credentials-secret.template.yaml").read_text()
     assert "--dry-run=client -o yaml | kubectl apply -n <release-namespace> -f -" in recipe and "sed" not in recipe
-    kust = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
-    assert sorted(kust["resources"]) == sorted(set(MANIFEST_FILES) - {"s3-credentials-secret.template.yaml"})
+    kust = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())  # the base: no object storage
+    assert sorted(kust["resources"]) == sorted(set(MANIFEST_FILES) - {"s3-credentials-secret.template.yaml",
+                                                                      "seaweedfs/seaweedfs.yaml"})
     assert kust["namespace"] == "sapd-system"
+    assert yaml.safe_load((MANIFESTS / "seaweedfs" / "kustomization.yaml").read_text())["resources"] == ["seaweedfs.yaml"]
     (cm,) = yaml.safe_load_all((MANIFESTS / "prometheus-scrape-config.yaml").read_text())
     scrape = yaml.safe_load(cm["data"]["sapd-scrape-configs.yaml"])["scrape_configs"]
     jobs = {s["job_name"]: s for s in scrape}
@@ -1139,3 +1144,266 @@ def test_the_train_rendezvous_waits_for_the_whole_group():
     assert "--rdzv-conf=timeout=3600" in args and args.index("--rdzv-conf=timeout=3600") < args.index("-m")
     args = container(job(render({"train": {"rendezvousTimeoutSeconds": 7200}}), "train")["spec"])["args"]
     assert "--rdzv-conf=timeout=7200" in args
+
+
+# ------------------------------------------------------------------------------------------ cluster conventions
+# The install-once kustomizations (storage optional, the Prometheus Operator's monitors), values examples for
+# AWS S3 and for N GPUs, the evaluation CronJob under evaluate.enabled, the GPUs NOTES and the README state.
+
+EXAMPLES = CHART / "values" / "examples"  # not overlays: no test iterates over them but those below
+KUBECTL = os.environ.get("KUBECTL", "/usr/bin/kubectl")  # the journeys' kubectl 1.32 (kustomize v5)
+
+
+def kustomize(folder: Path) -> list[dict]:
+    """`kubectl kustomize <folder>`, offline: the documents `kubectl apply -k <folder>` would send."""
+    if not Path(KUBECTL).is_file():
+        pytest.skip(f"no kubectl at {KUBECTL} (set KUBECTL)")
+    out = subprocess.run([KUBECTL, "kustomize", str(folder)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "KUBECONFIG": os.devnull})
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def kinds_and_names(docs: list[dict]) -> set[tuple[str, str]]:
+    return {(d["kind"], d["metadata"]["name"]) for d in docs}
+
+
+def test_kustomize_base_holds_no_storage_and_seaweedfs_is_an_addon():
+    """`kubectl apply -k manifests/` gives a cluster that has S3 what it needs and no SeaweedFS;
+    `manifests/seaweedfs/` adds SeaweedFS alone, beside the base, in the same namespace."""
+    base, seaweed = kustomize(MANIFESTS), kustomize(MANIFESTS / "seaweedfs")
+    assert kinds_and_names(base) == {("Namespace", "sapd-system"), ("Deployment", "pushgateway"),
+                                     ("Service", "pushgateway"), ("ConfigMap", "sapd-prometheus-scrape-config")}
+    assert "seaweedfs" not in json.dumps(base)
+    assert kinds_and_names(seaweed) == {("PersistentVolumeClaim", "seaweedfs-data"), ("Deployment", "seaweedfs"),
+                                        ("Service", "seaweedfs-s3")}
+    for d in base + seaweed:
+        assert kubernetes_validate.validate(d, KUBE_VERSION, strict=True), (d["kind"], d["metadata"]["name"])
+        assert d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "sapd"
+        if d["kind"] != "Namespace":
+            assert d["metadata"]["namespace"] == "sapd-system", d["metadata"]["name"]
+    images = {c["image"] for d in base + seaweed if d["kind"] == "Deployment"
+              for c in d["spec"]["template"]["spec"]["containers"]}
+    assert images == {"prom/pushgateway:v1.11.1", "chrislusf/seaweedfs:4.48"}
+    # the chart's default endpoint is the add-on's Service
+    (svc,) = [d for d in seaweed if d["kind"] == "Service"]
+    endpoint = yaml.safe_load((CHART / "values.yaml").read_text())["s3"]["endpoint"]
+    assert endpoint == f"http://{svc['metadata']['name']}.sapd-system.svc.cluster.local:{svc['spec']['ports'][0]['port']}"
+    # the install page says so: the base alone for S3, the add-on beside it otherwise
+    install = (REPO / "docs" / "kubernetes" / "install.md").read_text()
+    assert "kubectl apply -k manifests/ " in install and "kubectl apply -k manifests/seaweedfs/" in install
+
+
+# what a monitoring.coreos.com/v1 object may hold where these monitors use it (the Operator's CRDs, abridged):
+# kubernetes-validate ships no CRD schemas, so a misspelt key (`honor_labels`) would pass unnoticed
+MONITOR_SPEC_KEYS = {"ServiceMonitor": {"selector", "namespaceSelector", "endpoints", "jobLabel", "targetLabels",
+                                        "podTargetLabels", "sampleLimit"},
+                     "PodMonitor": {"selector", "namespaceSelector", "podMetricsEndpoints", "jobLabel",
+                                    "podTargetLabels", "sampleLimit"}}
+ENDPOINT_KEYS = {"port", "path", "scheme", "interval", "scrapeTimeout", "honorLabels", "honorTimestamps",
+                 "relabelings", "metricRelabelings", "params"}
+RELABEL_KEYS = {"sourceLabels", "separator", "targetLabel", "regex", "modulus", "replacement", "action"}
+
+
+def relabel_targets(relabelings: list[dict]) -> dict[str, str]:
+    """target label → what it is set from: a pod label's meta name, or a fixed replacement."""
+    return {r["targetLabel"]: (r["sourceLabels"][0] if r.get("sourceLabels") else r["replacement"])
+            for r in relabelings}
+
+
+def test_prometheus_operator_monitors_select_the_pushgateway_and_rank_0_of_the_train_pods():
+    """manifests/prometheus-operator/: a ServiceMonitor whose selector and port match the Pushgateway Service
+    of the base, and a PodMonitor that selects exactly the chart's rank-0 train pods (Job or JobSet) on their
+    `metrics` port, with the plain scrape config's job name and labels (the dashboard's)."""
+    docs = kustomize(MANIFESTS / "prometheus-operator")
+    assert kinds_and_names(docs) == {("ServiceMonitor", "sapd-pushgateway"), ("PodMonitor", "sapd-train")}
+    for d in docs:
+        assert d["apiVersion"] == "monitoring.coreos.com/v1" and d["metadata"]["namespace"] == "sapd-system"
+        assert set(d["spec"]) <= MONITOR_SPEC_KEYS[d["kind"]], d["kind"]
+        for ep in d["spec"].get("endpoints", []) + d["spec"].get("podMetricsEndpoints", []):
+            assert set(ep) <= ENDPOINT_KEYS and all(set(r) <= RELABEL_KEYS for r in ep.get("relabelings", []))
+    monitors = {d["kind"]: d["spec"] for d in docs}
+    (cm,) = yaml.safe_load_all((MANIFESTS / "prometheus-scrape-config.yaml").read_text())
+    plain = {s["job_name"]: s for s in yaml.safe_load(cm["data"]["sapd-scrape-configs.yaml"])["scrape_configs"]}
+
+    # the ServiceMonitor: the base's Pushgateway Service, in its namespace, by port name
+    sm = monitors["ServiceMonitor"]
+    (svc,) = [d for d in kustomize(MANIFESTS) if d["kind"] == "Service" and d["metadata"]["name"] == "pushgateway"]
+    assert sm["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["namespaceSelector"]["matchNames"] == [svc["metadata"]["namespace"]]
+    (ep,) = sm["endpoints"]
+    assert ep["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert ep["honorLabels"] is plain["sapd-pushgateway"]["honor_labels"] is True
+    assert relabel_targets(ep["relabelings"]) == {"job": "sapd-pushgateway"}
+
+    # the PodMonitor: every namespace; the chart's train pods with completion index 0, nothing else
+    pm = monitors["PodMonitor"]
+    assert pm["namespaceSelector"] == {"any": True}
+    want = pm["selector"]["matchLabels"]
+    assert set(pm["selector"]) == {"matchLabels"}
+    (pep,) = pm["podMetricsEndpoints"]
+    seen = 0
+    for values in ({}, {"train": {"launcher": "jobset"}}, overlay_values("textworld")):
+        docs = render(values)
+        for name, spec in job_specs(docs):
+            labels, pod = spec["template"]["metadata"]["labels"], spec["template"]["spec"]
+            for index in range(int(spec.get("completions") or 1)):
+                # what the Job controller adds to each pod of an Indexed Job (Kubernetes 1.28+)
+                carried = {**labels, "batch.kubernetes.io/job-completion-index": str(index)}
+                selected = want.items() <= carried.items()
+                is_rank0 = labels["app.kubernetes.io/component"] == "train" and index == 0
+                assert selected == is_rank0, (name, index)
+                if selected:
+                    seen += 1
+                    assert pep["port"] in {p["name"] for c in pod["containers"] for p in c.get("ports", [])}
+                    # the pod labels the relabelings read are there
+                    for source in relabel_targets(pep["relabelings"]).values():
+                        if source.startswith("__meta_kubernetes_pod_label_"):
+                            assert source.removeprefix("__meta_kubernetes_pod_label_") in {
+                                re.sub(r"[^a-zA-Z0-9_]", "_", k) for k in carried}, source
+    assert seen == 3  # one train template per values set
+    # the plain config's selection (train pods, index 0, the `metrics` port) and its labels, as the dashboard reads them
+    keep = [r["regex"] for r in plain["sapd-train"]["relabel_configs"] if r.get("action") == "keep"]
+    assert keep == ["sapd;train", "0", "metrics"]
+    assert (want["app.kubernetes.io/name"], want["app.kubernetes.io/component"],
+            want["batch.kubernetes.io/job-completion-index"], pep["port"]) == ("sapd", "train", "0", "metrics")
+    plain_targets = {r["target_label"]: r["source_labels"][0] for r in plain["sapd-train"]["relabel_configs"]
+                     if "target_label" in r}
+    ours = relabel_targets(pep["relabelings"])
+    assert ours["job"] == plain["sapd-train"]["job_name"] == "sapd-train"
+    assert {k: v for k, v in ours.items() if k != "job"} == {
+        k: v for k, v in plain_targets.items() if k in ("release", "round")}
+    # namespace and pod: the Operator sets them itself; the dashboard's queries use job="sapd-train"
+    assert 'job=\\"sapd-train\\"' in (MANIFESTS / "grafana-dashboard.json").read_text()
+
+
+def example(name: str, *under: dict) -> dict:
+    """Overlays and then a file of values/examples/, as `-f a.yaml -f examples/<name>.yaml` merges them."""
+    values: dict = {}
+    for v in (*under, helm.values_from_yaml((EXAMPLES / f"{name}.yaml").read_text())):
+        values = deep_merge(values, v)
+    return values
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "manual"])
+def test_aws_s3_examples_render_the_s3_environment_of_every_pod(mode):
+    """values/examples/aws-s3-irsa.yaml and aws-s3-secret.yaml over the ALFWorld overlay: AWS's own endpoint
+    (an empty SAPD_S3_ENDPOINT_URL, which sapd.storage reads as the SDK's default), the region, and either no key
+    variables and the user's ServiceAccount (IRSA) or the keys from the user's Secret."""
+    alfworld = overlay_values("alfworld")
+    for name in ("aws-s3-irsa", "aws-s3-secret"):
+        values = example(name, alfworld)
+        if mode == "manual":
+            values = manual(values)
+        docs = render(values)
+        irsa = name == "aws-s3-irsa"
+        assert (values["s3"]["endpoint"], values["s3"]["region"]) == ("", "eu-west-1")
+        assert values["runRoot"].startswith("s3://my-bucket/")
+        pods = [(n, p) for n, p in pod_specs(docs) if n != "sapd-test-delete-metrics"]  # the hook needs no S3
+        assert len(pods) >= 5, [n for n, _ in pods]
+        for pod_name, pod in pods:
+            env = env_of(pod["containers"][0])
+            assert env["SAPD_S3_ENDPOINT_URL"].get("value", "") == "", pod_name
+            assert env["AWS_DEFAULT_REGION"]["value"] == "eu-west-1", pod_name
+            driver = "-pipeline-" in pod_name or "-gate-" in pod_name  # the chart's own ServiceAccount
+            if irsa:
+                assert "AWS_ACCESS_KEY_ID" not in env and "AWS_SECRET_ACCESS_KEY" not in env, pod_name
+                assert pod["serviceAccountName"] == ("sapd-test-pipeline" if driver else "sapd-jobs"), pod_name
+                assert pod["automountServiceAccountToken"] is driver  # IRSA's webhook mounts its own token
+            else:
+                for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+                    assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "sapd-aws-s3", "key": var}, pod_name
+                assert pod.get("serviceAccountName", "sapd-test-pipeline") == "sapd-test-pipeline", pod_name
+        for d in docs:
+            validate(d)
+        # IRSA reaches the driver too: the chart's own ServiceAccount carries the role's annotation
+        (sa,) = [d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "sapd-test-pipeline"]
+        assert sa["metadata"].get("annotations") == (
+            {"eks.amazonaws.com/role-arn": "arn:aws:iam::111122223333:role/sapd-s3"} if irsa else None)
+        notes = render_files(values)["sapd/templates/NOTES.txt"]
+        assert ("from the Secret sapd-aws-s3" in notes) is not irsa
+        assert "sapd-s3-credentials" not in json.dumps(docs) + notes
+
+
+def test_evaluate_enabled_decides_the_cronjob_and_a_nightly_schedule_renders_as_documented():
+    """evaluate.enabled false renders no evaluation at all (no CronJob, no stage template, no gate, no NOTES line);
+    an empty schedule no CronJob; operate.md's nightly example renders a CronJob at 03:00 in its time zone."""
+    for values in ({"evaluate": {"enabled": False}}, manual({"evaluate": {"enabled": False}})):
+        docs = render(values)
+        assert not by_kind(docs, "CronJob") and "evaluate" not in {
+            d["metadata"]["labels"]["app.kubernetes.io/component"] for d in docs if d["kind"] == "Job"}
+        assert "evaluate-cron" not in render_files(values)["sapd/templates/NOTES.txt"]
+    docs = render({"evaluate": {"schedule": ""}})
+    assert not by_kind(docs, "CronJob") and job(docs, "evaluate")  # the driver's final evaluation stays
+    assert "evaluate-cron" not in render_files({"evaluate": {"schedule": ""}})["sapd/templates/NOTES.txt"]
+    operate = (REPO / "docs" / "kubernetes" / "operate.md").read_text()
+    section = operate[operate.index("## Evaluation"):]
+    (nightly,) = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+                  if "schedule" in b]
+    (cron,) = by_kind(render(nightly), "CronJob").values()
+    assert cron["spec"]["schedule"] == nightly["evaluate"]["schedule"] == "0 3 * * *"
+    assert cron["spec"]["timeZone"] == nightly["evaluate"]["timeZone"]
+    validate(cron)
+    assert '--set-string evaluate.schedule="0 3 * * *"' in " ".join(section.split())
+    notes = render_files(nightly)["sapd/templates/NOTES.txt"]
+    assert "sapd-test-evaluate-cron (0 3 * * *)" in notes
+
+
+GPU_LINE = re.compile(r"^GPUs: (\d+) (held for the whole run|at most at once)", re.M)
+
+
+def notes_gpus(values: dict) -> tuple[int, str]:
+    notes = render_files(values)["sapd/templates/NOTES.txt"]
+    m = GPU_LINE.search(notes)
+    assert m, notes
+    return int(m.group(1)), m.group(2)
+
+
+def test_notes_state_the_gpus_a_values_file_holds():
+    """train.parallelism × the train pod's GPUs (= procsPerPod) + teacherScores.parallelism × a scoring pod's GPUs
+    (the larger tensor-parallel size above 1): the sum with persistent stage Jobs (both pools held all run long),
+    the larger of the two where the stages take turns (perRound, manual mode); the evaluation's GPU on its own line."""
+    assert notes_gpus({}) == (20, "held for the whole run")  # 2 pods × 8 + 4 workers × 1
+    notes = render_files({})["sapd/templates/NOTES.txt"]
+    assert "train 2 pods × 8 GPUs (16) and teacher-scores 4 pods × 1 GPU (4)" in " ".join(notes.split())
+    assert "Evaluation: 1 GPU per evaluation Job" in notes
+    assert notes_gpus({"teacherScores": {"teacherTensorParallelSize": 2}}) == (24, "held for the whole run")
+    assert notes_gpus({"train": {"parallelism": 4}, "teacherScores": {"parallelism": 8}}) == (40, "held for the whole run")
+    assert notes_gpus({"pipeline": {"stageJobs": "perRound"}}) == (16, "at most at once")
+    assert notes_gpus(manual({})) == (16, "at most at once")
+    assert notes_gpus({"teacherScores": {"enabled": False}}) == (16, "held for the whole run")
+    # the 8-GPU example: 1 train pod × 4 + 4 workers × 1, what the formula gives from its own values
+    gpus8 = example("gpus-8")
+    t, s = gpus8["train"], gpus8["teacherScores"]
+    assert t["resources"]["limits"][GPU] == t["procsPerPod"]
+    assert notes_gpus(gpus8) == (t["parallelism"] * t["procsPerPod"] + s["parallelism"] * 1, "held for the whole run") \
+        == (8, "held for the whole run")
+    assert "CronJob" not in render_files(gpus8)["sapd/templates/NOTES.txt"]  # no ninth GPU asked for during the rounds
+    for d in render(gpus8):
+        validate(d)
+    # a CPU values set holds none
+    assert "GPUs: none" in render_files(overlay_values("smoke"))["sapd/templates/NOTES.txt"]
+
+
+def test_chart_readme_opens_with_the_values_most_users_set_and_a_values_file_for_n_gpus():
+    """The chart's README (README.md.tmpl) names five values before its generated tables, each a real key; shows
+    values/examples/gpus-8.yaml as it is; states the defaults' GPUs as NOTES prints them; and no longer says
+    stage Jobs are created per round in the default mode (nor do the Kubernetes pages)."""
+    readme = (CHART / "README.md.tmpl").read_text()
+    head = readme[readme.index("## The values most users set"):readme.index("## Values")]
+    assert readme.index("## The values most users set") < readme.index("## Prerequisites")
+    rows = re.findall(r"^\| `([\w.]+)` \|", head, flags=re.M)
+    assert rows == ["image.repository", "runRoot", "config.data.input", "config.model.student", "config.model.teacher"]
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    for key in rows:
+        value = defaults
+        for part in key.split("."):
+            value = value[part]  # a KeyError: the README names a value the chart does not have
+        assert f"| `{value}` |" in head, key  # the default shown is the chart's
+    (block,) = re.findall(r"```yaml\n(.*?)```", head, flags=re.S)
+    file_values = "".join(ln + "\n" for ln in (EXAMPLES / "gpus-8.yaml").read_text().splitlines()
+                          if not ln.startswith("#"))
+    assert block == file_values
+    assert re.search(r"\*\*(\d+) GPUs\*\*", head).group(1) == str(notes_gpus({})[0])
+    for page in [CHART / "README.md.tmpl", *(REPO / "docs" / "kubernetes").glob("*.md")]:
+        assert "then per round teacher-scores" not in page.read_text(), page

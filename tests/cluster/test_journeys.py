@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from tests.conftest import debian_binary, free_port, get_url, wait_http
-from tests.journey_util import NODE_CACHE, NS, journey_cluster, upload_models, user_s3
+from tests.journey_util import NODE_CACHE, NS, checkpoint_weights, journey_cluster, upload_models, user_s3
 from tests.k8s_harness import Cluster
 from tests.k8s_harness.prometheus import TargetWriter, prometheus_config
 
@@ -143,18 +143,6 @@ def driver_log(cluster: Cluster, job: str) -> str:
 
 def created_order(log: str) -> list[str]:
     return [ln.split()[1].rstrip(":") for ln in log.splitlines() if ln.startswith("job ") and ": created (" in ln]
-
-
-def weights(root: str, k: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    from sapd import layout, storage
-    files = [u for u in storage.list_files(layout.checkpoint_model_dir(root, k)) if u.endswith(".safetensors")]
-    out: dict[str, torch.Tensor] = {}
-    for u in files:
-        out.update(load(storage.read_bytes(u)))
-    assert out, f"no weights in checkpoint {k} of {root}"
-    return out
 
 
 def query(prom: str, expr: str) -> list[dict]:
@@ -472,7 +460,7 @@ def test_killed_pods_end_in_the_same_committed_result(smoke, cluster, inputs, mo
         assert a.sort_by("prefix_id").select(["prefix_id", "response_token_ids", "teacher_logprobs"]).equals(
             b.sort_by("prefix_id").select(["prefix_id", "response_token_ids", "teacher_logprobs"])), k
     for k in range(1, ROUNDS + 1):
-        wa, wb = weights(smoke.root, k), weights(root, k)
+        wa, wb = checkpoint_weights(smoke.root, k), checkpoint_weights(root, k)
         assert wa.keys() == wb.keys()
         for name in wa:  # bit for bit: the killed run loaded from commits what the other kept in memory
             assert torch.equal(wa[name], wb[name]), f"checkpoint {k} {name}: {float((wa[name] - wb[name]).abs().max())}"
@@ -523,8 +511,10 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
     """`-f textworld.yaml` on CPU, mode manual: Helm creates a small gate Job per stage of the round; each
     waits (no stage Job, no GPU held) until its input is committed, then creates its stage Job and sees it
     through; training runs on two pods meeting through the headless Service (DeepSpeed, gloo);
-    Prometheus scrapes rank 0 only; the evaluation CronJob, run with the docs' `kubectl create job
-    --from=cronjob/…`, finds nothing to evaluate before checkpoint 0, then evaluates each new checkpoint once."""
+    Prometheus scrapes rank 0 only; the evaluation gate of checkpoint `round` + 1 evaluates it once it is
+    committed, and the evaluation CronJob, run with the docs' `kubectl create job --from=cronjob/…`, finds nothing
+    to evaluate before checkpoint 0, skips a checkpoint the gate evaluated, and evaluates a new one the gate has
+    not reached yet (which the gate then finds evaluated): each checkpoint is evaluated once."""
     from sapd import layout, storage
     from sapd.data import shards
     t0 = time.monotonic()
@@ -534,11 +524,11 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
         cluster.host_path(NODE_CACHE, owner=(1000, 1000))
     rel_name, cron = "sapd-tw", "sapd-tw-evaluate-cron"
     sets = user_sets(inputs, monitoring, rel_name, *CPU_TEXTWORLD, "mode=manual", "round=0", "manual.pollSeconds=1",
-                     "buildPrefixes.enabled=false", "evaluate.enabled=false")
+                     "buildPrefixes.enabled=false")
     rel = cluster.helm.install(rel_name, CHART, values_files=[TEXTWORLD], set_values=sets, set_json=LR)
     root = rel.values["runRoot"]
     first = gate_jobs(cluster, rel_name)
-    assert set(first) == {"teacher-scores-r0", "train-r0"}  # Helm created the gates at once; they wait
+    assert set(first) == {"teacher-scores-r0", "train-r0", "evaluate-r1"}  # Helm created the gates at once; they wait
     cluster.wait_for(lambda: "stage teacher-scores-r0: waiting for the output of build-prefixes"
                      in job_log(cluster, first["teacher-scores-r0"]), 120, "the teacher-scores gate to wait")
     assert cluster.job("sapd-tw-teacher-scores-r0") is None and cluster.job("sapd-tw-train-r0") is None
@@ -550,7 +540,8 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
 
     cluster.helm.upgrade(rel_name, reuse_values=True, set_values=["buildPrefixes.enabled=true"])
     gates = gate_jobs(cluster, rel_name)  # a changed value: new gates (new names), the old ones deleted
-    assert set(gates) == {"build-prefixes", "teacher-scores-r0", "train-r0"} and not set(gates.values()) & set(first.values())
+    assert set(gates) == {"build-prefixes", "teacher-scores-r0", "train-r0", "evaluate-r1"}
+    assert not set(gates.values()) & set(first.values())
     cluster.wait_for(lambda: not any(cluster.job(n) for n in first.values()), 60, "the first revision's gates to go")
     assert cluster.wait_job(gates["train-r0"], 900) == "Complete", cluster.describe()
     assert layout.committed_checkpoints(root) == [0, 1]
@@ -569,19 +560,33 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
     rank0 = next(p for p in train_pods if p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] == "0")
     assert "round 0: checkpoint 1 committed" in cluster.logs(rank0["metadata"]["name"])
 
-    out1 = eval_now(cluster, cron, "sapd-tw-eval-1")
-    assert "checkpoint 1: 1 textworld episodes" in out1
+    # checkpoint 1: evaluated by its gate's evaluation Job, then skipped by the CronJob
+    assert cluster.wait_job(gates["evaluate-r1"], 900) == "Complete", cluster.describe()
+    assert "checkpoint 1: 1 textworld episodes" in job_log(cluster, "sapd-tw-evaluate-r1")
     first_eval = storage.read_json(storage.join(layout.evals_dir(root, 1), "textworld.json"))
+    assert "checkpoint 1: textworld already evaluated" in eval_now(cluster, cron, "sapd-tw-eval-1")
 
     cluster.helm.upgrade(rel_name, reuse_values=True, set_values=["round=1"])
     gates = gate_jobs(cluster, rel_name)
-    assert {"teacher-scores-r1", "train-r1"} <= set(gates)
-    assert cluster.wait_job(gates["train-r1"], 900) == "Complete", cluster.describe()
-    assert cluster.job_state("sapd-tw-train-r1") == "Complete"
-    assert layout.committed_checkpoints(root) == [0, 1, 2]
-
-    out2 = eval_now(cluster, cron, "sapd-tw-eval-2")
+    assert {"teacher-scores-r1", "train-r1", "evaluate-r2"} <= set(gates)
+    # checkpoint 2: the CronJob first (the gate, waiting for the checkpoint, is paused), then the gate finds it done
+    gate = cluster.wait_pod(f"batch.kubernetes.io/job-name={gates['evaluate-r2']}",
+                            lambda p: p["status"].get("phase") == "Running", 120, "the evaluation gate to run")
+    # paused once it waits (past its check of whether checkpoint 2 is evaluated), not while it starts: a gate
+    # that starts after the CronJob's evaluation skips its step and creates no Job
+    cluster.wait_for(lambda: "stage evaluate-r2: waiting for the output of" in job_log(cluster, gates["evaluate-r2"]),
+                     120, "the evaluation gate to wait for checkpoint 2")
+    assert cluster.kill_pod(gate["metadata"]["name"], signal.SIGSTOP)
+    try:
+        assert cluster.wait_job(gates["train-r1"], 900) == "Complete", cluster.describe()
+        assert cluster.job_state("sapd-tw-train-r1") == "Complete"
+        assert layout.committed_checkpoints(root) == [0, 1, 2]
+        out2 = eval_now(cluster, cron, "sapd-tw-eval-2")
+    finally:
+        cluster.kill_pod(gate["metadata"]["name"], signal.SIGCONT)
     assert "checkpoint 2: 1 textworld episodes" in out2 and "checkpoint 1" not in out2  # only the new one
+    assert cluster.wait_job(gates["evaluate-r2"], 900) == "Complete", cluster.describe()
+    assert "checkpoint 2: textworld already evaluated" in job_log(cluster, "sapd-tw-evaluate-r2")
     assert storage.read_json(storage.join(layout.evals_dir(root, 1), "textworld.json")) == first_eval
     assert not storage.exists(storage.join(layout.evals_dir(root, 0), "textworld.json"))
     assert "checkpoint 2: textworld already evaluated" in eval_now(cluster, cron, "sapd-tw-eval-3")

@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from tests.conftest import free_port
-from tests.journey_util import NODE_CACHE, NS, journey_cluster, user_s3
+from tests.journey_util import NODE_CACHE, NS, checkpoint_weights, journey_cluster, user_s3
 from tests.tokenizer_util import SAMPLE_DATA, build_test_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,18 +69,6 @@ def _sets(prefix: str, release: str, endpoint: str) -> list[str]:
             "teacherScores.extraEnv[0].name=VLLM_CPU_KVCACHE_SPACE", "teacherScores.extraEnv[0].value=1"]
 
 
-def _weights(root: str, k: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    from sapd import layout, storage
-    out: dict[str, torch.Tensor] = {}
-    for u in storage.list_files(layout.checkpoint_model_dir(root, k)):
-        if u.endswith(".safetensors"):
-            out.update(load(storage.read_bytes(u)))
-    assert out, f"no weights in checkpoint {k} of {root}"
-    return out
-
-
 def test_the_charts_defaults_on_a_cpu_train_three_rounds_through_a_kill_to_sapd_runs_weights(tmp_path, s3_server):
     from sapd import layout, storage
     assert VLLM_PYTHON.exists(), ".venv-vllm is not built: make test builds it (scripts/setup_vllm_venv.sh)"
@@ -112,7 +100,7 @@ def test_the_charts_defaults_on_a_cpu_train_three_rounds_through_a_kill_to_sapd_
             assert layout.committed_checkpoints(root) == list(range(ROUNDS + 1))
             config = json.loads(cluster.kubectl("-n", NS, "get", "configmap", "sapd-defaults-config", "-o",
                                                 "json"))["data"]["config.yaml"]
-            cluster_weights = _weights(root, ROUNDS)
+            cluster_weights = checkpoint_weights(root, ROUNDS)
         scoring = "\n".join(cluster.logs(p["metadata"]["name"]) for p in
                             cluster.pods("batch.kubernetes.io/job-name=sapd-defaults-teacher-scores-r0"))
         trainers = [cluster.logs(p["metadata"]["name"]) for p in
@@ -136,7 +124,7 @@ def test_the_charts_defaults_on_a_cpu_train_three_rounds_through_a_kill_to_sapd_
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     with user_s3(s3_server):
-        local = _weights(cfg["run_root"], ROUNDS)
+        local = checkpoint_weights(cfg["run_root"], ROUNDS)
     assert local.keys() == cluster_weights.keys()
     for name in local:
         assert local[name].dtype == torch.bfloat16

@@ -38,7 +38,7 @@ import torch
 import yaml
 
 from tests.conftest import free_port
-from tests.journey_util import NS, journey_cluster, upload_models, user_s3
+from tests.journey_util import NS, checkpoint_weights, journey_cluster, upload_models, user_s3
 from tests.k8s_harness import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,18 +120,6 @@ def finished(cluster: Cluster, job: str, timeout: float = 1200) -> str:
     return log
 
 
-def weights(root: str, k: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    from sapd import layout, storage
-    out: dict[str, torch.Tensor] = {}
-    for u in storage.list_files(layout.checkpoint_model_dir(root, k)):
-        if u.endswith(".safetensors"):
-            out.update(load(storage.read_bytes(u)))
-    assert out, f"no weights in checkpoint {k} of {root}"
-    return out
-
-
 def assert_same_result(root: str, reference: str, rounds: tuple[int, ...] = (0, 1)) -> None:
     """The committed scored rounds and checkpoint weights of ``root`` are ``reference``'s."""
     from sapd import layout
@@ -141,7 +129,7 @@ def assert_same_result(root: str, reference: str, rounds: tuple[int, ...] = (0, 
     for k in rounds:
         a, b = read_scored(reference, k), read_scored(root, k)
         assert a.sort_by("prefix_id").select(cols).equals(b.sort_by("prefix_id").select(cols)), k
-        wa, wb = weights(reference, k + 1), weights(root, k + 1)
+        wa, wb = checkpoint_weights(reference, k + 1), checkpoint_weights(root, k + 1)
         assert wa.keys() == wb.keys()
         for name in wa:
             torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=1e-6, msg=f"checkpoint {k + 1} {name}")

@@ -1,4 +1,4 @@
-"""A bf16 run learns like a float32 run (docs/DESIGN.md "The fp32 master"): the weights the optimizer keeps
+"""A bf16 run learns like a float32 run (docs/design/training.md "The fp32 master"): the weights the optimizer keeps
 are an fp32 master for the whole run — the torch engine's master tensors, DeepSpeed's fp32 partitions —
 saved in every checkpoint beside the moments and written back on resume, while each checkpoint's model
 folder stays bf16. At the chart's lr 1e-6 an AdamW step is far below half a bf16 step of almost every

@@ -202,3 +202,36 @@ def test_a_real_run_writes_only_listed_files_and_every_commit_marker_is_listed(t
                    "checkpoints/NNNNNN/state/_COMMITTED", "checkpoints/NNNNNN/state/trainer.pt",
                    "checkpoints/NNNNNN/state/optimizer/*", "logs/round-NNNNNN.jsonl", "report/summary.json"):
         assert marker in seen, marker
+
+
+def test_every_test_file_has_a_row_in_the_durations_table(monkeypatch, capsys):
+    """tests/README.md's durations table is generated (`make test-durations`: scripts/test_durations.py) and has a
+    row for every test file; a new file without one is named, with the command that adds it."""
+    from scripts import test_durations
+    assert "test-durations:" in (REPO / "Makefile").read_text()
+    assert test_durations.main(["--check"]) == 0, capsys.readouterr().err
+    files = test_durations.test_files()
+    assert "tests/run/test_check.py" in files and all(f.startswith("tests/") for f in files)
+    monkeypatch.setattr(test_durations, "test_files", lambda: [*files, "tests/run/test_new.py"])
+    assert test_durations.main(["--check"]) == 1
+    assert capsys.readouterr().err == ("tests/run/test_new.py: no row in tests/README.md's durations table "
+                                       "(run `make test-durations`)\n")
+
+
+def test_the_durations_table_is_made_from_the_recorded_files(tmp_path, monkeypatch):
+    """What tests/conftest.py records per test process (wall and CPU seconds per file) merges into one row per
+    file, longest first by CPU, with the totals above the table; a second run replaces the table in place."""
+    from scripts import test_durations
+    readme = tmp_path / "README.md"
+    readme.write_text("# Tests\n\nintro\n")
+    monkeypatch.setattr(test_durations, "README", readme)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "gw0-1.json").write_text('{"tests/a/test_x.py": {"wall": 2.0, "cpu": 3.0, "tests": 2}}')
+    (tmp_path / "d" / "gw1-2.json").write_text('{"tests/a/test_x.py": {"wall": 1.0, "cpu": 1.0, "tests": 1}, '
+                                               '"tests/b/test_y.py": {"wall": 9.0, "cpu": 8.0, "tests": 4}}')
+    assert test_durations.main([str(tmp_path / "d")]) == 0
+    text = readme.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert rows == ["| `tests/b/test_y.py` | 4 | 9.0 | 8.0 |", "| `tests/a/test_x.py` | 3 | 3.0 | 4.0 |"]
+    assert "7 tests, 12 s of wall time summed over the files and 12 CPU seconds" in text
+    assert test_durations.main([str(tmp_path / "d")]) == 0 and readme.read_text() == text  # replaced, not appended

@@ -209,7 +209,9 @@ def test_a_second_sapd_run_is_refused_and_a_forced_takeover_stops_the_first(tmp_
     monkeypatch.delenv("SAPD_LEASE_OWNER", raising=False)
     root = tmp_path / "run"
     config = tmp_path / "run.yaml"
-    ttl = 60.0
+    # the lease outlives the second run's refusal and the third's start by far, even on a loaded machine (a
+    # lease that expired meanwhile is taken over without forcing: the test would then not be about a live holder)
+    ttl = 120.0
     config.write_text(yaml.safe_dump(tiny_config(str(root), *models, train={"rounds": 2},
                                                  storage={"lease_ttl_s": ttl})))
     first = _sapd_run(config)

@@ -91,7 +91,7 @@ def test_a_kept_trainer_ends_where_a_trainer_reloaded_every_round_does(tmp_path,
 
 
 def test_a_kept_bf16_trainer_keeps_its_fp32_master_in_memory_and_measures_each_round(tmp_path, models):
-    """In bf16 the optimizer updates an fp32 master (docs/DESIGN.md "The fp32 master"). A persistent trainer
+    """In bf16 the optimizer updates an fp32 master (docs/design/training.md "The fp32 master"). A persistent trainer
     keeps that master in memory: the same tensors, never rebuilt from the bf16 weights nor read back from
     a checkpoint, after three rounds equal bit for bit to the master checkpoint 3 stores, and to the one
     `sapd run` (a trainer reloaded every round, the master read back each time) stores. The bf16 weights

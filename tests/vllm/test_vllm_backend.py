@@ -339,7 +339,7 @@ def test_load_weights_in_place_samples_like_a_fresh_engine(model_dir, generator,
 
 def test_a_weight_sync_past_its_deadline_ends_the_stage(model_dir, prompts) -> None:
     """A call of the weight sync that hangs (here a shard that takes 3 s to load, in the engine's own process:
-    tests/vllm/slow_worker.py) fails after the deadline with one line naming the call, and the engine refuses
+    bench/slow_weight_sync.py) fails after the deadline with one line naming the call, and the engine refuses
     further work instead of sampling from weights in an unknown state."""
     import time
 
@@ -347,7 +347,7 @@ def test_a_weight_sync_past_its_deadline_ends_the_stage(model_dir, prompts) -> N
 
     kept = VLLMGenerator.from_path(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN,
                                    kv_cache_memory_bytes=64 * 2**20, sync_timeout_s=0.5,
-                                   worker_extension_cls="tests.vllm.slow_worker.SlowShardExtension")
+                                   worker_extension_cls="bench.slow_weight_sync.SlowShardExtension")
     t0 = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match=r"update_weights \(model\.safetensors, 1 of 1\) did not finish "
                                                 r"within 0\.5 s; .*weight_sync_timeout_s") as e:

@@ -44,7 +44,7 @@ containers:
 {{- $t := .root.Values.train }}
 {{- if or (eq (include "sapd.trainEngine" (dict "root" .root "job" $t)) "deepspeed") (gt (int $t.procsPerPod) 1) (gt (int $t.parallelism) 1) }}
 # OpenMP threads that spin while waiting starve DeepSpeed's and gloo's own threads when a rank's
-# threads take every CPU core (a tiny model's steps ran 15-20x slower on CPU: docs/results/EFFICIENCY.md).
+# threads take every CPU core (a tiny model's steps ran 15-20x slower on CPU: docs/results/STAGES.md).
 # One torch-engine process alone has no such threads, and passive waits cost its CPU steps ~40 %.
 - name: OMP_WAIT_POLICY
   value: PASSIVE

@@ -1,6 +1,8 @@
 """A vLLM worker extension whose weight updates hang: each shard takes 3 s to load. Named by its qualified
-name (``worker_extension_cls``), so that vLLM imports it in the engine's own process, where a monkeypatch of
-the test's process would not reach (tests/vllm/test_vllm_backend.py, the weight sync's deadline)."""
+name (``worker_extension_cls="bench.slow_weight_sync.SlowShardExtension"``), so that vLLM imports it in the
+engine's own process, where a monkeypatch of the caller's process would not reach: the weight sync's deadline
+probe of bench/gpu_check.py (vllm_engine_reuse) and of tests/vllm/test_vllm_backend.py. The engine's process
+must find this checkout on its path (run from the repository's root, or with it on PYTHONPATH)."""
 
 from __future__ import annotations
 
