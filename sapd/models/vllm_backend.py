@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import logging
 import math
 import threading
 import weakref
@@ -126,6 +127,8 @@ def shut_down(llm: LLM) -> None:
 def _shut_down_at_exit(ref: weakref.ref[LLM]) -> None:
     llm = ref()
     if llm is not None:
+        # quietly: at exit the stream vLLM's log handler writes to may be closed already (pytest's capture)
+        logging.getLogger("vllm").setLevel(logging.ERROR)
         shut_down(llm)
 
 

@@ -595,8 +595,10 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
     images = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p["spec"]["containers"][0]["image"]
               for p in cluster.pods(f"app.kubernetes.io/instance={rel_name}")}
     assert images["train"].endswith("-gpu") and images["teacher-scores"].endswith("-gpu"), images
-    assert [i for c, i in images.items() if "evaluate" in c] and all(
-        i.endswith("-eval") for c, i in images.items() if "evaluate" in c), images
+    # the evaluation's Jobs (the gate's and the CronJob's) on eval; its gate, a pipeline pod, on the pipeline's
+    assert [i for c, i in images.items() if c.startswith("evaluate")] and all(
+        i.endswith("-eval") for c, i in images.items() if c.startswith("evaluate")), images
+    assert images["gate-evaluate"] == images["gate-train"], images
     cron_rows = kubectl(cluster, "-n", NS, "get", "cronjobs", "-l", f"app.kubernetes.io/instance={rel_name}").splitlines()
     assert cron_rows[0].split()[:4] == ["NAME", "SCHEDULE", "TIMEZONE", "SUSPEND"] and cron_rows[1].startswith(cron)
 
