@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from proof_util import folders
+
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "sapd" / "sample_data"
 # a Qwen2.5-0.5B shape on the GPU (a 152k vocabulary); the dry run's is tiny, on the sample-trained tokenizer
@@ -155,14 +157,10 @@ def main(argv: list[str] | None = None) -> int:
 
     t_all = time.perf_counter()
     dry = args.dry_run
-    if not dry and not torch.cuda.is_available():
-        print("no CUDA device: run with --dry-run for the CPU check", flush=True)
+    made = folders(args.out, args.work, "ranks-work", dry=dry, cuda=torch.cuda.is_available())
+    if made is None:
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work) if args.work else out / "ranks-work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    out, work = made
     if dry:
         os.environ["DS_ACCELERATOR"] = "cpu"
     config = prepare(work, dry)

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from proof_util import folders
+
 REPO = Path(__file__).resolve().parents[1]
 QWEN_TOKENIZER = REPO / "tests" / "assets" / "qwen2.5-tokenizer"  # data files only: nothing of tests/ is imported
 DRY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -145,14 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     dry = args.dry_run
     cuda = torch.cuda.is_available() and not dry
-    if not dry and not torch.cuda.is_available():
-        print("no CUDA device: run with --dry-run for the CPU check", flush=True)
+    made = folders(args.out, args.work, "one-gpu-work", dry=dry, cuda=torch.cuda.is_available())
+    if made is None:
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work) if args.work else out / "one-gpu-work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    out, work = made
     lines: list[str] = []
 
     def log(line: str) -> None:
