@@ -6,12 +6,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 # every marker this machine can run: the quick default set plus slow and integration
 ALL_MARKERS := slow or integration or not (slow or integration)
-# test processes side by side (pytest-xdist), one file per process at a time (a file's fixtures are built once),
-# the longest files first (tests/conftest.py orders them by tests/README.md's durations; xdist's own reordering,
-# by the number of tests in a file, is off: it left a 4-minute journey for last); 2 fits CI's two cores;
-# `make test PYTEST_WORKERS=0` runs everything in one process
+# test processes side by side (pytest-xdist), one file per process at a time (a file's fixtures are built once);
+# 2 fits CI's two cores; `make test PYTEST_WORKERS=0` runs everything in one process
 PYTEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 .PHONY: setup system-deps envs demo test test-fast test-vllm test-durations lint docs refs clean image-venvs
 

@@ -64,11 +64,6 @@ def current() -> dict[str, str]:
     return {m.group(1): m.group(0) for m in re.finditer(r"^\| `([^`]+)` \|.*$", body, re.M)}
 
 
-def walls() -> dict[str, float]:
-    """Each file's wall seconds in the table now (tests/conftest.py starts the longest files first from them)."""
-    return {name: float(row.split("|")[3]) for name, row in current().items()}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", nargs="?", help="the folder SAPD_TEST_DURATIONS named during the run")

@@ -42,32 +42,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
 
 # --------------------------------------------------------------------------------------------------
-# The order of the files: longest first
-
-def _durations_script():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("_sapd_test_durations",
-                                                  Path(__file__).resolve().parents[1] / "scripts" / "test_durations.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def longest_first(walls: dict[str, float]):
-    """The sort key that puts the test files of longest wall time (tests/README.md's durations table) first, and
-    files not in the table yet before them all. ``make test`` runs two test processes that take one file at a
-    time (``--dist loadfile --no-loadscope-reorder``, which keeps this order): started longest first, the last
-    files to finish are short ones, so neither process idles at the end while the other runs a 4-minute
-    journey (the largest-first rule of scheduling jobs on two machines)."""
-    return lambda path: -walls.get(path, float("inf"))
-
-
-def pytest_collection_modifyitems(session, config, items):
-    key = longest_first(_durations_script().walls())
-    items.sort(key=lambda item: key(item.nodeid.split("::", 1)[0]))  # stable: a file's own order is kept
-
-
-# --------------------------------------------------------------------------------------------------
 # S3 (SeaweedFS) server
 
 _S3_ACCESS_KEY = "sapd-test-key"

@@ -235,25 +235,3 @@ def test_the_durations_table_is_made_from_the_recorded_files(tmp_path, monkeypat
     assert rows == ["| `tests/b/test_y.py` | 4 | 9.0 | 8.0 |", "| `tests/a/test_x.py` | 3 | 3.0 | 4.0 |"]
     assert "7 tests, 12 s of wall time summed over the files and 12 CPU seconds" in text
     assert test_durations.main([str(tmp_path / "d")]) == 0 and readme.read_text() == text  # replaced, not appended
-
-
-def test_the_longest_files_run_first_and_xdist_keeps_that_order():
-    """`make test`'s two test processes take one file at a time in collection order (xdist's own reordering off),
-    and tests/conftest.py orders the files longest first by the durations table: a file not in it yet counts as
-    the longest. `pytest --collect-only` as the Makefile runs it lists the journey before the chart's tests."""
-    from tests.conftest import longest_first
-    key = longest_first({"tests/a.py": 10.0, "tests/b.py": 100.0})
-    assert sorted(["tests/a.py", "tests/c.py", "tests/b.py"], key=key) == ["tests/c.py", "tests/b.py", "tests/a.py"]
-    xdist = next(line for line in (REPO / "Makefile").read_text().splitlines() if line.startswith("XDIST :="))
-    assert "--dist loadfile --no-loadscope-reorder" in xdist
-    from scripts import test_durations
-    walls = test_durations.walls()
-    assert walls["tests/cluster/test_journeys.py"] > walls["tests/cluster/test_chart.py"]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           "-m", "slow or integration or not (slow or integration)",
-                           "tests/cluster/test_chart.py", "tests/cluster/test_journeys.py"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    files = [line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line]
-    assert files[0] == "tests/cluster/test_journeys.py" and files[-1] == "tests/cluster/test_chart.py"
-    assert files.index("tests/cluster/test_chart.py") > max(i for i, f in enumerate(files) if "journeys" in f)
