@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     dry = args.dry_run
     cuda = torch.cuda.is_available() and not dry
-    made = folders(args.out, args.work, "one-gpu-work", dry=dry, cuda=torch.cuda.is_available())
+    made = folders(args.out, args.work, "one-gpu-work", dry=dry, cuda=cuda)
     if made is None:
         return 2
     out, work = made
