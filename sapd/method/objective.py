@@ -19,13 +19,22 @@ registered function: its ``loss_*`` metrics reach the step log, Prometheus (``sa
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass, fields, replace
 from importlib.metadata import EntryPoint, entry_points
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
-import torch
+from sapd.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    def _import_torch():
+        import torch
+        return torch
+    torch = lazy_module(_import_torch)  # the config needs the registry below, not the tensors: torch at first use
 
 Reduction = Literal["seq_mean_token_mean", "token_mean"]
 NoActionStep = Literal["zero", "exclude", "penalty", "whole_response"]
@@ -384,7 +393,16 @@ def sapd_loss(new_logp_P_G_T: torch.Tensor, old_logp_P_G_T: torch.Tensor,
                               behaviour_weight_cap=cfg.behaviour_weight_cap)
 
 
-@torch.no_grad()
+def _no_grad(fn: Callable) -> Callable:
+    """``torch.no_grad()`` as a decorator that does not import torch until the function runs."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return run
+
+
+@_no_grad
 def loss_metrics(terms: dict[str, torch.Tensor], ratio_P_G_T: torch.Tensor, response_mask_P_G_T: torch.Tensor,
                  clip_eps: float, *, d_P_G_T: torch.Tensor | None = None, r_P_G: torch.Tensor | None = None,
                  has_action_P_G: torch.Tensor | None = None, action_mask_P_G_T: torch.Tensor | None = None,
@@ -504,7 +522,7 @@ class LossInputs:
 INPUT_NAMES = tuple(f.name for f in fields(LossInputs))
 # taken only when the config turns the regulariser on (a loss that accepts them gets None otherwise)
 REGULARISER_INPUTS = {"ref_logp_P_G_T": "kl_coef", "entropy_P_G_T": "entropy_coef"}
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
 ObjectiveData = Literal["scored", "recorded", "online"]
 
 

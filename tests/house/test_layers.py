@@ -44,7 +44,7 @@ PRODUCTION = ("sapd",)
 # Every module's floor, bottom up; an entry covers its submodules, except ``sapd`` itself (the package
 # face: ``__version__`` only), so a new top-level ``sapd/x.py`` has no floor until it is given one here.
 FLOORS: dict[str, int] = {
-    "sapd": 0,
+    "sapd": 0, "sapd.lazy": 0,
     "sapd.method": 1, "sapd.storage": 1, "sapd.metrics": 1, "sapd.yamlio": 1, "sapd.progress": 1,
     "sapd.layout": 2, "sapd.platform": 2,
     "sapd.config": 3, "sapd.lease": 3,
@@ -76,6 +76,7 @@ DEMO_USERS = ("sapd.demo", "sapd.cli", "research", "experiments", "bench")
 ANY = None  # no allow-list: scripts (research, bench, experiments) may use what they install
 THIRD_PARTY: dict[str, set[str] | None] = {
     "sapd": set(),
+    "sapd.lazy": set(),
     "sapd.method": {"torch"},
     "sapd.storage": {"boto3", "botocore", "s3transfer"},
     "sapd.metrics": {"prometheus_client"},

@@ -410,14 +410,20 @@ class QueueAdmission:
         self.cluster = cluster
         self.quota = {q: {r: _quantity(v) for r, v in res.items()} for q, res in queues.items()}
         self.admitted: dict[str, tuple[str, dict[str, float]]] = {}  # job uid → (queue, usage)
+        self._seen = -1  # the store's version at the last pass (-1: pass at the next tick)
 
     def set_quota(self, queue: str, resources: dict) -> None:
         """The queue's nominal quota from now on (an admin editing its ClusterQueue), e.g. more GPUs."""
         from .kubelet import _quantity
         self.quota[queue] = {r: _quantity(v) for r, v in resources.items()}
+        self._seen = -1
 
     def sync(self) -> None:
         from .admission import QUEUE_LABEL
+        # admission depends only on the Jobs and the quotas: a tick in which neither changed has nothing to do
+        if self.cluster.store.version == self._seen:
+            return
+        self._seen = self.cluster.store.version
         jobs = self.cluster.store.list("Job")
         live = {j["metadata"]["uid"]: j for j in jobs}
         for uid in list(self.admitted):

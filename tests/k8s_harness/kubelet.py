@@ -25,6 +25,8 @@ What a container gets, and how it differs from a real node (each difference is d
   ``JOB_COMPLETION_INDEX`` an Indexed Job's controller adds. Then the harness adds, for every pod
   alike: ``PATH`` (the target's environment first: ``python``, ``torchrun``), ``PYTHONPATH``,
   ``HOSTNAME``, ``HOME`` when the pod sets none (the image user's home on the root filesystem),
+  ``TORCH_EXTENSIONS_DIR`` when the pod sets none (one folder per image target, shared by the pods of
+  every harness cluster: the image's prebuilt torch extensions, :func:`torch_extensions_dir`),
   ``KUBECONFIG`` — a kubeconfig naming the harness's API server, its CA and, when a token would be
   mounted (``automountServiceAccountToken`` not false), the pod's ServiceAccount token — and
   ``SAPD_HARNESS_CONTAINER``, a marker every process of the container inherits: what the container's
@@ -229,6 +231,7 @@ class Kubelet:
         self.runs: dict[tuple[str, str], PodRun] = {}
         self.rootfs_writes: list[tuple[str, str]] = []  # (pod, path)
         self.tmp_aliases: list[Path] = []  # the short links to the pods' /tmp folders, removed at stop_all
+        self._seen, self._synced_at = -1, 0.0  # the store's version and the time of the last pass over the pods
         # a real kubelet is root and starts containers as their user; run by anyone else, the harness
         # cannot, and every container runs as that user
         self.identity = os.geteuid() == 0
@@ -478,6 +481,10 @@ class Kubelet:
                 marker = f"{meta['namespace']}/{meta['name']}/{c['name']}/{uuid.uuid4().hex[:8]}"
                 env.update(PATH=path, PYTHONPATH=str(REPO), HOSTNAME=hostname, KUBECONFIG=str(kubeconfig),
                            **{MARKER: marker})
+                if "TORCH_EXTENSIONS_DIR" not in env:  # the ops JIT-compiled once per image for the node (below)
+                    ext = torch_extensions_dir(img.target)
+                    env["TORCH_EXTENSIONS_DIR"] = str(ext)
+                    confined.append((str(ext), False))
                 if "/tmp" in mounts:
                     alias = Path(tempfile.gettempdir()) / f"k8s-{uuid.uuid4().hex[:8]}"
                     alias.symlink_to(mounts["/tmp"], target_is_directory=True)
@@ -505,8 +512,24 @@ class Kubelet:
 
     # -------------------------------------------------------------------------------- the loop
 
+    TIMER_SECONDS = 0.2  # how late a grace period's end or a pod waiting to be admitted may be seen, at most
+
     def sync(self) -> None:
+        """One tick: the containers' processes polled; the pods gone through when one of them ended, an object
+        changed or TIMER_SECONDS passed (a pass lists and copies every pod: 20 a second cost the suite minutes)."""
         store = self.cluster.store
+        now = time.monotonic()
+        ended = False
+        for run in self.runs.values():
+            for c in run.init[run.stage:run.stage + 1] if run.stage < len(run.init) else run.main:
+                if c.proc is not None and c.exit_code is None and c.proc.poll() is not None:
+                    ended = True
+        if not ended and store.version == self._seen and now - self._synced_at < self.TIMER_SECONDS:
+            return
+        self._sync_pods(store)
+        self._seen, self._synced_at = store.version, now
+
+    def _sync_pods(self, store) -> None:
         pods = store.list("Pod")
         live = set()
         for pod in pods:
@@ -722,6 +745,17 @@ class Kubelet:
                 container = files[0].stem if files else ""
         f = d / f"{container}.log"
         return f.read_text(errors="replace") if f.exists() else ""
+
+
+def torch_extensions_dir(target: str) -> Path:
+    """The folder where the pods of image ``target`` build and find torch's JIT-compiled extensions
+    (DeepSpeed's CPU communication op, ≈ 2 minutes of CPU to compile), shared by every pod of every harness
+    cluster of this checkout and writable by them: an image with the op built in, instead of each pod
+    compiling it into its own scratch volume (the op is for CPU training only; on GPUs NCCL does its work)."""
+    d = REPO / ".cache" / "torch_extensions" / f"pods-{target}"
+    d.mkdir(parents=True, exist_ok=True)
+    d.chmod(0o777)
+    return d
 
 
 def remove_tree(path: Path) -> None:
