@@ -37,9 +37,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # DeepSpeed's CPU accelerator JIT-compiles its communication op (deepspeed_shm_comm) the first time a process
 # group starts where the environment has no prebuilt one (.venv/ installs DeepSpeed with DS_BUILD_OPS=0): one
-# folder for every process the suite starts, so the op is compiled once per checkout, not once per default
-# folder a test happened to leave unset.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+# folder per Python environment for every process the suite starts, so the op is compiled once per checkout
+# and environment. One folder for all of them made .venv/ and .venv-vllm/ (another torch) rebuild it in turn,
+# ≈ 2 CPU minutes each time, several times a run.
+def torch_extensions_dir(prefix: str | Path = sys.prefix) -> str:
+    """The torch extensions folder of the Python environment at ``prefix`` (a test that starts another
+    environment's Python passes it this folder)."""
+    return str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions" / Path(prefix).name)
+
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())
 
 # --------------------------------------------------------------------------------------------------
 # S3 (SeaweedFS) server

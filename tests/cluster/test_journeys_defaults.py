@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import free_port
+from tests.conftest import free_port, torch_extensions_dir
 from tests.journey_util import NODE_CACHE, NS, checkpoint_weights, journey_cluster, user_s3
 from tests.tokenizer_util import SAMPLE_DATA, build_test_tokenizer
 
@@ -119,7 +119,7 @@ def test_the_charts_defaults_on_a_cpu_train_three_rounds_through_a_kill_to_sapd_
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO), "SAPD_S3_ENDPOINT_URL": s3_server.endpoint_url,
            "AWS_ACCESS_KEY_ID": s3_server.access_key, "AWS_SECRET_ACCESS_KEY": s3_server.secret_key,
-           "AWS_DEFAULT_REGION": "us-east-1", "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
+           "AWS_DEFAULT_REGION": "us-east-1", "TORCH_EXTENSIONS_DIR": torch_extensions_dir(VLLM_PYTHON.parents[1])}
     proc = subprocess.run([str(VLLM_PYTHON), "-m", "sapd.cli", "run", str(tmp_path / "run.yaml"), "--no-progress"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
