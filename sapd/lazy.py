@@ -1,4 +1,4 @@
-"""A module imported at its first use: :func:`lazy_module`. The config, which every door and every pod
+"""A module imported at its first use (``lazy_module``). The config, which every door and every pod
 loads, needs the objectives' registry (:mod:`sapd.method.objective`) but not their tensors; importing torch
 there cost every process that never computes one (``sapd.jobs.wait``, most of ``sapd``'s commands) about
 3 s of CPU at start."""
