@@ -26,7 +26,7 @@ What a container gets, and how it differs from a real node (each difference is d
   alike: ``PATH`` (the target's environment first: ``python``, ``torchrun``), ``PYTHONPATH``,
   ``HOSTNAME``, ``HOME`` when the pod sets none (the image user's home on the root filesystem),
   ``TORCH_EXTENSIONS_DIR`` when the pod sets none (one folder per image target, shared by the pods of
-  every harness cluster: the image's prebuilt torch extensions, :func:`torch_extensions_dir`),
+  every harness cluster: the image's prebuilt torch extensions, :func:`pod_torch_extensions_dir`),
   ``KUBECONFIG`` — a kubeconfig naming the harness's API server, its CA and, when a token would be
   mounted (``automountServiceAccountToken`` not false), the pod's ServiceAccount token — and
   ``SAPD_HARNESS_CONTAINER``, a marker every process of the container inherits: what the container's
@@ -482,7 +482,7 @@ class Kubelet:
                 env.update(PATH=path, PYTHONPATH=str(REPO), HOSTNAME=hostname, KUBECONFIG=str(kubeconfig),
                            **{MARKER: marker})
                 if "TORCH_EXTENSIONS_DIR" not in env:  # the ops JIT-compiled once per image for the node (below)
-                    ext = torch_extensions_dir(img.target)
+                    ext = pod_torch_extensions_dir(img.target)
                     env["TORCH_EXTENSIONS_DIR"] = str(ext)
                     confined.append((str(ext), False))
                 if "/tmp" in mounts:
@@ -747,7 +747,7 @@ class Kubelet:
         return f.read_text(errors="replace") if f.exists() else ""
 
 
-def torch_extensions_dir(target: str) -> Path:
+def pod_torch_extensions_dir(target: str) -> Path:
     """The folder where the pods of image ``target`` build and find torch's JIT-compiled extensions
     (DeepSpeed's CPU communication op, ≈ 2 minutes of CPU to compile), shared by every pod of every harness
     cluster of this checkout and writable by them: an image with the op built in, instead of each pod
