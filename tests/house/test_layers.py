@@ -619,3 +619,12 @@ if __name__ == "__main__":
     report()
     problems = violations()
     print(f"{len(problems)} layer problems" + ("".join(f"\n  {p}" for p in problems) if problems else ""))
+
+
+def test_the_config_loads_without_torch():
+    """`import sapd.config` (every door, every pod, `sapd.jobs.wait`) does not import torch: the objectives'
+    module takes it at first use (sapd/lazy.py), ≈ 3 s of CPU per process that never computes a tensor."""
+    code = "import sys, sapd.config, sapd.method.objective as o; assert 'torch' not in sys.modules; o.torch.zeros(1)"
+    proc = subprocess.run([sys.executable, "-c", code + "; assert 'torch' in sys.modules"], capture_output=True,
+                          text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
