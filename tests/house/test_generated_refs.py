@@ -218,6 +218,24 @@ def test_every_test_file_has_a_row_in_the_durations_table(monkeypatch, capsys):
                                        "(run `make test-durations`)\n")
 
 
+def test_the_files_go_out_longest_first_by_the_durations_table():
+    """The suite's files are handed to the test processes longest first (tests/conftest.py ``longest_first``, by
+    the table's wall seconds; ``--no-loadscope-reorder`` in the Makefile keeps that order): a file's own tests keep
+    their order, a file without a row goes first, and the table's rows are read as numbers."""
+    from tests.conftest import longest_first, recorded_walls
+    walls = recorded_walls()
+    assert walls["tests/cluster/test_journeys.py"] > walls["tests/run/test_check.py"] > 0
+    assert "--no-loadscope-reorder" in (REPO / "Makefile").read_text()
+
+    @dataclasses.dataclass
+    class Item:
+        nodeid: str
+    items = [Item("tests/a.py::one"), Item("tests/b.py::one"), Item("tests/a.py::two"), Item("tests/new.py::x"),
+             Item("tests/b.py::two")]
+    order = [i.nodeid for i in longest_first(items, {"tests/a.py": 5.0, "tests/b.py": 50.0})]
+    assert order == ["tests/new.py::x", "tests/b.py::one", "tests/b.py::two", "tests/a.py::one", "tests/a.py::two"]
+
+
 def test_the_durations_table_is_made_from_the_recorded_files(tmp_path, monkeypatch):
     """What tests/conftest.py records per test process (wall and CPU seconds per file) merges into one row per
     file, longest first by CPU, with the totals above the table; a second run replaces the table in place."""
