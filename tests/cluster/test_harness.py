@@ -400,6 +400,55 @@ def test_pods_run_as_their_user_with_a_nodes_volume_permissions(cluster):
     assert p["status"]["phase"] == "Pending" and "runAsNonRoot" in p["status"]["message"]
 
 
+PROBE = """
+import json, os, sys, time
+out = {"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "uid": os.getuid(), "gid": os.getgid(),
+       "groups": sorted(os.getgroups()), "env": os.environ.get("GREETING"), "main": __name__,
+       "leader": os.getsid(0) == os.getpid() == os.getpgid(0), "warm": "torch" in sys.modules}
+try:
+    open(os.path.join(os.environ["PYTHONPATH"], "written-by-a-pod"), "w").write("x")  # the checkout: the root
+except OSError as e:
+    out["root"] = e.strerror
+print(json.dumps(out), flush=True)
+if sys.argv[1] == "wait":
+    print("up", flush=True)
+    time.sleep(60)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_python_module_pod_forks_from_a_warm_process_and_is_the_same_container(cluster):
+    """Every stage pod is `python -m MODULE …`: the kubelet forks it from a zygote of its image environment that
+    has imported torch (tests/k8s_harness/zygote.py) instead of importing it afresh. What the container is stays
+    as the sandbox makes it: its user and groups, its read-only root, its environment, its working directory
+    first on sys.path and its module as __main__, a session of its own, its exit code; a signal ends it as it
+    ends any process (SIGTERM: 143); its CPU seconds are charged to the test process."""
+    from tests.k8s_harness.zygote import ForkedProcess
+    charged = ForkedProcess.cpu_seconds
+    cluster.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "probe"}, "data": {"probe.py": PROBE}})
+    pod = {"securityContext": {"runAsUser": 1000, "runAsGroup": 3000, "fsGroup": 2000},
+           "volumes": [{"name": "probe", "configMap": {"name": "probe"}}]}
+    container = {"command": ["python", "-m", "probe"], "workingDir": "/probe",
+                 "env": [{"name": "GREETING", "value": "hello"}], "securityContext": {"readOnlyRootFilesystem": True},
+                 "volumeMounts": [{"name": "probe", "mountPath": "/probe"}]}
+    cluster.create(job("mod", "", backoffLimit=0, pod=pod, container={**container, "args": ["3"]}))
+    cluster.create(job("mod-wait", "", backoffLimit=0, pod=pod, container={**container, "args": ["wait"]}))
+    assert cluster.wait_job("mod", 120) == "Failed", cluster.describe()
+    (p,) = cluster.pods("batch.kubernetes.io/job-name=mod")
+    seen = json.loads(cluster.logs(p["metadata"]["name"]).strip().splitlines()[-1])
+    probe_dir = cluster.node_root / "pods" / "sapd" / p["metadata"]["name"] / "volumes" / "probe"
+    assert seen == {"argv": [f"{probe_dir}/probe.py", "3"], "path0": str(probe_dir), "cwd": str(probe_dir),
+                    "uid": 1000, "gid": 3000, "groups": [2000, 3000], "env": "hello", "main": "__main__",
+                    "leader": True, "warm": True, "root": "Read-only file system"}, seen
+    assert p["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 3
+    waiting = cluster.wait_log("batch.kubernetes.io/job-name=mod-wait", "up", 60)
+    assert cluster.kill_pod(waiting["metadata"]["name"], signal.SIGTERM)
+    assert cluster.wait_job("mod-wait", 60) == "Failed"
+    state = cluster.store.get("Pod", "sapd", waiting["metadata"]["name"])["status"]["containerStatuses"][0]["state"]
+    assert state["terminated"]["exitCode"] == 143
+    assert ForkedProcess.cpu_seconds > charged  # their CPU is the test's (tests/conftest.py, the durations table)
+
+
 def test_each_image_target_runs_in_its_own_environment(cluster):
     """cpu has TextWorld and no vLLM; gpu has vLLM (its CPU build here) and no TextWorld; eval has both
     and ALFWorld — each from the Dockerfile's install script, not from the test's environment."""

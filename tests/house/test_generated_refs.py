@@ -221,8 +221,9 @@ def test_every_test_file_has_a_row_in_the_durations_table(monkeypatch, capsys):
 def test_the_files_go_out_longest_first_by_the_durations_table():
     """The suite's files are handed to the test processes longest first (tests/conftest.py ``longest_first``, by
     the table's wall seconds; ``--no-loadscope-reorder`` in the Makefile keeps that order): a file's own tests keep
-    their order, a file without a row goes first, and the table's rows are read as numbers."""
-    from tests.conftest import longest_first, recorded_walls
+    their order, a file without a row goes first, the table's rows are read as numbers, and two cluster journeys
+    are kept apart where the simulated run allows it."""
+    from tests.conftest import file_order, longest_first, recorded_walls
     walls = recorded_walls()
     assert walls["tests/cluster/test_journeys.py"] > walls["tests/run/test_check.py"] > 0
     assert "--no-loadscope-reorder" in (REPO / "Makefile").read_text()
@@ -234,6 +235,11 @@ def test_the_files_go_out_longest_first_by_the_durations_table():
              Item("tests/b.py::two")]
     order = [i.nodeid for i in longest_first(items, {"tests/a.py": 5.0, "tests/b.py": 50.0})]
     assert order == ["tests/new.py::x", "tests/b.py::one", "tests/b.py::two", "tests/a.py::one", "tests/a.py::two"]
+    # two cluster journeys are not handed out to run side by side while another file can go first
+    walls = {"tests/cluster/test_journeys_x.py": 100, "tests/cluster/test_journeys_y.py": 90, "tests/z.py": 80,
+             "tests/w.py": 30}
+    assert file_order(walls, sorted(walls)) == ["tests/cluster/test_journeys_x.py", "tests/z.py", "tests/w.py",
+                                                "tests/cluster/test_journeys_y.py"]
 
 
 def test_the_durations_table_is_made_from_the_recorded_files(tmp_path, monkeypatch):
