@@ -417,13 +417,18 @@ sys.exit(int(sys.argv[1]))
 """
 
 
-def test_a_python_module_pod_forks_from_a_warm_process_and_is_the_same_container(cluster):
+def test_a_python_module_pod_forks_from_a_warm_process_and_is_the_same_container(cluster, monkeypatch):
     """Every stage pod is `python -m MODULE …`: the kubelet forks it from a zygote of its image environment that
     has imported torch (tests/k8s_harness/zygote.py) instead of importing it afresh. What the container is stays
     as the sandbox makes it: its user and groups, its read-only root, its environment, its working directory
     first on sys.path and its module as __main__, a session of its own, its exit code; a signal ends it as it
     ends any process (SIGTERM: 143); its CPU seconds are charged to the test process."""
-    from tests.k8s_harness.zygote import ForkedProcess
+    from tests.k8s_harness import kubelet
+    from tests.k8s_harness.zygote import ForkedProcess, Zygotes
+    # zygotes of this test's own (the test process's may all be serving other clusters' pods: then a pod starts
+    # afresh, as it may)
+    zygotes = Zygotes()
+    monkeypatch.setattr(kubelet, "ZYGOTES", zygotes)
     charged = ForkedProcess.cpu_seconds
     cluster.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "probe"}, "data": {"probe.py": PROBE}})
     pod = {"securityContext": {"runAsUser": 1000, "runAsGroup": 3000, "fsGroup": 2000},
@@ -447,6 +452,41 @@ def test_a_python_module_pod_forks_from_a_warm_process_and_is_the_same_container
     state = cluster.store.get("Pod", "sapd", waiting["metadata"]["name"])["status"]["containerStatuses"][0]["state"]
     assert state["terminated"]["exitCode"] == 143
     assert ForkedProcess.cpu_seconds > charged  # their CPU is the test's (tests/conftest.py, the durations table)
+    # one zygote served both (S3 credentials and the torch extensions folder are read when used: not its settings)
+    assert len(zygotes.servers) == 1
+    zygotes.stop()
+
+
+def test_zygotes_are_keyed_by_start_up_settings_and_idle_ones_give_way(tmp_path):
+    """A zygote serves the pods whose start-up settings (what the interpreter and the preloaded libraries read at
+    start: thread counts, PYTHON*, PATH) are its own; per-pod values read later (credentials, caches) do not
+    start another. Past its limit, one idle for a while and without a running child gives way; a busy one
+    never does (it carries its children's exit statuses)."""
+    import sys
+
+    from tests.k8s_harness.zygote import Zygotes, startup_env
+    env = {"PATH": f"{Path(sys.prefix) / 'bin'}:/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "AWS_SECRET_ACCESS_KEY": "a", "TORCH_EXTENSIONS_DIR": "/x", "HF_HOME": "/h", "HOME": "/home/x"}
+    assert startup_env(env) == {k: env[k] for k in ("PATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")}
+    zygotes = Zygotes()
+    zygotes.LIMIT, zygotes.IDLE_SECONDS = 1, 0.0
+    try:
+        spec = {"mounts": [], "read_only_root": False, "cwd": str(tmp_path)}
+        first = zygotes.spawn(["python", "-m", "this"], {**env, "AWS_SECRET_ACCESS_KEY": "b"}, spec, tmp_path / "a.log")
+        assert first is not None and first.wait(60) == 0 and "Zen of Python" in (tmp_path / "a.log").read_text()
+        sleeper = zygotes.spawn(["python", "-m", "timeit", "-n", "1", "-r", "1", "import time; time.sleep(4)"],
+                                {**env, "HOME": "/home/y"}, spec, tmp_path / "b.log")
+        assert sleeper is not None and len(zygotes.servers) == 1  # the same zygote
+        two = {**env, "OMP_NUM_THREADS": "2"}
+        assert zygotes.spawn(["python", "-m", "this"], two, spec, tmp_path / "c.log") is None  # it is busy: afresh
+        assert sleeper.wait(60) == 0
+        other = zygotes.spawn(["python", "-m", "this"], two, spec, tmp_path / "c.log")
+        assert other is not None and other.wait(60) == 0  # the idle one gave way
+        assert [dict(k[1])["OMP_NUM_THREADS"] for k in zygotes.servers] == ["2"]
+        busy = zygotes.spawn(["python", "-c", "pass"], env, spec, tmp_path / "d.log")
+        assert busy is None  # not `python -m` / torchrun: started afresh by the kubelet
+    finally:
+        zygotes.stop()
 
 
 def test_each_image_target_runs_in_its_own_environment(cluster):

@@ -117,6 +117,20 @@ def main(argv: list[str]) -> int:
         os.unlink("/.sapd-harness-probe")
         return 1
     spec, command = json.loads(argv[0]), argv[argv.index("--") + 1:]
+    failed = become(spec, command)
+    if failed is not None:
+        return failed
+    try:
+        os.execvp(command[0], command)
+    except OSError as e:
+        print(f"harness: cannot start {command[:1]}: {e}", file=sys.stderr, flush=True)
+        return 128
+    return 0  # not reached
+
+
+def become(spec: dict, command: list[str]) -> int | None:
+    """This process made the container's (its mounts, its user, its umask and working directory), ready to run
+    ``command``; else the exit code, the reason printed to stderr (also what zygote.py's children do)."""
     try:
         confine(spec)
     except OSError as e:
@@ -129,11 +143,10 @@ def main(argv: list[str]) -> int:
     os.umask(0o022)
     try:
         os.chdir(spec.get("cwd") or "/")  # again: the old cwd is the folder under the new mounts
-        os.execvp(command[0], command)
     except OSError as e:
         print(f"harness: cannot start {command[:1]}: {e}", file=sys.stderr, flush=True)
         return 128
-    return 0  # not reached
+    return None
 
 
 if __name__ == "__main__":

@@ -47,12 +47,15 @@ PRELOAD = ("torch", "numpy", "yaml", "pyarrow", "pyarrow.parquet", "safetensors.
 # values of these are its own (exact names, then prefixes)
 STARTUP_VARS = ("PATH", "LANG", "TZ")
 STARTUP_PREFIXES = ("PYTHON", "LC_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOTO_", "TORCH", "PYTORCH", "CUDA_",
-                    "NVIDIA_", "LD_", "MALLOC_", "GOMP_", "ARROW_", "AWS_")
+                    "NVIDIA_", "LD_", "MALLOC_", "GOMP_", "ARROW_", "SYMPY_")
+# read when used, not at import: not a reason for another zygote (each journey's node cache has its own folder)
+READ_WHEN_USED = ("TORCH_EXTENSIONS_DIR",)
 
 
 def startup_env(env: dict[str, str]) -> dict[str, str]:
     """The part of a pod's environment a zygote must share with it (:data:`STARTUP_VARS`)."""
-    return {k: v for k, v in env.items() if k in STARTUP_VARS or k.startswith(STARTUP_PREFIXES)}
+    return {k: v for k, v in env.items()
+            if (k in STARTUP_VARS or k.startswith(STARTUP_PREFIXES)) and k not in READ_WHEN_USED}
 
 
 def _load_sandbox():
@@ -156,22 +159,9 @@ def become(req: dict, log_fd: int) -> None:
     os.close(null)
     os.close(log_fd)
     os.closerange(3, 4096)  # what exec with close_fds leaves: nothing of the zygote's
-    spec = req["spec"]
-    try:
-        _load_sandbox().confine(spec)
-    except OSError as e:
-        print(f"harness: cannot set up the container's mounts: {e}", file=sys.stderr, flush=True)
-        os._exit(128)
-    if spec.get("uid") is not None and os.geteuid() == 0:
-        os.setgroups(sorted(set(spec.get("groups") or [])))
-        os.setgid(int(spec["gid"]))
-        os.setuid(int(spec["uid"]))
-    os.umask(0o022)
-    try:
-        os.chdir(spec.get("cwd") or "/")
-    except OSError as e:
-        print(f"harness: cannot start {req['argv'][:1]}: {e}", file=sys.stderr, flush=True)
-        os._exit(128)
+    failed = _load_sandbox().become(req["spec"], [req["program"], *req["argv"]])  # as sandbox.py does before exec
+    if failed is not None:
+        os._exit(failed)
     os.environ.clear()
     os.environ.update(req["env"])
     sys.orig_argv = [req["program"], *(["-m"] if req["kind"] == "module" else []), *req["argv"]]
@@ -268,20 +258,42 @@ class Zygotes:
     started at their first pod and stopped when the process ends. ``SAPD_HARNESS_ZYGOTE=0`` turns them off (every
     pod then starts its interpreter afresh, as before)."""
 
-    LIMIT = 8  # zygotes at most (≈ 0.4 GB each): past it, pods start afresh
+    LIMIT = 8  # zygotes at once (≈ 0.35 GB each): past it, one idle for IDLE_SECONDS goes, or pods start afresh
+    IDLE_SECONDS = 120.0
 
     def __init__(self) -> None:
         self.folder: Path | None = None
         self.servers: dict[tuple, tuple[subprocess.Popen, str] | None] = {}
+        self.forked: dict[tuple, list[ForkedProcess]] = {}  # by zygote: what it forked and may still run
+        self.used: dict[tuple, float] = {}  # by zygote: when it last forked
+        self.started = 0
         atexit.register(self.stop)
+
+    def _retire_idle(self) -> None:
+        """Stop the zygotes that forked nothing for IDLE_SECONDS and whose every child ended (a zygote carries its
+        children's exit statuses: it must outlive them)."""
+        for key, got in list(self.servers.items()):
+            if got is None:
+                continue
+            live = [p for p in self.forked.get(key, []) if p.poll() is None]
+            self.forked[key] = live
+            if not live and time.monotonic() - self.used.get(key, 0.0) > self.IDLE_SECONDS:
+                got[0].kill()
+                got[0].wait()
+                del self.servers[key]
 
     @staticmethod
     def enabled() -> bool:
         return os.environ.get("SAPD_HARNESS_ZYGOTE", "1") != "0"
 
+    @staticmethod
+    def key(python: str, env: dict[str, str]) -> tuple:
+        """Which zygote serves a pod: its interpreter and its start-up settings."""
+        return python, tuple(sorted(startup_env(env).items()))
+
     def _server(self, python: str, env: dict[str, str]) -> str | None:
         startup = startup_env(env)
-        key = (python, tuple(sorted(startup.items())))
+        key = self.key(python, env)
         if key in self.servers:
             got = self.servers[key]
             if got is None:  # it could not start: no second try
@@ -290,12 +302,15 @@ class Zygotes:
                 return got[1]
             del self.servers[key]  # gone (killed?): start another
         if len(self.servers) >= self.LIMIT:
+            self._retire_idle()
+        if len(self.servers) >= self.LIMIT:
             return None
         if self.folder is None:
             self.folder = Path(tempfile.mkdtemp(prefix="sapd-zygotes-"))
-        sock = str(self.folder / f"z{len(self.servers)}.sock")
+        n, self.started = self.started, self.started + 1
+        sock = str(self.folder / f"z{n}.sock")
         home = str(self.folder / "no-home")  # not a folder: nothing is read from the zygote's HOME
-        with open(self.folder / f"z{len(self.servers)}.log", "wb") as err:
+        with open(self.folder / f"z{n}.log", "wb") as err:
             proc = subprocess.Popen([python, __file__, sock], env={**startup, "HOME": home}, cwd=self.folder,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err)
         assert proc.stdout is not None
@@ -311,8 +326,10 @@ class Zygotes:
         the kubelet then starts it afresh)."""
         cmd = pod_command(argv, env) if self.enabled() else None
         sock = self._server(cmd["python"], env) if cmd else None
-        if sock is None:
+        if sock is None or cmd is None:
             return None
+        key = self.key(cmd["python"], env)
+        self.used[key] = time.monotonic()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             conn.connect(sock)
@@ -326,7 +343,9 @@ class Zygotes:
         if not msg.startswith(b"pid "):
             conn.close()
             raise OSError(f"the harness's zygote for {cmd['python']} did not start it (answered {msg!r})")
-        return ForkedProcess(conn, int(msg.split()[1]), argv)
+        child = ForkedProcess(conn, int(msg.split()[1]), argv)
+        self.forked.setdefault(key, []).append(child)
+        return child
 
     def stop(self) -> None:
         for got in self.servers.values():
