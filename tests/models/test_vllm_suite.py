@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,10 +36,16 @@ def test_the_vllm_backends_tests_pass_in_the_vllm_environment(tmp_path):
                     "builds it")
     # not this test process's pytest settings (its xdist worker name, its current test): the run is its own
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    # vLLM leaves its engines' ZeroMQ sockets in TMPDIR (≈ 1000 a run): a folder of the run's own, removed after
+    # it, short enough for a Unix socket's path (at most 107 bytes)
+    scratch = tempfile.mkdtemp(prefix="sapd-vllm-tests-")
     log = tmp_path / "vllm-tests.log"
-    with log.open("w") as out:
-        rc = subprocess.run([str(VLLM_PYTHON), *COMMAND], cwd=REPO, env=env, stdout=out,
-                            stderr=subprocess.STDOUT, timeout=1800).returncode
+    try:
+        with log.open("w") as out:
+            rc = subprocess.run([str(VLLM_PYTHON), *COMMAND], cwd=REPO, env={**env, "TMPDIR": scratch}, stdout=out,
+                                stderr=subprocess.STDOUT, timeout=1800).returncode
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     text = log.read_text(errors="replace")
     summary = text.strip().splitlines()[-1] if text.strip() else ""
     tail = "\n".join(text.splitlines()[-150:])
