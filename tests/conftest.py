@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import socket
@@ -433,12 +432,6 @@ def pytest_runtest_protocol(item, nextitem):
     row["tests"] += 1
 
 
-def recorded_walls(readme: Path = Path(__file__).parent / "README.md") -> dict[str, float]:
-    """Each test file's wall seconds in the durations table of tests/README.md (``make test-durations`` writes it)."""
-    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| `([^`]+)` \| \d+ \| ([\d.]+) \|", text, re.M)}
-
-
 # files that must not run beside one another: each runs a cluster of pods that wants both cores (two side by side
 # contended, and a test among them failed, when this order was first tried without this rule)
 APART = ("tests/cluster/test_journeys",)
@@ -479,6 +472,7 @@ def longest_first(items: list, walls: dict[str, float]) -> list:
 
 
 def pytest_collection_modifyitems(session, config, items):
+    from scripts.test_durations import recorded_walls  # the durations table of tests/README.md, which it writes
     items[:] = longest_first(items, recorded_walls())
 
 

@@ -223,7 +223,8 @@ def test_the_files_go_out_longest_first_by_the_durations_table():
     the table's wall seconds; ``--no-loadscope-reorder`` in the Makefile keeps that order): a file's own tests keep
     their order, a file without a row goes first, the table's rows are read as numbers, and two cluster journeys
     are kept apart where the simulated run allows it."""
-    from tests.conftest import file_order, longest_first, recorded_walls
+    from scripts.test_durations import recorded_walls
+    from tests.conftest import file_order, longest_first
     walls = recorded_walls()
     assert walls["tests/cluster/test_journeys.py"] > walls["tests/run/test_check.py"] > 0
     assert "--no-loadscope-reorder" in (REPO / "Makefile").read_text()

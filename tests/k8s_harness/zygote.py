@@ -1,7 +1,7 @@
 """A warm start for the harness's Python pods: one process per image environment that has imported torch (and the
-other heavy libraries every stage imports: numpy, pyarrow, boto3, safetensors, jinja2, tokenizers) and forks a
-pod's process from there, instead of each pod importing them afresh (≈ 3.5 s of CPU per pod on CI's cores,
-measured: ``import torch`` alone 3.0 s user + 0.6 s system).
+other heavy libraries the stages import, :data:`PRELOAD`) and forks a pod's process from there, instead of each pod
+importing them afresh (≈ 2–4 s of CPU per pod on a loaded 2-core machine; ``import torch`` alone took 3.0 s user +
+0.6 s system there).
 
     python zygote.py SOCKET     # started by the kubelet (``Zygotes``), one per environment and start-up settings
 
@@ -15,8 +15,8 @@ signal N, as ``Popen.returncode``) over the pod's connection.
 
 What the imported libraries read from the environment at import time is the zygote's, so a zygote serves only
 pods whose start-up settings are its own (:data:`STARTUP_VARS`: ``PATH``, ``PYTHON*``, thread counts, locale,
-``TORCH*``); Hugging Face's libraries, which read their cache folders from the environment at import time, are
-not preloaded. The random generators are seeded afresh in each child (a fresh interpreter seeds them from the
+``TORCH*``, but not what is read when used: :data:`READ_WHEN_USED`); Hugging Face's libraries, which read their
+cache folders from the environment at import time, are not preloaded. The random generators are seeded afresh in each child (a fresh interpreter seeds them from the
 OS).
 """
 
@@ -36,9 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
-# botocore is not preloaded either: it keeps folders under HOME from its import (~/.aws/…)
-# Then the parts of torch and the third-party modules transformers imports (measured with -X importtime: after the
-# first line, a stage pod's imports took 3.2 s of which transformers' own modules 1.2 s).
+# What every stage imports, then the parts of torch and the third-party modules transformers imports (measured with
+# -X importtime: after the first line, a stage pod's imports took 3.2 s, transformers' own modules 1.2 s of it).
+# Not Hugging Face's libraries (see above), nor botocore: it keeps folders under HOME from its import (~/.aws/…).
 PRELOAD = ("torch", "numpy", "yaml", "pyarrow", "pyarrow.parquet", "safetensors.torch", "jinja2", "tokenizers",
            "sympy", "torch._dynamo", "torch._functorch._aot_autograd", "torch.distributed.tensor",
            "torch.distributed.fsdp", "torch.distributed._functional_collectives", "torch._inductor.config",
@@ -149,7 +149,7 @@ def serve(path: str):
             os._exit(0)
 
 
-def become(req: dict, log_fd: int) -> None:
+def become(req: dict, log_fd: int, sandbox) -> None:
     """In the child: the container's process (see the module docstring), up to running its command."""
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
@@ -159,7 +159,7 @@ def become(req: dict, log_fd: int) -> None:
     os.close(null)
     os.close(log_fd)
     os.closerange(3, 4096)  # what exec with close_fds leaves: nothing of the zygote's
-    failed = _load_sandbox().become(req["spec"], [req["program"], *req["argv"]])  # as sandbox.py does before exec
+    failed = sandbox.become(req["spec"], [req["program"], *req["argv"]])  # as sandbox.py does before exec
     if failed is not None:
         os._exit(failed)
     os.environ.clear()
@@ -291,9 +291,9 @@ class Zygotes:
         """Which zygote serves a pod: its interpreter and its start-up settings."""
         return python, tuple(sorted(startup_env(env).items()))
 
-    def _server(self, python: str, env: dict[str, str]) -> str | None:
-        startup = startup_env(env)
-        key = self.key(python, env)
+    def _server(self, key: tuple) -> str | None:
+        """The socket of the zygote for ``key`` (:meth:`key`), started if need be; None if none can serve."""
+        python, startup = key[0], dict(key[1])
         if key in self.servers:
             got = self.servers[key]
             if got is None:  # it could not start: no second try
@@ -325,10 +325,12 @@ class Zygotes:
         """Fork the container's process from a zygote (None: not a command a zygote runs, or none could start;
         the kubelet then starts it afresh)."""
         cmd = pod_command(argv, env) if self.enabled() else None
-        sock = self._server(cmd["python"], env) if cmd else None
-        if sock is None or cmd is None:
+        if cmd is None:
             return None
         key = self.key(cmd["python"], env)
+        sock = self._server(key)
+        if sock is None:
+            return None
         self.used[key] = time.monotonic()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -366,8 +368,9 @@ def main() -> None:
             importlib.import_module(name)
         except ImportError:  # an environment without it: its pods import it (or not) themselves
             pass
+    sandbox = _load_sandbox()  # once, for every child
     req, log_fd = serve(sys.argv[1])
-    become(req, log_fd)
+    become(req, log_fd, sandbox)
     run(req)
 
 
