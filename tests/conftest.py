@@ -342,10 +342,41 @@ def s3_storage(s3_server: S3Server) -> Iterator[str]:
 # Prometheus + Pushgateway (Debian's binaries)
 
 
+# Ports a test names before something listens there (a chart's rendezvous and metrics ports, a server started
+# later, an address where nothing should answer) come from 10000–14999, below Linux's ephemeral range
+# (32768+): there the kernel hands out the listening ports of gloo's connections and the source ports of every
+# outgoing connection, so a port taken with bind(0) and released can be in another process's hands by the time
+# a pod binds it or a probe dials it (a chart's ports are chosen minutes before its train pods start; two
+# two-rank trainings on the two xdist processes once failed together in CI, a rank aborted in each, with no
+# log left to say why). Each xdist process takes its own slice and walks it, so no two tests of a run are handed
+# one port while the first may still use it.
+_PORTS = (10000, 15000)  # below _pick_ports's 15000–31999 (SeaweedFS's HTTP ports and their gRPC ports)
+_port_cursor: list[int] = []
+
+
+def _port_slice() -> tuple[int, int]:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    width = (_PORTS[1] - _PORTS[0]) // count
+    return _PORTS[0] + index % count * width, _PORTS[0] + (index % count + 1) * width
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, outside the ephemeral range, not handed out before by this process."""
+    lo, hi = _port_slice()
+    if not _port_cursor:  # a process of its own (a script a test starts) begins elsewhere in the slice
+        _port_cursor.append(lo + random.randrange(hi - lo))
+    for _ in range(hi - lo):
+        port = _port_cursor[0]
+        _port_cursor[0] = lo + (port + 1 - lo) % (hi - lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {lo}–{hi - 1}")
 
 
 def get_url(url: str, timeout: float = 5.0) -> str:

@@ -23,6 +23,28 @@ def cpu_ranks_env() -> dict[str, str]:
                 "TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
 
 
+_WHY = ("terminate called", "what():", "Fatal Python error", "Error", "error:", "Exception", "Killed", "Aborted",
+        "exitcode", "Signal ")
+
+
+def ranks_failed(proc: subprocess.CompletedProcess, limit: int = 6000) -> str:
+    """What a failed multi-rank run printed, for an assertion message: its last ``limit`` characters without
+    torchrun's own traceback (its Root Cause block stays), then once more the lines that say why (a C++
+    ``terminate … what()``, a fatal Python error, an exception, the ranks' exit signals) — last, where a CI
+    log cut to its tail still shows them (a rank that aborted in CI left only torchrun's traceback there)."""
+    text = (proc.stdout or "") + (proc.stderr or "")
+    lines = text.splitlines()
+    out = lines
+    end = max((i for i, ln in enumerate(lines) if ln.startswith("torch.distributed.elastic.multiprocessing.errors."
+                                                                 "ChildFailedError")), default=None)
+    if end is not None:  # the agent's own stack (how torchrun raised, not why a rank died) goes
+        start = max((i for i, ln in enumerate(lines[:end]) if ln.startswith("Traceback (most recent call last)")),
+                    default=end)
+        out = lines[:start] + lines[end + 1:]
+    why = [ln.strip() for ln in out if any(w in ln for w in _WHY)][-12:]
+    return "\n".join(out)[-limit:] + "\n-- why, as the ranks and torchrun said it --\n" + "\n".join(why)
+
+
 def ranks_command(args: list[str], ranks: int, torchrun: bool | None = None) -> list[str]:
     """``python ARGS`` as one plain process, or under torchrun as ``ranks`` processes (a free port on
     127.0.0.1); ``torchrun`` (default: more than one rank) forces the choice."""
@@ -40,7 +62,7 @@ def run_rank_worker(script: str, jobs: list[dict], out: Path, ranks: int, torchr
     import subprocess
     cmd = ranks_command([str(REPO / "tests" / script), json.dumps(jobs), str(out)], ranks, torchrun)
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_ranks_env(), capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, ranks_failed(proc)
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(ranks)]
 
 

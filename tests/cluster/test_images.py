@@ -257,7 +257,7 @@ def test_the_cpu_image_ships_the_deepspeed_op_its_training_uses(tmp_path):
 
     from sapd.config import config_from_dict
     from sapd.run.local import run_pipeline
-    from tests.pipeline_util import make_models, tiny_config
+    from tests.pipeline_util import make_models, ranks_failed, tiny_config
     python = CPU_ENV / "bin" / "python"
     assert (CPU_ENV / ".sapd-image-env").is_file(), f"{CPU_ENV} is not built: make image-venvs"
     env, calls = no_compilers(tmp_path)
@@ -296,7 +296,7 @@ def test_the_cpu_image_ships_the_deepspeed_op_its_training_uses(tmp_path):
                           "--master-port", port, "-m", "sapd.cli", "train-round", str(cfg), "--round", "0",
                           "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-5000:]
+    assert run.returncode == 0, ranks_failed(run)
     assert "checkpoint 1 committed" in out and f"DeepSpeed deepspeed.ops.comm.{SHM_OP}_op built successfully" in out
     assert builds(calls) == []  # no compiler was called to build anything …
     assert list((tmp_path / "torch_extensions").iterdir()) == []  # … and nothing was built just in time

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -31,6 +30,7 @@ import yaml
 from tests.conftest import debian_binary, free_port, get_url, wait_http
 from tests.journey_util import NODE_CACHE, NS, checkpoint_weights, journey_cluster, upload_models, user_s3
 from tests.k8s_harness import Cluster
+from tests.k8s_harness.kubelet import warm_pod_ops
 from tests.k8s_harness.prometheus import TargetWriter, prometheus_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -499,10 +499,10 @@ CPU_TEXTWORLD = [  # the TextWorld overlay (GPU pools, the gpu and eval images) 
     "config.train.micro_batch_prefixes=1", "config.train.zero_stage=1", "train.parallelism=2", "train.procsPerPod=1",
     *(f"{job}.resources.{b}.nvidia\\.com/gpu=null" for job in ("teacherScores", "train", "evaluate")
       for b in ("requests", "limits")),
-    # DeepSpeed on CPU: its gloo accelerator, and its one JIT op built once per node (the node cache)
+    # DeepSpeed on CPU: its gloo accelerator (its one JIT op, which the gpu image lacks, built before the pods
+    # start into the folder the harness gives the image's pods: warm_pod_ops)
     "train.extraEnv[0].name=DS_ACCELERATOR", "train.extraEnv[0].value=cpu",
-    "train.extraEnv[1].name=TORCH_EXTENSIONS_DIR", "train.extraEnv[1].value=/cache/torch_extensions",
-    "train.extraEnv[2].name=OMP_NUM_THREADS", "train.extraEnv[2].value=1",
+    "train.extraEnv[1].name=OMP_NUM_THREADS", "train.extraEnv[1].value=1",
     "evaluate.args={--families,simple,--games-per-family,1,--horizon,8}",
 ]
 
@@ -518,10 +518,9 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
     from sapd import layout, storage
     from sapd.data import shards
     t0 = time.monotonic()
-    ext = REPO / ".cache" / "torch_extensions"  # a warm node: DeepSpeed's op already built (tests/engines/test_deepspeed.py)
-    if ext.is_dir() and not (cluster.host_path(NODE_CACHE) / "torch_extensions").exists():
-        shutil.copytree(ext, cluster.host_path(NODE_CACHE) / "torch_extensions")
-        cluster.host_path(NODE_CACHE, owner=(1000, 1000))
+    op = warm_pod_ops("gpu") / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"  # DeepSpeed's CPU op for the gpu
+    built = op.stat().st_mtime_ns  # image's train pods, built once per checkout
+    cluster.host_path(NODE_CACHE, owner=(1000, 1000))
     rel_name, cron = "sapd-tw", "sapd-tw-evaluate-cron"
     sets = user_sets(inputs, monitoring, rel_name, *CPU_TEXTWORLD, "mode=manual", "round=0", "manual.pollSeconds=1",
                      "buildPrefixes.enabled=false")
@@ -559,6 +558,7 @@ def test_textworld_overlay_in_manual_mode_two_train_pods_and_the_cronjob(cluster
     assert shards.read_manifest(layout.scored_dir(root, 0))["workers"] == 2  # committed by the last worker
     rank0 = next(p for p in train_pods if p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] == "0")
     assert "round 0: checkpoint 1 committed" in cluster.logs(rank0["metadata"]["name"])
+    assert op.stat().st_mtime_ns == built  # the train pods loaded the op built before them: they compiled nothing
 
     # checkpoint 1: evaluated by its gate's evaluation Job, then skipped by the CronJob
     assert cluster.wait_job(gates["evaluate-r1"], 900) == "Complete", cluster.describe()

@@ -27,6 +27,7 @@ import yaml
 
 from tests.conftest import free_port, torch_extensions_dir
 from tests.journey_util import NODE_CACHE, NS, checkpoint_weights, journey_cluster, user_s3
+from tests.k8s_harness.kubelet import warm_pod_ops
 from tests.tokenizer_util import SAMPLE_DATA, build_test_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,8 +65,7 @@ def _sets(prefix: str, release: str, endpoint: str) -> list[str]:
             *(f"{job}.resources.{b}.nvidia\\.com/gpu=null" for job in ("teacherScores", "train", "evaluate")
               for b in ("requests", "limits")),
             "train.extraEnv[0].name=DS_ACCELERATOR", "train.extraEnv[0].value=cpu",
-            "train.extraEnv[1].name=TORCH_EXTENSIONS_DIR", "train.extraEnv[1].value=/cache/torch_extensions",
-            "train.extraEnv[2].name=OMP_NUM_THREADS", "train.extraEnv[2].value=1",
+            "train.extraEnv[1].name=OMP_NUM_THREADS", "train.extraEnv[1].value=1",
             "teacherScores.extraEnv[0].name=VLLM_CPU_KVCACHE_SPACE", "teacherScores.extraEnv[0].value=1"]
 
 
@@ -77,10 +77,7 @@ def test_the_charts_defaults_on_a_cpu_train_three_rounds_through_a_kill_to_sapd_
         storage.write_bytes(f"{prefix}/data/alfworld_eto.json", (SAMPLE_DATA / "alfworld_eto.json").read_bytes())
         _upload_models(tmp_path / "models", prefix)
     with journey_cluster(tmp_path / "cluster", s3_server) as cluster:
-        ext = REPO / ".cache" / "torch_extensions"  # a warm node: DeepSpeed's CPU op built once
-        if ext.is_dir():
-            import shutil
-            shutil.copytree(ext, cluster.host_path(NODE_CACHE) / "torch_extensions")
+        warm_pod_ops("gpu")  # DeepSpeed's CPU op for the gpu image's train pods, built once per checkout
         cluster.host_path(NODE_CACHE, owner=(1000, 1000))
         rel = cluster.helm.install("sapd-defaults", CHART, set_values=_sets(prefix, "sapd-defaults", s3_server.endpoint_url))
         root = rel.values["runRoot"]

@@ -21,7 +21,7 @@ from sapd.config import config_from_dict  # noqa: E402
 from sapd.run.local import run_pipeline  # noqa: E402
 from sapd.run.report import read_step_log  # noqa: E402
 from tests.conftest import free_port
-from tests.pipeline_util import make_models, tiny_config  # noqa: E402
+from tests.pipeline_util import make_models, ranks_failed, tiny_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = dict(log=lambda s: None, show_progress=False)
@@ -43,7 +43,7 @@ def _train_round(cfg_path: Path, k: int) -> tuple[str, float]:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
+    assert proc.returncode == 0, ranks_failed(proc)
     return out, time.perf_counter() - t0
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from tests.pipeline_util import make_models
+from tests.pipeline_util import make_models, ranks_failed
 
 pytest.importorskip("deepspeed")
 
@@ -31,7 +31,7 @@ def test_head_only_logits_under_zero_match_full_logits(tmp_path, zero_stage):
            "--master_port", port, "tests/head_only_ds_worker.py", student, teacher, str(zero_stage),
            str(tmp_path / "run"), str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, ranks_failed(proc)
     for rank in (0, 1):
         r = json.loads(Path(f"{out}.rank{rank}.json").read_text())
         print(f"\nZeRO-{zero_stage} rank {rank}: {json.dumps({k: v for k, v in r.items() if k != 'shapes'})}")

@@ -260,3 +260,53 @@ def test_the_durations_table_is_made_from_the_recorded_files(tmp_path, monkeypat
     assert rows == ["| `tests/b/test_y.py` | 4 | 9.0 | 8.0 |", "| `tests/a/test_x.py` | 3 | 3.0 | 4.0 |"]
     assert "7 tests, 12 s of wall time summed over the files and 12 CPU seconds" in text
     assert test_durations.main([str(tmp_path / "d")]) == 0 and readme.read_text() == text  # replaced, not appended
+
+
+def test_the_suite_names_ports_outside_the_ephemeral_range_one_slice_per_process(monkeypatch):
+    """tests/conftest.py ``free_port``: a port a test names before anything listens there is below the kernel's
+    ephemeral range (where gloo's ranks listen and outgoing connections take their source ports, so a released
+    bind(0) port could be another process's by the time a pod binds it), free when handed out, never handed out
+    twice by one process, and the two xdist processes draw from disjoint slices."""
+    import socket
+
+    from tests import conftest
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    seen: dict[str, list[int]] = {}
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        monkeypatch.setattr(conftest, "_port_cursor", [])
+        ports = seen[worker] = [conftest.free_port() for _ in range(50)]
+        assert len(set(ports)) == 50 and all(10000 <= p < low for p in ports), ports
+        lo, hi = conftest._port_slice()
+        assert all(lo <= p < hi for p in ports)
+    assert not set(seen["gw0"]) & set(seen["gw1"])
+    assert max(seen["gw0"]) < 12500 <= min(seen["gw1"])
+    with socket.socket() as held:  # a port something listens on is passed over: a slice of it alone has none
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(conftest, "_port_slice", lambda: (taken, taken + 1))
+        monkeypatch.setattr(conftest, "_port_cursor", [])
+        with pytest.raises(RuntimeError, match=f"no free port in {taken}"):
+            conftest.free_port()
+
+
+def test_a_failed_multi_rank_run_says_why_last():
+    """tests/pipeline_util.py ``ranks_failed``: torchrun's own stack is left out (its Root Cause block stays), a
+    rank's traceback stays, and the lines saying why (a C++ terminate, the exit signal) come again at the end."""
+    import subprocess
+
+    from tests.pipeline_util import ranks_failed
+    rank = ("step 3\nTraceback (most recent call last):\n  File \"train.py\", line 9\nValueError: bad shape\n"
+            "terminate called after throwing an instance of 'gloo::IoException'\n  what():  Connection reset\n")
+    agent = ("Traceback (most recent call last):\n  File \"run.py\", line 1028, in main\n    raise ChildFailedError(\n"
+             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n=====\nsapd.jobs.train FAILED\n"
+             "Root Cause (first observed failure):\n  exitcode  : -6 (pid: 7)  (SIGABRT)\n"
+             "  traceback : Signal 6 (SIGABRT) received by PID 7\n=====\n")
+    text = ranks_failed(subprocess.CompletedProcess([], 1, "x" * 50, rank + agent))
+    assert "ValueError: bad shape" in text and "run.py" not in text and "raise ChildFailedError" not in text
+    body, why = text.split("-- why, as the ranks and torchrun said it --\n")
+    assert "Root Cause" in body and why.splitlines() == [
+        "ValueError: bad shape", "terminate called after throwing an instance of 'gloo::IoException'",
+        "what():  Connection reset", "exitcode  : -6 (pid: 7)  (SIGABRT)", "traceback : Signal 6 (SIGABRT) received by PID 7"]

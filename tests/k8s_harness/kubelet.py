@@ -33,7 +33,8 @@ What a container gets, and how it differs from a real node (each difference is d
   alike: ``PATH`` (the target's environment first: ``python``, ``torchrun``), ``PYTHONPATH``,
   ``HOSTNAME``, ``HOME`` when the pod sets none (the image user's home on the root filesystem),
   ``TORCH_EXTENSIONS_DIR`` when the pod sets none (one folder per image target, shared by the pods of
-  every harness cluster: the image's prebuilt torch extensions, :func:`pod_torch_extensions_dir`),
+  every harness cluster: the image's prebuilt torch extensions, :func:`pod_torch_extensions_dir`, where
+  :func:`warm_pod_ops` builds DeepSpeed's CPU op before a test's train pods of an image without it start),
   ``KUBECONFIG`` — a kubeconfig naming the harness's API server, its CA and, when a token would be
   mounted (``automountServiceAccountToken`` not false), the pod's ServiceAccount token — and
   ``SAPD_HARNESS_CONTAINER``, a marker every process of the container inherits: what the container's
@@ -82,6 +83,7 @@ What a container gets, and how it differs from a real node (each difference is d
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import math
 import os
@@ -766,6 +768,39 @@ def pod_torch_extensions_dir(target: str) -> Path:
     d = REPO / ".cache" / "torch_extensions" / f"pods-{target}"
     d.mkdir(parents=True, exist_ok=True)
     d.chmod(0o777)
+    return d
+
+
+STALE_LOCK_SECONDS = 600  # a JIT build takes minutes; a lock older than this was left by a killed pod
+
+
+def warm_pod_ops(target: str) -> Path:
+    """Build DeepSpeed's CPU communication op into :func:`pod_torch_extensions_dir` for image ``target`` before
+    its pods need it (once per checkout: the folder is kept in ``.cache``; here a check of seconds), so no pod
+    compiles it (≈ 2 CPU minutes, 1.5 GB per compiler) and no pod killed mid-build leaves torch's lock file
+    behind for the pods after it. The xdist processes take turns (a lock beside the folder); a torch lock file
+    older than :data:`STALE_LOCK_SECONDS` is a killed builder's and is removed first."""
+    import fcntl
+    d = pod_torch_extensions_dir(target)
+    python = image_env(target) / "bin" / "python"
+    with open(d.parent / f"pods-{target}.lock", "w") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        for lock in d.glob("*/lock"):
+            if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+                lock.unlink(missing_ok=True)
+        # PATH as the pods have it: the image environment's ninja (1.13) first; /usr/bin's (1.11) hashes the
+        # commands in its log another way, and the pods' ninja then rebuilt everything
+        env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(d), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(REPO), "PATH": os.pathsep.join([str(python.parent), os.environ.get("PATH", "")])}
+        proc = subprocess.run([str(python), "-c", "from deepspeed.comm.torch import build_shm_op; "
+                               "assert build_shm_op() is not None"], env=env, capture_output=True, text=True,
+                              timeout=900)
+        if proc.returncode:
+            raise RuntimeError(f"building DeepSpeed's CPU op for image {target} into {d} failed:\n"
+                               f"{(proc.stdout + proc.stderr)[-3000:]}")
+        for p in d.rglob("*"):  # the pods' user builds nothing, but torch takes its lock file here on load
+            with contextlib.suppress(OSError):
+                p.chmod(0o777 if p.is_dir() else 0o666 | (p.stat().st_mode & 0o111))
     return d
 
 

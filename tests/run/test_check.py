@@ -172,11 +172,11 @@ def test_webshop_is_bring_your_own_server_probed_in_seconds(tmp_path, models, mo
     """`SAPD_WEBSHOP_URL=… sapd check run.yaml` for a WebShop run: the server's instruction page answers → ok;
     nothing listening → one FAILED line within seconds and exit 75 (retry later); a server that is not
     WebShop, or a malformed URL → exit 2 (fix the URL)."""
-    import socket
     import threading
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+    from tests.conftest import free_port
     from tests.envs.test_alfworld_webshop import _records, _site
     first_page = _site(_records("webshop_eto.json")[0])[("init", "")]  # a recorded goal's instruction page
 
@@ -211,9 +211,7 @@ def test_webshop_is_bring_your_own_server_probed_in_seconds(tmp_path, models, mo
     try:
         code, lines, _ = check(url)
         assert code == EXIT_OK and lines == [f"check webshop: ok ({url} answers with WebShop's instruction page)"]
-        with socket.socket() as s:  # a port nothing listens on
-            s.bind(("127.0.0.1", 0))
-            dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        dead = f"http://127.0.0.1:{free_port()}"  # a port nothing listens on (nor will: not an ephemeral one)
         code, lines, seconds = check(dead)
         assert code == EXIT_UNAVAILABLE and len(lines) == 1 and seconds < 30, (lines, seconds)
         assert lines[0].startswith(f"check webshop: FAILED: {dead} is unreachable (") and "evaluate.webshop.url" in lines[0]

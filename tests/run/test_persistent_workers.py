@@ -26,7 +26,7 @@ from sapd.run import plan
 from sapd.run.local import STAGES, run_pipeline
 from sapd.run.plan import InputNotCommitted, wait_for_input
 from sapd.stages.context import Engines, StageContext, Startup, Step, process_started_at, run_stage
-from tests.pipeline_util import make_models, tiny_config, wait_together
+from tests.pipeline_util import make_models, ranks_failed, tiny_config, wait_together
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -422,7 +422,7 @@ def test_a_kept_deepspeed_trainer_on_two_ranks_ends_where_per_round_trainers_do(
                                "127.0.0.1", "--master_port", port, "-m", "sapd.jobs.train", "--config", str(config),
                                "--no-progress", "--no-check", *args], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=900)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+        assert proc.returncode == 0, ranks_failed(proc)
         return proc.stdout
     for k in (0, 1):
         torchrun(roots["per-round"][1], "--round", str(k))

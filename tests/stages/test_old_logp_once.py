@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from tests.pipeline_util import make_models
+from tests.pipeline_util import make_models, ranks_failed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def test_old_logprobs_once_per_round_on_two_ranks(tmp_path):
            "--master_port", port, "tests/old_logp_worker.py", student, teacher, str(tmp_path / "run"), str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, ranks_failed(proc)
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
     # 3 micro-batches over 2 ranks: 2 forward passes each (rank 1's second is the dropped repeat), against
     # 3 per rank (6 in all) when every rank computes the whole round

@@ -33,7 +33,7 @@ from sapd.config import config_from_dict
 from sapd.models.loading import DownloadLock, FetchStalled, ModelCacheLockError, fetch_once
 from sapd.run.local import run_pipeline
 from tests.conftest import free_port
-from tests.pipeline_util import make_models, tiny_config
+from tests.pipeline_util import make_models, ranks_failed, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -288,7 +288,7 @@ def _pod_round(s3, cfg_path: Path, k: int, cache: Path, out: Path, per_rank_cach
            "--master_port", port, "tests/fetch_worker.py", "cli", str(out), "train-round", str(cfg_path), "--round",
            str(k), "--no-progress"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert proc.returncode == 0, ranks_failed(proc)
     return sum(json.loads(Path(f"{out}.rank{r}.json").read_text())["s3_read_bytes"] for r in range(2))
 
 

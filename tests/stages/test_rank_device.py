@@ -17,7 +17,7 @@ import pytest
 from sapd.config import ConfigError, config_from_dict
 from sapd.models.devices import rank_device
 from tests.conftest import free_port
-from tests.pipeline_util import make_models, tiny_config
+from tests.pipeline_util import make_models, ranks_failed, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_two_ranks_each_load_onto_their_own_gpu(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", port, "tests/rank_device_worker.py", str(config), str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, ranks_failed(proc)
     for r in (0, 1):
         rank = json.loads(Path(f"{out}.rank{r}.json").read_text())
         assert rank["local_rank"] == r

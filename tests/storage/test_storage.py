@@ -6,7 +6,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -447,10 +446,8 @@ def test_unreachable_server(s3_config_guard: None, retries: Any) -> None:
     until" line meanwhile), then StorageUnavailable (exit 75) naming the endpoint and the object."""
     lines: list[str] = []
     retries(3.0, log=lines.append)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # closed again before use: nothing listens there
-    endpoint = f"http://127.0.0.1:{port}"
+    from tests.conftest import free_port
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there (nor will: not an ephemeral port)
     storage.configure_s3(endpoint, "id", "secret")
     started = time.monotonic()
     with pytest.raises(StorageUnavailable, match="unreachable") as info:
