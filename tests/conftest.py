@@ -357,9 +357,9 @@ _port_cursor: list[int] = []
 def _port_slice() -> tuple[int, int]:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
-    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    index = (int(worker[2:]) if worker[2:].isdigit() else 0) % count
     width = (_PORTS[1] - _PORTS[0]) // count
-    return _PORTS[0] + index % count * width, _PORTS[0] + (index % count + 1) * width
+    return _PORTS[0] + index * width, _PORTS[0] + (index + 1) * width
 
 
 def free_port() -> int:

@@ -27,6 +27,13 @@ _WHY = ("terminate called", "what():", "Fatal Python error", "Error", "error:", 
         "exitcode", "Signal ")
 
 
+def why_lines(text: str | list[str], last: int) -> list[str]:
+    """The last ``last`` lines of ``text`` that say why a process ended (a C++ ``terminate … what()``, a fatal
+    Python error, an exception, an exit signal), stripped: what a failure message repeats at its end."""
+    lines = text.splitlines() if isinstance(text, str) else text
+    return [ln.strip() for ln in lines if any(w in ln for w in _WHY)][-last:]
+
+
 def ranks_failed(proc: subprocess.CompletedProcess, limit: int = 6000) -> str:
     """What a failed multi-rank run printed, for an assertion message: its last ``limit`` characters without
     torchrun's own traceback (its Root Cause block stays), then once more the lines that say why (a C++
@@ -41,8 +48,7 @@ def ranks_failed(proc: subprocess.CompletedProcess, limit: int = 6000) -> str:
         start = max((i for i, ln in enumerate(lines[:end]) if ln.startswith("Traceback (most recent call last)")),
                     default=end)
         out = lines[:start] + lines[end + 1:]
-    why = [ln.strip() for ln in out if any(w in ln for w in _WHY)][-12:]
-    return "\n".join(out)[-limit:] + "\n-- why, as the ranks and torchrun said it --\n" + "\n".join(why)
+    return "\n".join(out)[-limit:] + "\n-- why, as the ranks and torchrun said it --\n" + "\n".join(why_lines(out, 12))
 
 
 def ranks_command(args: list[str], ranks: int, torchrun: bool | None = None) -> list[str]:

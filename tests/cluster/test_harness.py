@@ -649,3 +649,19 @@ def test_a_write_that_changes_nothing_is_no_change_and_the_controllers_sleep_thr
         assert cluster.wait_job("wake", 60) == "Complete"
     finally:
         cluster.store.list = real_list  # type: ignore[method-assign]
+
+
+def test_a_failed_clusters_description_ends_with_why_each_failed_pod_ended():
+    """``Cluster.describe()`` (a failed journey's message) ends with the lines of each failed pod's log that say
+    why it ended, where a CI log cut to its tail still shows them; a pod that succeeded adds none."""
+    from types import SimpleNamespace
+
+    pods = [{"metadata": {"name": "train-1"}, "status": {"phase": "Failed"}},
+            {"metadata": {"name": "train-0"}, "status": {"phase": "Succeeded"}}]
+    logs = {"train-1": "step 3\nterminate called after throwing an instance of 'gloo::IoException'\n  what():  reset\nbye",
+            "train-0": "ValueError: not shown"}
+    fake = SimpleNamespace(namespace="sapd", get_jobs_table=lambda: "JOBS", errors=[], logs=logs.__getitem__,
+                           store=SimpleNamespace(list=lambda kind, ns: pods, events=[]))
+    assert Cluster.describe(fake).splitlines()[-2:] == [  # type: ignore[arg-type]
+        "why train-1 failed: terminate called after throwing an instance of 'gloo::IoException'",
+        "why train-1 failed: what():  reset"]

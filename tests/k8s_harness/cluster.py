@@ -259,12 +259,11 @@ class Cluster:
         out += [f"event {e['kind']} {e['name']}: {e['reason']}: {e['message']}" for e in self.store.events[-20:]]
         out += [f"controller error: {e}" for e in self.errors[-3:]]
         # last, where a log cut to its tail still shows it: why each failed pod ended, in its own words
-        why = ("terminate called", "what():", "Fatal Python error", "Error", "error:", "Exception", "FAILED",
-               "exitcode", "Signal ")
+        from tests.pipeline_util import why_lines
         for p in self.store.list("Pod", self.namespace):
             if p.get("status", {}).get("phase") == "Failed":
-                said = [ln.strip() for ln in self.logs(p["metadata"]["name"]).splitlines() if any(w in ln for w in why)]
-                out += [f"why {p['metadata']['name']} failed: {ln}" for ln in said[-6:]]
+                name = p["metadata"]["name"]
+                out += [f"why {name} failed: {ln}" for ln in why_lines(self.logs(name), 6)]
         return "\n".join(out)
 
     # -------------------------------------------------------------------------------- waits, faults
